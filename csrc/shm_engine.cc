@@ -1,0 +1,368 @@
+// shm_engine.cc — see shm_engine.h. The protocol, in one place:
+//
+// Every rank runs the same sequence of rounds; round k uses data slot k % slots. Each rank owns
+// three monotonic flags — in (my input for round k is staged / my header is written), red (my
+// reduction for round k is done), out (I have finished reading round k's slots) — and waits on
+// its peers' flags with acquire loads. A slot is reused only once every rank's out flag has
+// passed the round that last used it, so nobody overwrites data a peer still reads.
+//
+// The first round of every call carries each rank's header; after everyone's in flag arrives,
+// every rank compares all headers, so a mismatch is seen by all ranks in the same round and they
+// all return status 1 without touching the data. Headers are double-buffered by round parity:
+// a rank can be at most one header round ahead of the slowest reader (it cannot finish round
+// k+1 before everyone has published in for k+1, which they do only after reading round k).
+//
+// Data paths:
+//  - staged: a call larger than one step is cut into steps; per step each rank copies a block of
+//    its input into its slot (copy-in), reduces its own sub-block across all ranks' slots (so
+//    the reduce-scatter is spread over all ranks), and copies the reduced block out. Blocks are
+//    small enough to stay in cache, so DRAM sees the input once and the output once.
+//  - combined: a call of one step carries its data in the header round (one round trip in all —
+//    this is what keeps small-message latency low).
+//  - zero-copy: when every rank's buffer lives in an mlfabric shared buffer at the same offset,
+//    ranks read their peers' buffers directly; no staging at all.
+#include "shm_engine.h"
+
+#include <sched.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <sstream>
+#include <stdexcept>
+
+namespace mlf {
+namespace {
+
+constexpr size_t kLine = 64;
+constexpr size_t kCtlBytes = 512;         // per rank: 3 flag lines + 2 headers of 16 words
+constexpr size_t kHeaderOffset = 3 * kLine;
+constexpr size_t kZeroCopyTile = 32768;   // bytes per tile: the reduced tile is re-read from L1/L2
+
+struct Timeout : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+size_t slot_bytes_for(int n, size_t block) {
+  // Each rank's sub-block holds at least 16 elements of the widest dtype.
+  return round_up(std::max(block, static_cast<size_t>(n) * 16 * 8), kLine);
+}
+
+const char* kind_name(Kind k) {
+  switch (k) {
+    case Kind::barrier: return "barrier";
+    case Kind::allreduce: return "allreduce";
+    case Kind::reduce: return "reduce";
+    case Kind::reduce_scatter: return "reduce_scatter";
+    case Kind::allgather: return "allgather";
+    case Kind::broadcast: return "broadcast";
+  }
+  return "?";
+}
+
+}  // namespace
+
+size_t ShmEngine::required_bytes(int nranks, size_t block_bytes, int slots) {
+  return kCtlBytes * nranks + slot_bytes_for(nranks, block_bytes) * nranks * slots + kLine;
+}
+
+ShmEngine::ShmEngine(uintptr_t base, size_t bytes, int rank, int nranks, size_t block_bytes,
+                     int slots, double timeout_s)
+    : bytes_(bytes), rank_(rank), n_(nranks), slot_bytes_(slot_bytes_for(nranks, block_bytes)),
+      slots_(slots), timeout_s_(timeout_s) {
+  if (nranks < 1 || rank < 0 || rank >= nranks || slots < 2)
+    throw std::invalid_argument("ShmEngine: bad rank/size/slots");
+  if (bytes < required_bytes(nranks, block_bytes, slots))
+    throw std::invalid_argument("ShmEngine: segment too small");
+  base_ = reinterpret_cast<char*>(round_up(base, kLine));
+  ctl_ = base_;
+  data_ = ctl_ + kCtlBytes * n_;
+}
+
+void ShmEngine::reset_segment() { std::memset(ctl_, 0, kCtlBytes * n_); }
+
+std::atomic<uint64_t>& ShmEngine::flag(int r, Field f) const {
+  return *reinterpret_cast<std::atomic<uint64_t>*>(ctl_ + kCtlBytes * r + kLine * f);
+}
+
+int64_t* ShmEngine::header_slot(int r, uint64_t round) const {
+  return reinterpret_cast<int64_t*>(ctl_ + kCtlBytes * r + kHeaderOffset +
+                                    (round & 1) * kHdrWords * sizeof(int64_t));
+}
+
+char* ShmEngine::slot(uint64_t round, int r) const {
+  return data_ + ((round % slots_) * n_ + r) * slot_bytes_;
+}
+
+void ShmEngine::publish(Field f, uint64_t round) {
+  flag(rank_, f).store(round, std::memory_order_release);
+}
+
+void ShmEngine::wait_all(Field f, uint64_t target, const char* what, int only) {
+  using clock = std::chrono::steady_clock;
+  const auto start = clock::now();
+  uint64_t spins = 0;
+  for (int j = 0; j < n_; ++j) {
+    if (only >= 0 && j != only) continue;
+    auto& a = flag(j, f);
+    while (a.load(std::memory_order_acquire) < target) {
+      // Spin briefly (a peer on another core answers within a microsecond), then yield: ranks
+      // are often oversubscribed, and spinning would starve the peer we wait for.
+      if (++spins < 256) {
+        cpu_relax();
+        continue;
+      }
+      sched_yield();
+      if ((spins & 63) == 0 &&
+          std::chrono::duration<double>(clock::now() - start).count() > timeout_s_) {
+        std::ostringstream os;
+        os << "timed out after " << timeout_s_ << " s in " << what << " waiting for local rank(s)";
+        for (int m = 0; m < n_; ++m)
+          if ((only < 0 || m == only) && flag(m, f).load(std::memory_order_acquire) < target)
+            os << ' ' << m;
+        os << " (round " << target << "): a peer died, hung, or is in a different collective";
+        throw Timeout(os.str());
+      }
+    }
+  }
+}
+
+size_t ShmEngine::sub_elems(const CallArgs& a) const {
+  const size_t isz = dtype_size(a.dtype);
+  if (a.kind == Kind::allgather || a.kind == Kind::broadcast) return slot_bytes_ / isz;
+  return std::max<size_t>(16, slot_bytes_ / (n_ * isz) / 16 * 16);
+}
+
+size_t ShmEngine::num_steps(const CallArgs& a, size_t e) const {
+  size_t longest = 0;
+  switch (a.kind) {
+    case Kind::barrier: return 0;
+    case Kind::allgather:
+    case Kind::broadcast: longest = a.count; break;
+    default:
+      for (size_t len : chunk_len_) longest = std::max(longest, len);
+  }
+  return (longest + e - 1) / e;
+}
+
+void ShmEngine::stage_step(const CallArgs& a, uint64_t k, size_t s, size_t e) {
+  if (k > static_cast<uint64_t>(slots_)) wait_all(kOut, k - slots_, kind_name(a.kind));
+  const size_t isz = dtype_size(a.dtype);
+  char* mine = slot(k, rank_);
+  const size_t lo = s * e;
+  switch (a.kind) {
+    case Kind::allreduce:
+    case Kind::reduce:
+    case Kind::reduce_scatter:
+      for (int q = 0; q < n_; ++q) {
+        if (lo >= chunk_len_[q]) continue;
+        const size_t l = std::min(e, chunk_len_[q] - lo);
+        copy(mine + q * e * isz, a.in + (chunk_off_[q] + lo) * isz, l * isz);
+      }
+      break;
+    case Kind::allgather:
+      if (lo < a.count) copy(mine, a.in + lo * isz, std::min(e, a.count - lo) * isz);
+      break;
+    case Kind::broadcast:
+      if (rank_ == a.root && lo < a.count)
+        copy(mine, a.out + lo * isz, std::min(e, a.count - lo) * isz);
+      break;
+    case Kind::barrier: break;
+  }
+}
+
+void ShmEngine::finish_step(const CallArgs& a, uint64_t k, size_t s, size_t e) {
+  const size_t isz = dtype_size(a.dtype);
+  const size_t lo = s * e;
+  const char* what = kind_name(a.kind);
+  switch (a.kind) {
+    case Kind::allreduce:
+    case Kind::reduce:
+    case Kind::reduce_scatter: {
+      // Reduce my sub-block (chunk rank_) across every rank's slot.
+      char* dst = nullptr;
+      if (lo < chunk_len_[rank_]) {
+        const size_t l = std::min(e, chunk_len_[rank_] - lo);
+        std::vector<const void*> srcs(n_);
+        for (int j = 0; j < n_; ++j) srcs[j] = slot(k, j) + rank_ * e * isz;
+        dst = a.kind == Kind::reduce_scatter ? a.out + lo * isz : slot(k, 0) + rank_ * e * isz;
+        reduce(dst, srcs.data(), n_, l, a.dtype, a.op, a.scale);
+      }
+      publish(kRed, k);
+      const bool copy_out = a.kind == Kind::allreduce || (a.kind == Kind::reduce && rank_ == a.root);
+      if (copy_out) {
+        wait_all(kRed, k, what);
+        for (int q = 0; q < n_; ++q) {
+          if (lo >= chunk_len_[q]) continue;
+          const size_t l = std::min(e, chunk_len_[q] - lo);
+          copy(a.out + (chunk_off_[q] + lo) * isz, slot(k, 0) + q * e * isz, l * isz);
+        }
+      }
+      break;
+    }
+    case Kind::allgather:
+      if (lo < a.count) {
+        const size_t l = std::min(e, a.count - lo);
+        for (int j = 0; j < n_; ++j) copy(a.out + (j * a.count + lo) * isz, slot(k, j), l * isz);
+      }
+      publish(kRed, k);
+      break;
+    case Kind::broadcast:
+      if (rank_ != a.root && lo < a.count)
+        copy(a.out + lo * isz, slot(k, a.root), std::min(e, a.count - lo) * isz);
+      publish(kRed, k);
+      break;
+    case Kind::barrier:
+      publish(kRed, k);
+      break;
+  }
+  publish(kOut, k);
+}
+
+bool ShmEngine::check_headers(uint64_t k, CallResult& res) {
+  const int64_t* h0 = header_slot(0, k);
+  bool same = true, zc_same = true;
+  for (int j = 1; j < n_; ++j) {
+    const int64_t* h = header_slot(j, k);
+    same = same && std::equal(h0, h0 + kHdrCheck, h);
+    zc_same = zc_same && std::equal(h0 + kHdrCheck, h0 + kHdrWords, h + kHdrCheck);
+  }
+  if (!same) {
+    snapshot_.resize(static_cast<size_t>(n_) * kHdrWords);
+    for (int j = 0; j < n_; ++j)
+      std::copy(header_slot(j, k), header_slot(j, k) + kHdrWords, &snapshot_[j * kHdrWords]);
+    res.status = 1;
+    res.message = "mismatch";
+    return false;
+  }
+  const Kind kind = static_cast<Kind>(h0[0]);
+  const bool in_shared = h0[kHdrCheck] >= 0, out_shared = h0[kHdrCheck + 2] >= 0;
+  res.zero_copy = zc_same && in_shared && (kind != Kind::allreduce || out_shared) &&
+                  kind != Kind::reduce && kind != Kind::barrier;
+  return true;
+}
+
+void ShmEngine::zero_copy(const CallArgs& a) {
+  const size_t isz = dtype_size(a.dtype);
+  switch (a.kind) {
+    case Kind::allreduce:
+    case Kind::reduce_scatter: {
+      const size_t tile = kZeroCopyTile / isz;
+      const size_t off = chunk_off_[rank_], len = chunk_len_[rank_];
+      std::vector<const void*> srcs(n_);
+      for (size_t t = 0; t < len; t += tile) {
+        const size_t l = std::min(tile, len - t);
+        for (int j = 0; j < n_; ++j)
+          srcs[j] = reinterpret_cast<const char*>(a.peer_in[j]) + (off + t) * isz;
+        if (a.kind == Kind::reduce_scatter) {
+          reduce(a.out + t * isz, srcs.data(), n_, l, a.dtype, a.op, a.scale);
+          continue;
+        }
+        char* mine = reinterpret_cast<char*>(a.peer_out[rank_]) + (off + t) * isz;
+        reduce(mine, srcs.data(), n_, l, a.dtype, a.op, a.scale);
+        for (int j = 0; j < n_; ++j)
+          if (j != rank_) copy(reinterpret_cast<char*>(a.peer_out[j]) + (off + t) * isz, mine, l * isz);
+      }
+      break;
+    }
+    case Kind::allgather:
+      for (int j = 0; j < n_; ++j)
+        copy(a.out + j * a.count * isz, reinterpret_cast<const char*>(a.peer_in[j]), a.count * isz);
+      break;
+    case Kind::broadcast:
+      if (rank_ != a.root)
+        copy(a.out, reinterpret_cast<const char*>(a.peer_in[a.root]), a.count * isz);
+      break;
+    default: break;
+  }
+  // Exit round: nobody returns (and reuses its buffer) before every peer is done with it.
+  const uint64_t k = ++round_;
+  publish(kIn, k);
+  wait_all(kIn, k, kind_name(a.kind));
+  publish(kRed, k);
+  publish(kOut, k);
+}
+
+CallResult ShmEngine::run(const CallArgs& a) {
+  CallResult res;
+  if (broken_) {
+    res.status = 2;
+    res.message = "the shared-memory engine is unusable after an earlier timeout";
+    return res;
+  }
+  if (a.header.size() != static_cast<size_t>(kHdrWords))
+    throw std::invalid_argument("ShmEngine::run: header must have 16 words");
+  // This call's partition into per-rank chunks (allreduce/reduce: near-equal element ranges).
+  chunk_len_.assign(n_, 0);
+  chunk_off_.assign(n_, 0);
+  if (a.kind == Kind::reduce_scatter) {
+    if (a.chunks.size() != static_cast<size_t>(n_))
+      throw std::invalid_argument("ShmEngine::run: reduce_scatter needs one chunk count per rank");
+    chunk_len_ = a.chunks;
+  } else if (a.kind == Kind::allreduce || a.kind == Kind::reduce) {
+    for (int q = 0; q < n_; ++q) chunk_len_[q] = a.count / n_ + (q < static_cast<int>(a.count % n_));
+  }
+  for (int q = 1; q < n_; ++q) chunk_off_[q] = chunk_off_[q - 1] + chunk_len_[q - 1];
+
+  const size_t e = sub_elems(a);
+  const size_t steps = num_steps(a, e);
+  const bool combined = steps <= 1;
+  const char* what = kind_name(a.kind);
+  try {
+    // Header round (with the data of step 0 when the call is one step long).
+    uint64_t k = ++round_;
+    if (combined && steps == 1) stage_step(a, k, 0, e);
+    std::copy(a.header.begin(), a.header.end(), header_slot(rank_, k));
+    publish(kIn, k);
+    wait_all(kIn, k, what);
+    if (!check_headers(k, res)) {
+      publish(kRed, k);
+      publish(kOut, k);
+      return res;
+    }
+    if (combined) {
+      if (steps == 1) {
+        finish_step(a, k, 0, e);
+      } else {
+        publish(kRed, k);
+        publish(kOut, k);
+      }
+      res.zero_copy = false;
+      return res;
+    }
+    publish(kRed, k);
+    publish(kOut, k);
+    if (res.zero_copy && !a.peer_in.empty() &&
+        (a.kind != Kind::allreduce || !a.peer_out.empty())) {
+      zero_copy(a);
+      return res;
+    }
+    res.zero_copy = false;
+    for (size_t s = 0; s < steps; ++s) {
+      k = ++round_;
+      stage_step(a, k, s, e);
+      publish(kIn, k);
+      if (a.kind == Kind::broadcast) {
+        if (rank_ != a.root) wait_all(kIn, k, what, a.root);
+      } else {
+        wait_all(kIn, k, what);
+      }
+      finish_step(a, k, s, e);
+    }
+  } catch (const Timeout& t) {
+    broken_ = true;
+    res.status = 2;
+    res.message = t.what();
+  }
+  return res;
+}
+
+}  // namespace mlf

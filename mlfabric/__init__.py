@@ -1,0 +1,64 @@
+"""mlfabric: a communication library for distributed ML training on MPI.
+
+Public API (this __all__ is the contract; everything else is private):
+    init(comm=None), finalize(), initialized(), rank(), size(), local_rank(), local_size()
+    allreduce(x, op="sum", out=None, algorithm="auto"), reduce, broadcast(x, root=0),
+    allgather(x), reduce_scatter(x, op="sum"), barrier(), send, recv, *_async -> Handle
+    shared_empty / shared_zeros / is_shared (zero-copy shared buffers)
+    cuda_built(), MlfabricError and its subclasses
+"""
+import os as _os
+
+# Open MPI's UCX one-sided component prints an error when it declines to run on a host without
+# UCX devices; mlfabric's shared windows use the shared-memory component anyway. Only a default:
+# it has no effect if MPI is already initialised or the user chose osc components.
+_os.environ.setdefault("OMPI_MCA_osc", "^ucx")
+
+from . import _C  # noqa: E402
+from .collectives import (Handle, allgather, allgather_async, allreduce, allreduce_async,
+                          barrier, broadcast, broadcast_async, recv, reduce, reduce_scatter,
+                          reduce_scatter_async, send)
+from .context import finalize, init, initialized
+from .context import get as _get
+from .errors import MismatchError, MlfabricError, NotInitializedError, PeerTimeoutError
+from .shared import is_shared, shared_empty, shared_zeros
+
+__version__ = "0.1.0"
+
+
+def rank():
+    """This process's rank in mlfabric's communicator."""
+    return _get().rank
+
+
+def size():
+    """Number of ranks in mlfabric's communicator."""
+    return _get().size
+
+
+def local_rank():
+    """This process's rank among the ranks on its host."""
+    return _get().local_rank
+
+
+def local_size():
+    """Number of ranks on this host."""
+    return _get().local_size
+
+
+def cuda_built():
+    """True when the native core was compiled with CUDA kernels (nvcc found at build time)."""
+    return bool(_C.cuda_built())
+
+
+def nccl_built():
+    """True when GPU tensors can move over NCCL. Not yet: GPU tensors are refused with an error."""
+    return False
+
+
+__all__ = ["init", "finalize", "initialized", "rank", "size", "local_rank", "local_size",
+           "allreduce", "allreduce_async", "reduce", "broadcast", "broadcast_async", "allgather",
+           "allgather_async", "reduce_scatter", "reduce_scatter_async", "barrier", "send", "recv",
+           "Handle", "shared_empty", "shared_zeros", "is_shared", "cuda_built", "nccl_built",
+           "MlfabricError", "MismatchError", "NotInitializedError", "PeerTimeoutError",
+           "__version__"]

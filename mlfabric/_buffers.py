@@ -1,0 +1,105 @@
+"""Turns what users pass (numpy arrays, CPU torch tensors) into a contiguous numpy view of the same
+memory plus a wire dtype code, without copying when the input is contiguous. Owns the rules for
+non-contiguous input: such an array is copied into a contiguous temporary, and for outputs the
+result is copied back (documented in the README). Never communicates."""
+import numpy as np
+
+from . import _dtypes
+from .errors import MlfabricError
+
+try:  # torch is optional
+    import torch
+except ImportError:  # pragma: no cover - exercised when torch is absent
+    torch = None
+
+_TORCH_CODES = {}
+if torch is not None:
+    _TORCH_CODES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3,
+                    torch.int32: 4, torch.int64: 5}
+
+
+class Buf:
+    """A contiguous view (`arr`, 1-D, storage dtype) of a user array.
+
+    `obj` is what the user passed; `shape` its shape; `code` the wire dtype; `copied` says `arr` is
+    a temporary (write back with `writeback()` when `obj` is an output)."""
+
+    __slots__ = ("obj", "arr", "shape", "code", "copied")
+
+    def __init__(self, obj, arr, shape, code, copied):
+        self.obj, self.arr, self.shape, self.code, self.copied = obj, arr, shape, code, copied
+
+    @property
+    def count(self):
+        return self.arr.size
+
+    @property
+    def nbytes(self):
+        return self.arr.nbytes
+
+    @property
+    def ptr(self):
+        return self.arr.ctypes.data
+
+    def writeback(self):
+        """Copy a temporary back into the user's (non-contiguous) array."""
+        if not self.copied:
+            return
+        src = self.arr.reshape(self.shape)
+        if is_torch(self.obj):
+            t = torch.from_numpy(src)
+            if self.code == 3:
+                t = t.view(torch.bfloat16)
+            self.obj.copy_(t)
+        else:
+            np.copyto(self.obj, src.view(self.obj.dtype) if self.code != 3 else src)
+
+
+def is_torch(x):
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def wrap(x, name="x"):
+    """Buf for x (numpy ndarray or CPU torch tensor). TypeError for other types or dtypes."""
+    if is_torch(x):
+        if x.device.type != "cpu":
+            raise MlfabricError(f"{name} is on {x.device}: GPU tensors need the NCCL transport, "
+                                "which this build does not provide yet; move the tensor to the CPU")
+        if x.dtype not in _TORCH_CODES:
+            raise TypeError(f"unsupported dtype {x.dtype} for {name}; mlfabric supports "
+                            f"{', '.join(_dtypes.DTYPE_NAMES)}")
+        code = _TORCH_CODES[x.dtype]
+        t = x.detach()
+        copied = not t.is_contiguous()
+        if copied:
+            t = t.contiguous()
+        if code == 3:
+            t = t.view(torch.int16)
+        arr = t.numpy().reshape(-1)
+        if code == 3:
+            arr = arr.view(np.uint16)
+        return Buf(x, arr, tuple(x.shape), code, copied)
+    if isinstance(x, np.ndarray):
+        if x.dtype.name == "bfloat16":  # ml_dtypes' bfloat16
+            code = 3
+        else:
+            code = _dtypes.numpy_dtype_code(x.dtype)
+        copied = not x.flags.c_contiguous
+        arr = np.ascontiguousarray(x) if copied else x
+        arr = arr.reshape(-1)
+        if code == 3:
+            arr = arr.view(np.uint16)
+        return Buf(x, arr, x.shape, code, copied)
+    raise TypeError(f"{name} must be a numpy array or a CPU torch tensor, got {type(x).__name__}")
+
+
+def empty_like(buf, shape=None):
+    """A new user-facing array of buf's kind (numpy or torch) and dtype, and its Buf."""
+    shape = buf.shape if shape is None else tuple(shape)
+    if is_torch(buf.obj):
+        out = torch.empty(shape, dtype=buf.obj.dtype)
+    elif buf.code == 3:
+        out = np.empty(shape, dtype=buf.obj.dtype)
+    else:
+        out = np.empty(shape, dtype=_dtypes.storage_dtype(buf.code))
+    return out, wrap(out, "out")

@@ -1,0 +1,44 @@
+"""Settings read from the environment, in one place. Each is documented in the README.
+
+MLFABRIC_TIMEOUT   seconds a rank waits for its peers inside one collective before raising
+                   PeerTimeoutError (default 300). Bounded waits are how mlfabric turns a dead or
+                   diverged peer into an error instead of a hang.
+MLFABRIC_SHM       0 disables the intra-host shared-memory path (default 1).
+MLFABRIC_SHM_BLOCK bytes each rank stages per pipeline step in the shared-memory engine.
+MLFABRIC_SHM_SLOTS pipeline depth of the shared-memory engine (steps in flight).
+"""
+import os
+
+from .errors import MlfabricError
+
+
+def _number(name, default, cast=float, minimum=None):
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = cast(raw)
+    except ValueError:
+        raise MlfabricError(f"{name}={raw!r} is not a number") from None
+    if minimum is not None and value < minimum:
+        raise MlfabricError(f"{name}={raw!r} must be at least {minimum}")
+    return value
+
+
+def timeout_s():
+    return _number("MLFABRIC_TIMEOUT", 300.0, float, 0.001)
+
+
+def shm_enabled():
+    raw = os.environ.get("MLFABRIC_SHM", "1").strip()
+    if raw not in ("0", "1"):
+        raise MlfabricError(f"MLFABRIC_SHM must be 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
+def shm_block_bytes():
+    return _number("MLFABRIC_SHM_BLOCK", 256 * 1024, int, 4096)
+
+
+def shm_slots():
+    return _number("MLFABRIC_SHM_SLOTS", 4, int, 2)

@@ -1,0 +1,8 @@
+"""mlfabric.bench: the microbenchmarks, modelled on nccl-tests and the OSU micro-benchmarks.
+
+`mpirun -n N python -m mlfabric.bench allreduce|broadcast|allgather|reduce_scatter|pingpong ...`
+runs the MPI driver (driver.py: sweep, timing, checking; impls.py: mlfabric / mpi / gloo calls;
+report.py: table, JSON, plot); `python -m mlfabric.bench kernels ...` runs the single-process kernel
+benchmark (kernels.py). Importing this package imports neither MPI nor mlfabric's native core.
+See benchmarks/README.md.
+"""

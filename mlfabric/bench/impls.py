@@ -1,0 +1,491 @@
+"""The implementations the driver compares, by family: mlfabric (mlfabric, mlfabric-oop,
+mlfabric-shared), mpi (mpi, mpi-oop: mpi4py buffer calls) and gloo (torch.distributed on CPU).
+Owns buffer allocation in each implementation's native kind (numpy array, torch tensor, mlfabric
+shared buffer) and the one call each collective makes; never times or checks anything (driver.py
+does). mlfabric and torch are imported lazily, inside their family.
+"""
+import inspect
+import os
+import socket
+from datetime import timedelta
+
+import numpy as np
+
+COLLS = ("allreduce", "broadcast", "allgather", "reduce_scatter", "pingpong")
+REDUCING = ("allreduce", "reduce_scatter")
+PINGPONG_TAG = 17
+
+
+class Unsupported(Exception):
+    """This implementation cannot run this case; the driver skips it with a printed note."""
+
+
+def import_torch():
+    """torch, or None when it is not installed."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
+
+
+# --- buffers: a 1-D numpy array, or a torch tensor (always for bfloat16, which numpy lacks) ------
+
+def torch_dtype(torch, name):
+    return getattr(torch, name)
+
+
+def alloc(count, dtype, kind="numpy"):
+    """An uninitialised 1-D buffer of count elements: numpy unless kind == 'torch' or bfloat16."""
+    if kind == "torch" or dtype == "bfloat16":
+        torch = import_torch()
+        if torch is None:
+            raise Unsupported(f"{dtype} torch buffers need torch, which is not installed")
+        return torch.empty(count, dtype=torch_dtype(torch, dtype))
+    return np.empty(count, dtype=dtype)
+
+
+def is_numpy(buf):
+    return isinstance(buf, np.ndarray)
+
+
+def length(buf):
+    return int(buf.shape[0]) if len(buf.shape) else 1
+
+
+def write(buf, lo, values):
+    """buf[lo:lo+len(values)] = values (int64 / float64 numpy values, cast to buf's dtype)."""
+    hi = lo + len(values)
+    if is_numpy(buf):
+        buf[lo:hi] = values
+    else:
+        torch = import_torch()
+        buf[lo:hi].copy_(torch.from_numpy(np.ascontiguousarray(values)))
+
+
+def fill_const(buf, value):
+    if is_numpy(buf):
+        buf.fill(value)
+    else:
+        buf.fill_(value)
+
+
+def read(buf, lo, hi):
+    """buf[lo:hi] as a float64 numpy array (exact for the small integers the driver writes)."""
+    if is_numpy(buf):
+        return np.asarray(buf[lo:hi], dtype=np.float64)
+    torch = import_torch()
+    return buf[lo:hi].to(torch.float64).numpy()
+
+
+def mpi_view(buf):
+    """A numpy view of buf's memory that mpi4py can send (bfloat16 travels as raw 16-bit words)."""
+    if is_numpy(buf):
+        return buf
+    torch = import_torch()
+    if buf.dtype == torch.bfloat16:
+        return buf.view(torch.int16).numpy()
+    return buf.numpy()
+
+
+class Case:
+    """One prepared benchmark case.
+
+    run() issues the call once. The driver writes the input pattern into `inbuf` and clears `outbuf`
+    (None: the call allocates its output) before running; output() is what it then checks. Either
+    may be None on a rank that takes no part (pingpong's idle ranks)."""
+
+    def __init__(self, run, inbuf, outbuf=None, output=None):
+        self.run = run
+        self.inbuf = inbuf
+        self.outbuf = outbuf
+        self._output = output
+
+    def output(self):
+        return self._output() if self._output is not None else self.outbuf
+
+
+def idle_case():
+    return Case(lambda: None, None, None)
+
+
+def chunk_of(buf, rank, chunk):
+    return buf[rank * chunk:(rank + 1) * chunk]
+
+
+# --- families --------------------------------------------------------------------------------------
+
+class Family:
+    """A group of variants sharing one runtime (set up once per run, shut down at the end).
+
+    available() is local and cheap (imports); setup() may be collective. supports() returns a
+    reason string when a variant cannot run a (coll, dtype, op), else None; prepare() builds a Case.
+    """
+    name = ""
+    variants = ()
+
+    def available(self):
+        return None
+
+    def setup(self, comm, opts):
+        self.comm, self.opts = comm, opts
+        self.rank, self.n = comm.rank, comm.size
+
+    def shutdown(self):
+        pass
+
+    def supports(self, variant, coll, dtype, op):
+        return None
+
+    def prepare(self, variant, coll, p):
+        return getattr(self, "_" + coll)(variant, p)
+
+    def version(self):
+        return None
+
+    def algorithm(self, variant, coll):
+        """The algorithm a record reports for this variant (None where there is no choice)."""
+        return None
+
+
+class MpiFamily(Family):
+    """mpi4py buffer calls on numpy arrays: `mpi` in place where MPI has it, `mpi-oop` not."""
+    name = "mpi"
+    variants = ("mpi", "mpi-oop")
+
+    def supports(self, variant, coll, dtype, op):
+        if variant == "mpi-oop" and coll in ("broadcast", "pingpong"):
+            return f"{coll} has no out-of-place form (it is the same call as 'mpi')"
+        if dtype == "bfloat16" and coll in REDUCING:
+            return "MPI has no bfloat16 reductions"
+        return None
+
+    def _op(self, p):
+        from mpi4py import MPI
+        return {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN,
+                "max": MPI.MAX}[p.op]
+
+    def _post(self, p):
+        """avg = sum, then divide by the number of ranks (MPI has no avg op)."""
+        if p.op != "avg":
+            return lambda buf: None
+        n = self.n
+        return lambda buf: np.divide(buf, n, out=buf)
+
+    def _allreduce(self, variant, p):
+        from mpi4py import MPI
+        comm, op, post = self.comm, self._op(p), self._post(p)
+        x = alloc(p.count, p.dtype)
+        if variant == "mpi":
+            def run():
+                comm.Allreduce(MPI.IN_PLACE, x, op)
+                post(x)
+            return Case(run, x, x)
+        y = alloc(p.count, p.dtype)
+
+        def run_oop():
+            comm.Allreduce(x, y, op)
+            post(y)
+        return Case(run_oop, x, y)
+
+    def _broadcast(self, variant, p):
+        comm, root = self.comm, p.root
+        x = alloc(p.count, p.dtype)
+        mx = mpi_view(x)
+        return Case(lambda: comm.Bcast(mx, root=root), x, x)
+
+    def _allgather(self, variant, p):
+        from mpi4py import MPI
+        comm = self.comm
+        out = alloc(p.recv_count, p.dtype)
+        mout = mpi_view(out)
+        if variant == "mpi":
+            return Case(lambda: comm.Allgather(MPI.IN_PLACE, mout),
+                        chunk_of(out, self.rank, p.send_count), out)
+        x = alloc(p.send_count, p.dtype)
+        mx = mpi_view(x)
+        return Case(lambda: comm.Allgather(mx, mout), x, out)
+
+    def _reduce_scatter(self, variant, p):
+        from mpi4py import MPI
+        comm, op, post = self.comm, self._op(p), self._post(p)
+        x = alloc(p.send_count, p.dtype)
+        if variant == "mpi":
+            head = x[:p.recv_count]
+
+            def run():
+                comm.Reduce_scatter_block(MPI.IN_PLACE, x, op)
+                post(head)
+            return Case(run, x, head)
+        y = alloc(p.recv_count, p.dtype)
+
+        def run_oop():
+            comm.Reduce_scatter_block(x, y, op)
+            post(y)
+        return Case(run_oop, x, y)
+
+    def _pingpong(self, variant, p):
+        comm, tag = self.comm, PINGPONG_TAG
+        if self.rank == 0:
+            s, r = alloc(p.count, p.dtype), alloc(p.count, p.dtype)
+            ms, mr = mpi_view(s), mpi_view(r)
+
+            def run0():
+                comm.Send(ms, 1, tag)
+                comm.Recv(mr, 1, tag)
+            return Case(run0, s, r)
+        if self.rank == 1:
+            b = alloc(p.count, p.dtype)
+            mb = mpi_view(b)
+
+            def run1():
+                comm.Recv(mb, 0, tag)
+                comm.Send(mb, 0, tag)
+            return Case(run1, b, b)
+        return idle_case()
+
+    def version(self):
+        from mpi4py import MPI
+        return MPI.Get_library_version().strip().splitlines()[0]
+
+
+def free_port():
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+    finally:
+        s.close()
+
+
+class GlooFamily(Family):
+    """torch.distributed with the gloo backend on CPU tensors."""
+    name = "gloo"
+    variants = ("gloo",)
+
+    def available(self):
+        torch = import_torch()
+        if torch is None:
+            return "gloo skipped: torch is not installed"
+        import torch.distributed as dist
+        if not dist.is_available() or not dist.is_gloo_available():
+            return "gloo skipped: this torch build has no gloo backend"
+        return None
+
+    def setup(self, comm, opts):
+        super().setup(comm, opts)
+        import torch
+        import torch.distributed as dist
+        self.torch, self.dist = torch, dist
+        hosts = comm.allgather(socket.gethostname())
+        addr = "127.0.0.1" if len(set(hosts)) == 1 else hosts[0]
+        port = comm.bcast(free_port() if self.rank == 0 else None, root=0)
+        os.environ["MASTER_ADDR"] = os.environ.get("MLFABRIC_BENCH_MASTER_ADDR", addr)
+        os.environ["MASTER_PORT"] = str(port)
+        dist.init_process_group("gloo", rank=self.rank, world_size=self.n,
+                                timeout=timedelta(seconds=300))
+        # Newer torch renames the tensor-in/tensor-out collectives; use whichever exists.
+        self.all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        self.reduce_scatter = (getattr(dist, "reduce_scatter_single", None)
+                               or dist.reduce_scatter_tensor)
+
+    def shutdown(self):
+        if self.dist.is_initialized():
+            self.dist.destroy_process_group()
+
+    def _op(self, p):
+        R = self.dist.ReduceOp
+        if p.op == "avg":
+            return getattr(R, "AVG", None) or R.SUM
+        return {"sum": R.SUM, "prod": R.PRODUCT, "min": R.MIN, "max": R.MAX}[p.op]
+
+    def _post(self, p):
+        if p.op == "avg" and not hasattr(self.dist.ReduceOp, "AVG"):
+            n = self.n
+            return lambda t: t.div_(n)
+        return lambda t: None
+
+    def _tensor(self, count, dtype):
+        return alloc(count, dtype, kind="torch")
+
+    def _allreduce(self, variant, p):
+        dist, op, post = self.dist, self._op(p), self._post(p)
+        x = self._tensor(p.count, p.dtype)
+
+        def run():
+            dist.all_reduce(x, op=op)
+            post(x)
+        return Case(run, x, x)
+
+    def _broadcast(self, variant, p):
+        dist, root = self.dist, p.root
+        x = self._tensor(p.count, p.dtype)
+        return Case(lambda: dist.broadcast(x, src=root), x, x)
+
+    def _allgather(self, variant, p):
+        x, out = self._tensor(p.send_count, p.dtype), self._tensor(p.recv_count, p.dtype)
+        gather = self.all_gather
+        return Case(lambda: gather(out, x), x, out)
+
+    def _reduce_scatter(self, variant, p):
+        op, post, scatter = self._op(p), self._post(p), self.reduce_scatter
+        x, y = self._tensor(p.send_count, p.dtype), self._tensor(p.recv_count, p.dtype)
+
+        def run():
+            scatter(y, x, op=op)
+            post(y)
+        return Case(run, x, y)
+
+    def _pingpong(self, variant, p):
+        dist = self.dist
+        if self.rank == 0:
+            s, r = self._tensor(p.count, p.dtype), self._tensor(p.count, p.dtype)
+
+            def run0():
+                dist.send(s, 1)
+                dist.recv(r, 1)
+            return Case(run0, s, r)
+        if self.rank == 1:
+            b = self._tensor(p.count, p.dtype)
+
+            def run1():
+                dist.recv(b, 0)
+                dist.send(b, 0)
+            return Case(run1, b, b)
+        return idle_case()
+
+    def version(self):
+        return "torch " + self.torch.__version__
+
+
+def has_kwarg(fn, name):
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+class MlfabricFamily(Family):
+    """mlfabric's public API: `mlfabric` in place on an ordinary buffer, `mlfabric-oop` into a
+    preallocated out (allreduce), `mlfabric-shared` in place on a buffer from shared_empty()."""
+    name = "mlfabric"
+    variants = ("mlfabric", "mlfabric-oop", "mlfabric-shared")
+
+    def available(self):
+        try:
+            import mlfabric
+            for fn in ("init", "allreduce", "broadcast", "allgather", "reduce_scatter", "send",
+                       "recv", "shared_empty", "finalize"):
+                if not hasattr(mlfabric, fn):
+                    return f"mlfabric.{fn} is missing"
+        except Exception as e:  # a broken build must not take the other impls down
+            return f"mlfabric cannot be imported: {type(e).__name__}: {e}"
+        return None
+
+    def setup(self, comm, opts):
+        super().setup(comm, opts)
+        import mlfabric
+        self.mlf = mlfabric
+        self.owns_init = True
+        mlfabric.init(comm=comm)
+
+    def shutdown(self):
+        if self.owns_init:
+            self.mlf.finalize()
+
+    def supports(self, variant, coll, dtype, op):
+        if variant == "mlfabric-oop" and coll != "allreduce":
+            return ("only allreduce has an out-of-place variant (the other calls are in place "
+                    "or return their output)")
+        return None
+
+    def algorithm(self, variant, coll):
+        return self.opts.algorithm if coll == "allreduce" else None
+
+    def _buf(self, variant, count, dtype):
+        if variant != "mlfabric-shared":
+            return alloc(count, dtype)
+        try:
+            return self.mlf.shared_empty((count,), dtype)
+        except TypeError as e:
+            raise Unsupported(f"shared_empty cannot hold {dtype}: {e}") from e
+
+    def _allreduce(self, variant, p):
+        mlf, op, alg = self.mlf, p.op, self.opts.algorithm
+        x = self._buf(variant, p.count, p.dtype)
+        y = self._buf(variant, p.count, p.dtype) if variant == "mlfabric-oop" else x
+        return Case(lambda: mlf.allreduce(x, op=op, out=y, algorithm=alg), x, y)
+
+    def _broadcast(self, variant, p):
+        mlf, root = self.mlf, p.root
+        x = self._buf(variant, p.count, p.dtype)
+        return Case(lambda: mlf.broadcast(x, root=root), x, x)
+
+    def _returning(self, fn, variant, inp, out_count, dtype, **kw):
+        """A Case for a call that returns its output, passing a preallocated out= when it can."""
+        if has_kwarg(fn, "out"):
+            out = self._buf(variant, out_count, dtype)
+            return Case(lambda: fn(inp, out=out, **kw), inp, out)
+        box = [None]
+
+        def run():
+            box[0] = fn(inp, **kw)
+        return Case(run, inp, None, output=lambda: box[0])
+
+    def _allgather(self, variant, p):
+        x = self._buf(variant, p.send_count, p.dtype)
+        return self._returning(self.mlf.allgather, variant, x, p.recv_count, p.dtype)
+
+    def _reduce_scatter(self, variant, p):
+        x = self._buf(variant, p.send_count, p.dtype)
+        return self._returning(self.mlf.reduce_scatter, variant, x, p.recv_count, p.dtype,
+                               op=p.op)
+
+    def _pingpong(self, variant, p):
+        mlf = self.mlf
+        if self.rank == 0:
+            s, r = self._buf(variant, p.count, p.dtype), self._buf(variant, p.count, p.dtype)
+
+            def run0():
+                mlf.send(s, 1, tag=PINGPONG_TAG)
+                mlf.recv(r, 1, tag=PINGPONG_TAG)
+            return Case(run0, s, r)
+        if self.rank == 1:
+            b = self._buf(variant, p.count, p.dtype)
+
+            def run1():
+                mlf.recv(b, 0, tag=PINGPONG_TAG)
+                mlf.send(b, 0, tag=PINGPONG_TAG)
+            return Case(run1, b, b)
+        return idle_case()
+
+    def version(self):
+        return "mlfabric " + str(getattr(self.mlf, "__version__", "?"))
+
+
+FAMILIES = {"mlfabric": MlfabricFamily, "mpi": MpiFamily, "gloo": GlooFamily}
+VARIANT_FAMILY = {v: f for f, cls in FAMILIES.items() for v in cls.variants}
+
+
+def known_names():
+    return ", ".join(f"{f} ({', '.join(cls.variants)})" for f, cls in FAMILIES.items())
+
+
+def resolve(spec):
+    """'mlfabric,mpi-oop' -> [('mlfabric', 'mlfabric'), ..., ('mpi', 'mpi-oop')]: family names
+    expand to all their variants, variant names stand for themselves; order kept, duplicates
+    dropped. ValueError naming the known names for anything else."""
+    out = []
+    for name in (s.strip() for s in spec.split(",")):
+        if not name:
+            continue
+        if name in FAMILIES:
+            pairs = [(name, v) for v in FAMILIES[name].variants]
+        elif name in VARIANT_FAMILY:
+            pairs = [(VARIANT_FAMILY[name], name)]
+        else:
+            raise ValueError(f"unknown implementation {name!r}; known: {known_names()}")
+        out += [pr for pr in pairs if pr not in out]
+    if not out:
+        raise ValueError(f"--impl names no implementation; known: {known_names()}")
+    return out

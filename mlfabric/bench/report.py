@@ -1,0 +1,206 @@
+"""Presentation of the benchmark results: the nccl-tests-style table (streamed row by row), the
+ratio summary against a baseline impl, the JSON records, the busbw plot and the host description
+every record carries. Owns formats only; nothing here communicates except host_info()."""
+import datetime
+import json
+import math
+import os
+import platform
+import socket
+import sys
+
+COLUMNS = [  # (header, unit, width, record key, format)
+    ("size", "(B)", 12, "bytes", "d"),
+    ("count", "(elements)", 12, "count", "d"),
+    ("type", "", 8, "dtype", "s"),
+    ("redop", "", 6, "op", "s"),
+    ("root", "", 4, "root", "d"),
+    ("impl", "", -16, "impl", "s"),
+    ("time", "(us)", 10, "time_us", ".2f"),
+    ("algbw", "(GB/s)", 8, "algbw", ".3f"),
+    ("busbw", "(GB/s)", 8, "busbw", ".3f"),
+    ("#wrong", "", 6, "wrong", "d"),
+]
+
+
+def human_size(n):
+    """8 -> '8 B', 1048576 -> '1 MiB', 1536 -> '1.5 KiB'."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            v = n / scale
+            return f"{v:.0f} {unit}" if v == int(v) else f"{v:.1f} {unit}"
+    return f"{n} B"
+
+
+def _cells(values):
+    out = []
+    for (_, _, width, _, _), v in zip(COLUMNS, values):
+        out.append(f"{v:<{-width}}" if width < 0 else f"{v:>{width}}")
+    return "  ".join(out)
+
+
+def table_header(coll):
+    names = _cells([c[0] for c in COLUMNS])
+    units = _cells([c[1] for c in COLUMNS])
+    lines = ["#", "#" + names[1:], "#" + units[1:]]
+    if coll == "pingpong":
+        lines.insert(1, "# pingpong: time = one-way latency (half the round trip), "
+                        "algbw = busbw = size / time")
+    return "\n".join(lines)
+
+
+def table_row(rec):
+    return _cells([format(rec[key], fmt) for _, _, _, key, fmt in COLUMNS])
+
+
+def geomean(xs):
+    xs = [x for x in xs if x > 0]
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
+
+
+def summary(records, names, base):
+    """Per size, each impl's busbw relative to `base` (for one collective and size the busbw
+    factor is common, so this is base time / impl time; > 1 is faster than base)."""
+    if not records or base is None:
+        return "# no results"
+    by = {(r["bytes"], r["impl"]): r for r in records}
+    sizes = sorted({r["bytes"] for r in records})
+    others = [n for n in names if n != base]
+    lines = ["#", f"# busbw relative to {base} (= {base} time / impl time; > 1: faster than "
+                  f"{base})", "#" + _row("size(B)", others)[1:]]
+    ratios = {n: [] for n in others}
+    for s in sizes:
+        cells = []
+        for n in others:
+            b, r = by.get((s, base)), by.get((s, n))
+            if b and r and r["time_us"] > 0:
+                ratios[n].append(b["time_us"] / r["time_us"])
+                cells.append(f"{ratios[n][-1]:.2f}")
+            else:
+                cells.append("-")
+        lines.append(_row(str(s), cells))
+    lines.append("#" + _row("geomean", [f"{geomean(ratios[n]):.2f}" for n in others])[1:])
+    lines.append("#")
+    avg = "  ".join(f"{n} {_mean([r['busbw'] for r in records if r['impl'] == n]):.3f}"
+                    for n in names)
+    lines.append(f"# Avg bus bandwidth (GB/s): {avg}")
+    return "\n".join(lines)
+
+
+def _mean(xs):
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _row(first, cells):
+    return f"{first:>12}" + "".join(f"  {c:>16}" for c in cells)
+
+
+def preamble(args, nranks, sizes, variants, host):
+    """The '#' lines that open a run: what, where, which impls."""
+    libs = "; ".join(x for x in (host.get("mpi_library"), _opt("mlfabric", host),
+                                 _opt("torch", host)) if x)
+    return "\n".join([
+        f"# mlfabric.bench {args.coll}: {nranks} ranks on {host['nodes']} host(s), "
+        f"dtype {args.dtype}" + (f", op {args.op}" if args.coll in ("allreduce", "reduce_scatter")
+                                 else "") + (f", root {args.root}" if args.coll == "broadcast"
+                                             else "")
+        + f", iters {args.iters}, warmup {args.warmup}",
+        f"# sizes {human_size(sizes[0])} .. {human_size(sizes[-1])} x{args.stepfactor} "
+        f"({len(sizes)}); impls {', '.join(v for _, v in variants)}; "
+        f"mlfabric allreduce algorithm {args.algorithm}",
+        f"# host {host['hostname']} ({host['cpu_count']} cpus); {libs}",
+    ])
+
+
+def _opt(name, host):
+    v = host.get(f"{name}_version")
+    return f"{name} {v}" if v else None
+
+
+def write_json(path, records):
+    with open(path, "w") as f:
+        json.dump(records, f, indent=1)
+        f.write("\n")
+
+
+def plot_unavailable():
+    """None when matplotlib imports, else the error to print."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return "--plot needs matplotlib, which is not installed (pip install matplotlib)"
+    return None
+
+
+def plot_title(records):
+    if not records:
+        return "no results"
+    r = records[0]
+    op = f" {r['op']}" if r["op"] != "none" else ""
+    return (f"{r['coll']} {r['dtype']}{op}, {r['ranks']} ranks, {r.get('hostname', '')}"
+            f" ({r.get('timestamp', '')[:16]})")
+
+
+def plot(path, records, names, title):
+    """busbw vs size (log-x) and time vs size (log-log), one line per impl."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax_bw, ax_t) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name in names:
+        rs = sorted((r for r in records if r["impl"] == name), key=lambda r: r["bytes"])
+        if not rs:
+            continue
+        xs = [r["bytes"] for r in rs]
+        ax_bw.plot(xs, [r["busbw"] for r in rs], marker="o", ms=3, label=name)
+        ax_t.plot(xs, [r["time_us"] for r in rs], marker="o", ms=3, label=name)
+    for ax in (ax_bw, ax_t):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("size (bytes)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    ax_t.set_yscale("log")
+    ax_bw.set_ylabel("busbw (GB/s)")
+    ax_t.set_ylabel("time (us)")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _version(module):
+    m = sys.modules.get(module)
+    return str(getattr(m, "__version__", "")) or None if m is not None else None
+
+
+def _dist_version(name):
+    """An installed distribution's version without importing it, or None."""
+    try:
+        from importlib.metadata import version
+        return version(name)
+    except Exception:
+        return None
+
+
+def mlfabric_version():
+    return _version("mlfabric") or _dist_version("mlfabric")
+
+
+def host_info(comm):
+    """What every record carries about where it ran (collective: gathers hostnames)."""
+    from mpi4py import MPI
+    import mpi4py
+    import numpy
+    hosts = comm.allgather(socket.gethostname())
+    return {
+        "hostname": hosts[0],
+        "nodes": len(set(hosts)),
+        "cpu_count": os.cpu_count(),
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "mpi_library": MPI.Get_library_version().strip().splitlines()[0].split(", package")[0],
+        "mpi4py_version": mpi4py.__version__,
+        "numpy_version": numpy.__version__,
+        "torch_version": _dist_version("torch"),
+        "python_version": platform.python_version(),
+        "mlfabric_version": mlfabric_version(),
+    }

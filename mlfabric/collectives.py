@@ -1,0 +1,383 @@
+"""The public collectives: allreduce, reduce, broadcast, allgather, reduce_scatter, barrier, send,
+recv, and their non-blocking forms. Owns argument checking, the header exchange that turns a
+mismatch on any rank into an error on every rank, and the choice of data path:
+
+- every rank on one host (the usual case): the shared-memory engine (comm/shm.py), zero-copy when
+  the buffers come from shared_empty();
+- otherwise, or when asked by name: MPI point-to-point algorithms (comm/algorithms.py).
+
+Semantics: allreduce(x, out=None) returns a new array; out=x reduces in place. broadcast works in
+place and returns x. Inputs may be numpy arrays or CPU torch tensors; non-contiguous ones are copied
+(and outputs copied back). Every call blocks until this rank's part is done; *_async forms return a
+Handle whose wait() gives the result (buffers must be left alone until then).
+"""
+import numpy as np
+from mpi4py import MPI
+
+from . import _C, _buffers, _dtypes, context
+from .comm import algorithms, header, p2p
+from .comm.executor import Handle
+from .errors import MismatchError, MlfabricError
+
+ALGORITHMS = ("auto", "shm", "ring", "rhd", "tree")
+
+
+class _Rejected(Exception):
+    """Wraps a local argument error so it is raised after the header exchange."""
+
+    def __init__(self, error):
+        self.error = error
+
+
+def _exchange_headers(ctx, what, hdr):
+    """Header-only exchange for paths that do not carry headers themselves (MPI algorithms)."""
+    if ctx.shm is not None:
+        ctx.shm.check_headers(what, hdr)
+        return
+    mine = np.asarray(hdr, np.int64)
+    every = np.empty(ctx.size * header.WORDS, np.int64)
+    req = ctx.comm.Iallgather(mine, every)
+    p2p.wait([req], list(range(ctx.size)), f"{what} (header exchange)")
+    header.check(header.from_flat(every, ctx.size), what)
+
+
+def _run(what, kind, prepare, async_=False):
+    """Check arguments (prepare() -> (header, body) or raise), exchange headers, run body().
+
+    A rank whose arguments are bad still joins the header exchange with a 'rejected' header, so
+    its peers fail at once with a MismatchError naming it, and then raises its own error."""
+    ctx = context.get()
+
+    def call():
+        try:
+            hdr, body = prepare(ctx)
+        except (TypeError, ValueError, MlfabricError) as exc:
+            try:
+                _exchange_headers(ctx, what, header.rejected(kind))
+            except MismatchError:
+                pass
+            raise exc
+        return body(hdr)
+
+    if async_:
+        return ctx.executor.submit(what, call)
+    return ctx.executor.run(what, call)
+
+
+def _check_root(root, n):
+    if not isinstance(root, (int, np.integer)) or not 0 <= root < n:
+        raise ValueError(f"root must be a rank in [0, {n}), got {root!r}")
+    return int(root)
+
+
+def _resolve_algorithm(ctx, algorithm, nbytes):
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {', '.join(ALGORITHMS)}")
+    if algorithm == "auto":
+        return "shm" if ctx.shm is not None else algorithms.choose_allreduce(nbytes, ctx.size)
+    if algorithm == "shm" and ctx.shm is None:
+        raise MlfabricError("algorithm='shm' needs every rank on one host and MLFABRIC_SHM=1")
+    return algorithm
+
+
+def _output(xb, out, what, count=None, shape=None):
+    """(out object, its Buf): a new array shaped like `shape`, or the user's out, checked."""
+    if out is None:
+        return _buffers.empty_like(xb, shape)
+    ob = _buffers.wrap(out, "out")
+    want = xb.count if count is None else count
+    if ob.code != xb.code:
+        raise TypeError(f"{what}: out has dtype {_dtypes.DTYPE_NAMES[ob.code]}, "
+                        f"x has {_dtypes.DTYPE_NAMES[xb.code]}")
+    if ob.count != want:
+        raise ValueError(f"{what}: out has {ob.count} elements, expected {want}")
+    return out, ob
+
+
+def _copy(dst, src):
+    if src.nbytes and dst.ptr != src.ptr:
+        _C.copy(dst.ptr, src.ptr, src.nbytes)
+
+
+def _finish(obj, buf):
+    buf.writeback()
+    return obj
+
+
+# --- allreduce / reduce -------------------------------------------------------------------------
+
+def _allreduce(x, op, out, algorithm, async_):
+    what = "allreduce"
+
+    def prepare(ctx):
+        xb = _buffers.wrap(x)
+        opc, avg = _dtypes.op_code(op, xb.code)
+        algo = _resolve_algorithm(ctx, algorithm, xb.nbytes)
+        res, ob = _output(xb, out, what)
+        scale = 1.0 / ctx.size if avg else 1.0
+        if algo == "shm":
+            zc_in, peer_in = ctx.shm.zero_copy_info(xb)
+            zc_out, peer_out = ctx.shm.zero_copy_info(ob)
+            hdr = header.make(what, xb.code, opc, avg, 0, xb.shape, algo, zc_in, zc_out)
+
+            def body(hdr):
+                ctx.shm.run(what, what, hdr, xb.code, opc, scale, 0, xb, ob, xb.count,
+                            peer_in=peer_in, peer_out=peer_out)
+                return _finish(res, ob)
+        else:
+            hdr = header.make(what, xb.code, opc, avg, 0, xb.shape, algo)
+
+            def body(hdr):
+                _exchange_headers(ctx, what, hdr)
+                _copy(ob, xb)
+                algorithms.allreduce(ctx.comm, ob.arr, xb.code, opc, algo)
+                if avg and ob.count:
+                    _C.scale(ob.ptr, ob.count, ob.code, scale)
+                return _finish(res, ob)
+        return hdr, body
+
+    return _run(what, what, prepare, async_)
+
+
+def allreduce(x, op="sum", out=None, algorithm="auto"):
+    """Reduce x elementwise over all ranks; every rank gets the result.
+
+    op: sum, prod, min, max, avg (avg: floating dtypes). out=None returns a new array; pass
+    out=x to reduce in place. algorithm: auto (shared memory on one host, else by size), shm,
+    ring, rhd (recursive halving-doubling), tree. Every rank gets bitwise the same result."""
+    return _allreduce(x, op, out, algorithm, False)
+
+
+def allreduce_async(x, op="sum", out=None, algorithm="auto"):
+    """Non-blocking allreduce: returns a Handle; handle.wait() returns the result."""
+    return _allreduce(x, op, out, algorithm, True)
+
+
+def reduce(x, root=0, op="sum", out=None):
+    """Reduce x over all ranks onto root; returns the result on root, None elsewhere."""
+    what = "reduce"
+
+    def prepare(ctx):
+        xb = _buffers.wrap(x)
+        opc, avg = _dtypes.op_code(op, xb.code)
+        r = _check_root(root, ctx.size)
+        res, ob = _output(xb, out, what) if ctx.rank == r else (None, None)
+        scale = 1.0 / ctx.size if avg else 1.0
+        hdr = header.make(what, xb.code, opc, avg, r, xb.shape,
+                          "shm" if ctx.shm is not None else "tree")
+        if ctx.shm is not None:
+            def body(hdr):
+                ctx.shm.run(what, what, hdr, xb.code, opc, scale, r, xb, ob, xb.count)
+                return _finish(res, ob) if ob is not None else None
+        else:
+            def body(hdr):
+                _exchange_headers(ctx, what, hdr)
+                work = np.array(xb.arr)  # the tree reduce uses its buffer as scratch
+                algorithms.tree_reduce(ctx.comm, work, xb.code, opc, r)
+                if ob is None:
+                    return None
+                ob.arr[...] = work
+                if avg and ob.count:
+                    _C.scale(ob.ptr, ob.count, ob.code, scale)
+                return _finish(res, ob)
+        return hdr, body
+
+    return _run(what, what, prepare)
+
+
+# --- broadcast ----------------------------------------------------------------------------------
+
+def _broadcast(x, root, async_):
+    what = "broadcast"
+
+    def prepare(ctx):
+        xb = _buffers.wrap(x)
+        r = _check_root(root, ctx.size)
+        if ctx.shm is not None:
+            zc, peers = ctx.shm.zero_copy_info(xb)
+            hdr = header.make(what, xb.code, 0, False, r, xb.shape, "shm", zc)
+
+            def body(hdr):
+                ctx.shm.run(what, what, hdr, xb.code, root=r, out=xb, count=xb.count,
+                            peer_in=peers)
+                return _finish(x, xb)
+        else:
+            hdr = header.make(what, xb.code, 0, False, r, xb.shape, "tree")
+
+            def body(hdr):
+                _exchange_headers(ctx, what, hdr)
+                algorithms.tree_broadcast(ctx.comm, xb.arr, r)
+                return _finish(x, xb)
+        return hdr, body
+
+    return _run(what, what, prepare, async_)
+
+
+def broadcast(x, root=0):
+    """Copy root's x into x on every rank, in place; returns x."""
+    return _broadcast(x, root, False)
+
+
+def broadcast_async(x, root=0):
+    return _broadcast(x, root, True)
+
+
+# --- allgather ----------------------------------------------------------------------------------
+
+def _allgather(x, out, async_):
+    what = "allgather"
+
+    def prepare(ctx):
+        xb = _buffers.wrap(x)
+        shape = (ctx.size * xb.shape[0], *xb.shape[1:]) if xb.shape else (ctx.size,)
+        res, ob = _output(xb, out, what, ctx.size * xb.count, shape)
+        if ctx.shm is not None:
+            zc, peers = ctx.shm.zero_copy_info(xb)
+            hdr = header.make(what, xb.code, 0, False, 0, xb.shape, "shm", zc)
+
+            def body(hdr):
+                ctx.shm.run(what, what, hdr, xb.code, inp=xb, out=ob, count=xb.count,
+                            peer_in=peers)
+                return _finish(res, ob)
+        else:
+            hdr = header.make(what, xb.code, 0, False, 0, xb.shape, "ring")
+
+            def body(hdr):
+                _exchange_headers(ctx, what, hdr)
+                algorithms.ring_allgather(ctx.comm, xb.arr, ob.arr)
+                return _finish(res, ob)
+        return hdr, body
+
+    return _run(what, what, prepare, async_)
+
+
+def allgather(x, out=None):
+    """Concatenate every rank's x along axis 0 (rank order); 0-d inputs give shape (size,).
+    All ranks must pass the same shape."""
+    return _allgather(x, out, False)
+
+
+def allgather_async(x, out=None):
+    return _allgather(x, out, True)
+
+
+# --- reduce_scatter -----------------------------------------------------------------------------
+
+def split_rows(rows, n):
+    """Rows of each rank's chunk: like numpy.array_split, the first rows % n ranks get one more."""
+    return [rows // n + (1 if r < rows % n else 0) for r in range(n)]
+
+
+def _reduce_scatter(x, op, out, async_):
+    what = "reduce_scatter"
+
+    def prepare(ctx):
+        xb = _buffers.wrap(x)
+        opc, avg = _dtypes.op_code(op, xb.code)
+        if not xb.shape:
+            raise ValueError("reduce_scatter needs an array with at least one dimension")
+        rows = split_rows(xb.shape[0], ctx.size)
+        row_len = xb.count // xb.shape[0] if xb.shape[0] else 0
+        counts = [r * row_len for r in rows]
+        res, ob = _output(xb, out, what, counts[ctx.rank], (rows[ctx.rank], *xb.shape[1:]))
+        scale = 1.0 / ctx.size if avg else 1.0
+        if ctx.shm is not None:
+            zc, peers = ctx.shm.zero_copy_info(xb)
+            hdr = header.make(what, xb.code, opc, avg, 0, xb.shape, "shm", zc)
+
+            def body(hdr):
+                ctx.shm.run(what, what, hdr, xb.code, opc, scale, 0, xb, ob, xb.count,
+                            chunks=counts, peer_in=peers)
+                return _finish(res, ob)
+        else:
+            hdr = header.make(what, xb.code, opc, avg, 0, xb.shape, "ring")
+
+            def body(hdr):
+                _exchange_headers(ctx, what, hdr)
+                work = np.array(xb.arr)  # the ring uses its buffer as scratch
+                chunk = algorithms.ring_reduce_scatter(ctx.comm, work, xb.code, opc, counts)
+                ob.arr[...] = chunk
+                if avg and ob.count:
+                    _C.scale(ob.ptr, ob.count, ob.code, scale)
+                return _finish(res, ob)
+        return hdr, body
+
+    return _run(what, what, prepare, async_)
+
+
+def reduce_scatter(x, op="sum", out=None):
+    """Reduce x over all ranks and give rank r the r-th block of rows (axis 0 split like
+    numpy.array_split: the first shape[0] % size ranks get one row more)."""
+    return _reduce_scatter(x, op, out, False)
+
+
+def reduce_scatter_async(x, op="sum", out=None):
+    return _reduce_scatter(x, op, out, True)
+
+
+# --- barrier, send, recv ------------------------------------------------------------------------
+
+def barrier():
+    """Return once every rank has called barrier()."""
+    what = "barrier"
+
+    def prepare(ctx):
+        hdr = header.make(what)
+
+        def body(hdr):
+            _exchange_headers(ctx, what, hdr)
+        return hdr, body
+
+    return _run(what, what, prepare)
+
+
+_SEND_TAG_BASE = 0x4000  # user tags are offset so they never meet mlfabric's own traffic
+
+
+def _user_tag(tag):
+    if not isinstance(tag, (int, np.integer)) or not 0 <= tag < 0x2000:
+        raise ValueError(f"tag must be an int in [0, 8192), got {tag!r}")
+    return _SEND_TAG_BASE + int(tag)
+
+
+def send(x, dest, tag=0):
+    """Send x to rank dest; blocks until x may be reused. The receiver's array must have the
+    same dtype and number of elements: a mismatch raises MismatchError at the receiver."""
+    ctx = context.get()
+    xb = _buffers.wrap(x)
+    dest = _check_root(dest, ctx.size)
+    t = _user_tag(tag)
+    meta = np.array([xb.code, xb.count], np.int64)
+    reqs = [ctx.comm.Isend(meta, dest, t), ctx.comm.Isend([p2p.as_bytes(xb.arr), MPI.BYTE], dest, t)]
+    ctx.executor.run("send", lambda: p2p.wait(reqs, [dest, dest], f"send to rank {dest}",
+                                                 [False, False]))
+
+
+def recv(x, source, tag=0):
+    """Receive into x from rank source (in place); returns x. See send()."""
+    ctx = context.get()
+    xb = _buffers.wrap(x)
+    source = _check_root(source, ctx.size)
+    t = _user_tag(tag)
+    meta = np.empty(2, np.int64)
+    what = f"recv from rank {source}"
+
+    def body():
+        p2p.wait([ctx.comm.Irecv(meta, source, t)], [source], what)
+        code, count = int(meta[0]), int(meta[1])
+        if code != xb.code or count != xb.count:
+            # Drain the payload so the channel stays usable, then report.
+            scratch = np.empty(count * _dtypes.ITEMSIZE[code], np.uint8)
+            p2p.wait([ctx.comm.Irecv([scratch, MPI.BYTE], source, t)], [source], what)
+            raise MismatchError(
+                f"{what}: rank {source} sent {count} x {_dtypes.DTYPE_NAMES[code]}, this rank "
+                f"expects {xb.count} x {_dtypes.DTYPE_NAMES[xb.code]}")
+        p2p.wait([ctx.comm.Irecv([p2p.as_bytes(xb.arr), MPI.BYTE], source, t)], [source], what)
+        return _finish(x, xb)
+
+    return ctx.executor.run("recv", body)
+
+
+__all__ = ["allreduce", "allreduce_async", "reduce", "broadcast", "broadcast_async", "allgather",
+           "allgather_async", "reduce_scatter", "reduce_scatter_async", "barrier", "send", "recv",
+           "Handle"]

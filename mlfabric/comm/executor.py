@@ -1,0 +1,94 @@
+"""Ordering of mlfabric's calls: blocking ones run on the caller's thread, non-blocking ones on one
+background thread, all in the order they were issued (every rank must issue collectives in the
+same order, as in MPI). Owns Handle (wait/done) and that ordering; knows nothing of what a call
+does. The heavy parts of a call (the C++ engine, MPI) release the GIL, so a call on the
+background thread overlaps the caller's Python work."""
+import collections
+import threading
+
+from ..errors import MlfabricError
+
+
+class Handle:
+    """A non-blocking call in flight. wait() returns its result or raises its error.
+
+    The buffers passed to the call must not be touched until wait() returns."""
+
+    def __init__(self, what):
+        self.what = what
+        self._event = threading.Event()
+        self._result = None
+        self._error = None
+
+    def done(self):
+        """True once the call has finished (successfully or not); never blocks."""
+        return self._event.is_set()
+
+    def wait(self, timeout=None):
+        """Block until the call finishes; return its result or raise its exception."""
+        if not self._event.wait(timeout):
+            raise MlfabricError(f"{self.what}: not finished after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def _finish(self, result=None, error=None):
+        self._result, self._error = result, error
+        self._event.set()
+
+
+class Executor:
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._queue = collections.deque()
+        self._busy = False
+        self._thread = None
+        self._closed = False
+
+    def submit(self, what, fn):
+        """Queue fn() behind every call issued before it; return its Handle."""
+        handle = Handle(what)
+        with self._cv:
+            if self._closed:
+                raise MlfabricError(f"{what}: mlfabric was finalized")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="mlfabric-comm",
+                                                daemon=True)
+                self._thread.start()
+            self._queue.append((fn, handle))
+            self._cv.notify_all()
+        return handle
+
+    def run(self, what, fn):
+        """Run fn() now, in order after pending non-blocking calls; return its result."""
+        with self._cv:
+            idle = not self._queue and not self._busy
+        if idle:
+            return fn()
+        return self.submit(what, fn).wait()
+
+    def _loop(self):
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                fn, handle = self._queue.popleft()
+                self._busy = True
+            try:
+                handle._finish(result=fn())
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                handle._finish(error=exc)
+            with self._cv:
+                self._busy = False
+                self._cv.notify_all()
+
+    def shutdown(self):
+        """Let queued calls finish, then stop the thread."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join()

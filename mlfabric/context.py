@@ -1,0 +1,83 @@
+"""Process-wide state between init() and finalize(): the communicator mlfabric works on, the
+host-local communicator, the shared-memory transport (when all ranks share one host) and the
+executor that orders blocking and non-blocking calls. Owns init/finalize and nothing else."""
+import atexit
+import threading
+
+from mpi4py import MPI
+
+from . import _config
+from .comm.executor import Executor
+from .errors import MlfabricError, NotInitializedError
+
+_ctx = None
+_lock = threading.Lock()
+
+
+class Context:
+    def __init__(self, comm):
+        # Private duplicates: mlfabric's traffic never matches the user's own messages.
+        self.user_comm = comm
+        self.comm = comm.Dup()
+        self.rank, self.size = self.comm.rank, self.comm.size
+        self.node_comm = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self.local_rank, self.local_size = self.node_comm.rank, self.node_comm.size
+        # One host for everyone? Then every collective can go through shared memory.
+        self.single_host = self.comm.allreduce(1 if self.local_size == self.size else 0,
+                                               op=MPI.MIN) == 1
+        self.shm = None
+        if self.single_host and _config.shm_enabled():
+            from .comm.shm import ShmTransport
+            self.shm = ShmTransport(self.node_comm)
+        self.executor = Executor()
+
+    def close(self):
+        self.executor.shutdown()
+        if self.shm is not None:
+            self.shm.close()
+        self.node_comm.Free()
+        self.comm.Free()
+
+
+def init(comm=None):
+    """Initialise mlfabric on `comm` (default MPI.COMM_WORLD). Collective over comm.
+
+    Calling init() again with the same communicator is a no-op; with another one it is an error
+    (finalize() first)."""
+    global _ctx
+    with _lock:
+        comm = MPI.COMM_WORLD if comm is None else comm
+        if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
+            raise MlfabricError(f"init(comm=...) needs an mpi4py intracommunicator, got {comm!r}")
+        if _ctx is not None:
+            if MPI.Comm.Compare(_ctx.user_comm, comm) in (MPI.IDENT, MPI.CONGRUENT):
+                return
+            raise MlfabricError("mlfabric is already initialised on another communicator; "
+                                "call finalize() first")
+        _ctx = Context(comm)
+
+
+def finalize():
+    """Finish pending non-blocking calls and free mlfabric's communicators and shared memory.
+    Collective. Arrays from shared_empty() must not be used afterwards."""
+    global _ctx
+    with _lock:
+        if _ctx is None or MPI.Is_finalized():
+            _ctx = None
+            return
+        ctx, _ctx = _ctx, None
+        ctx.close()
+
+
+def initialized():
+    return _ctx is not None
+
+
+def get():
+    """The context, or NotInitializedError."""
+    if _ctx is None:
+        raise NotInitializedError("mlfabric is not initialised: call mlfabric.init() first")
+    return _ctx
+
+
+atexit.register(finalize)

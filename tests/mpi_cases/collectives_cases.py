@@ -1,0 +1,202 @@
+"""Multi-rank cases for the public collectives: every op x dtype x algorithm against a float64
+reference, odd sizes, in place and out of place, torch tensors, non-contiguous views, shared
+buffers (zero-copy), bitwise-identical results on every rank."""
+import numpy as np
+
+import mlfabric as mf
+
+from .common import (DTYPES, OPS, assert_close, reference, same_everywhere, setup, to_dtype,  # noqa: F401
+                     torch, values)
+
+SIZES = (0, 1, 7, 1021, 65537)
+# Larger than the engine's staging area (slots x ranks x block), so the pipeline wraps around.
+BIG = 2_000_003
+
+
+def _allreduce_check(dtype, op, count, algorithm, salt=0):
+    n, r = mf.size(), mf.rank()
+    if op == "avg" and dtype.startswith("int"):
+        return
+    x = to_dtype(values(r, count, dtype, op, salt), dtype)
+    got = mf.allreduce(x, op=op, algorithm=algorithm)
+    want = reference(op, [values(q, count, dtype, op, salt) for q in range(n)], n)
+    what = f"allreduce {op} {dtype} n={count} {algorithm}"
+    assert_close(got, want, dtype, what)
+    same_everywhere(got, what)
+
+
+def case_allreduce_shm_all_ops_dtypes():
+    for dtype in DTYPES:
+        for op in OPS:
+            for count in SIZES:
+                _allreduce_check(dtype, op, count, "shm")
+
+
+def case_allreduce_mpi_algorithms():
+    for algorithm in ("ring", "rhd", "tree"):
+        for dtype in DTYPES:
+            for op in OPS:
+                for count in (0, 1, 7, 1021):
+                    _allreduce_check(dtype, op, count, algorithm)
+        _allreduce_check("float32", "sum", 65537, algorithm)
+
+
+def case_allreduce_larger_than_segment():
+    for algorithm in ("auto", "shm", "ring"):
+        _allreduce_check("float32", "sum", BIG, algorithm)
+    _allreduce_check("float64", "max", BIG // 2, "shm")
+    _allreduce_check("bfloat16", "avg", BIG // 3, "shm")
+
+
+def case_allreduce_in_place_and_out():
+    n, r = mf.size(), mf.rank()
+    for count in (5, 300_007):
+        want = reference("sum", [values(q, count, "float64", "sum") for q in range(n)], n)
+        x = values(r, count, "float64", "sum")
+        assert mf.allreduce(x, out=x) is x
+        assert_close(x, want, "float64", "in place")
+        x = values(r, count, "float64", "sum")
+        out = np.full(count, np.nan)
+        assert mf.allreduce(x, out=out) is out
+        assert_close(out, want, "float64", "out=")
+        assert_close(x, values(r, count, "float64", "sum"), "float64", "input untouched")
+
+
+def case_allreduce_torch_and_noncontiguous():
+    n, r = mf.size(), mf.rank()
+    base = values(r, 6 * 50, "float32", "sum").reshape(6, 50).astype(np.float32)
+    want = reference("sum", [values(q, 300, "float32", "sum").reshape(6, 50) for q in range(n)], n)
+    view = base.T  # non-contiguous: copied in, copied back
+    mf.allreduce(view, out=view)
+    assert_close(base, want, "float32", "non-contiguous in place")
+    if torch is None:
+        return
+    t = torch.from_numpy(values(r, 300, "float32", "sum").reshape(6, 50).astype(np.float32))
+    got = mf.allreduce(t)
+    assert isinstance(got, torch.Tensor) and got.shape == (6, 50)
+    assert_close(got, want, "float32", "torch")
+    tt = t.clone().t()  # non-contiguous torch
+    mf.allreduce(tt, out=tt)
+    assert_close(tt.t(), want, "float32", "torch non-contiguous")
+    g = torch.ones(10, requires_grad=True)
+    assert_close(mf.allreduce(g.detach()), np.full(10, n), "float32", "requires_grad source")
+
+
+def case_shared_buffers_zero_copy():
+    n, r = mf.size(), mf.rank()
+    for count in (1, 1021, 300_007):
+        s = mf.shared_empty(count, np.float64)
+        assert mf.is_shared(s)
+        s[:] = values(r, count, "float64", "sum")
+        want = reference("sum", [values(q, count, "float64", "sum") for q in range(n)], n)
+        mf.allreduce(s, out=s)
+        assert_close(s, want, "float64", f"shared in place n={count}")
+        same_everywhere(s, "shared")
+        s[:] = values(r, count, "float64", "sum")
+        out = mf.shared_empty(count, np.float64)
+        mf.allreduce(s, op="avg", out=out)
+        assert_close(out, want / n, "float64", "shared out of place")
+        # Broadcast and allgather read peers' shared buffers directly too.
+        s[:] = r
+        mf.broadcast(s, root=n - 1)
+        assert (s == n - 1).all()
+        s[:] = r
+        g = mf.allgather(s)
+        assert (g.reshape(n, count) == np.arange(n)[:, None]).all()
+    # A view at the same offset everywhere is still zero-copy; a private array is not shared.
+    s = mf.shared_zeros((4, 256), np.float32)
+    s[1:3] = r + 1
+    mf.allreduce(s[1:3], out=s[1:3])
+    assert (s[1:3] == n * (n + 1) / 2).all() and (s[0] == 0).all() and (s[3] == 0).all()
+    assert not mf.is_shared(np.zeros(3))
+    if torch is not None:
+        ts = mf.shared_empty((3, 4), torch.bfloat16)
+        ts.fill_(1.0)
+        mf.allreduce(ts, out=ts)
+        assert (ts.float() == n).all()
+
+
+def case_broadcast_every_root():
+    n, r = mf.size(), mf.rank()
+    for dtype in DTYPES:
+        for count in (0, 1, 1021, BIG if dtype == "float32" else 3):
+            for root in range(n):
+                x = to_dtype(values(r, count, dtype, "sum"), dtype)
+                assert mf.broadcast(x, root=root) is x
+                assert_close(x, values(root, count, dtype, "sum"), dtype, f"broadcast {dtype}")
+
+
+def case_allgather():
+    n, r = mf.size(), mf.rank()
+    for dtype in DTYPES:
+        for shape in ((), (0,), (7,), (3, 5), (BIG,) if dtype == "int32" else (2,)):
+            count = int(np.prod(shape))
+            x = to_dtype(values(r, count, dtype, "sum").reshape(shape), dtype)
+            got = mf.allgather(x)
+            want = np.concatenate([values(q, count, dtype, "sum").reshape(shape or (1,))
+                                   for q in range(n)])
+            assert_close(got, want, dtype, f"allgather {dtype} {shape}")
+
+
+def case_reduce_scatter():
+    n, r = mf.size(), mf.rank()
+    for dtype in DTYPES:
+        for op in OPS:
+            if op == "avg" and dtype.startswith("int"):
+                continue
+            for rows in (0, 1, n, 2 * n + 1, 1000):
+                count = rows * 3
+                x = to_dtype(values(r, count, dtype, op).reshape(rows, 3), dtype)
+                got = mf.reduce_scatter(x, op=op)
+                full = reference(op, [values(q, count, dtype, op).reshape(rows, 3)
+                                      for q in range(n)], n)
+                want = np.array_split(full, n)[r]
+                assert_close(got, want, dtype, f"reduce_scatter {op} {dtype} rows={rows}")
+
+
+def case_reduce_to_root():
+    n, r = mf.size(), mf.rank()
+    for root in range(n):
+        for count in (0, 3, 300_007):
+            x = values(r, count, "float64", "max")
+            got = mf.reduce(x, root=root, op="max")
+            if r == root:
+                assert_close(got, reference("max", [values(q, count, "float64", "max")
+                                                    for q in range(n)], n), "float64", "reduce")
+            else:
+                assert got is None
+
+
+def case_async_handles_in_order():
+    n, r = mf.size(), mf.rank()
+    xs = [np.full(1000 * (i + 1), r + i, np.float64) for i in range(5)]
+    handles = [mf.allreduce_async(x) for x in xs]
+    hb = mf.broadcast_async(np.full(10, r, np.int64), root=0)
+    # Waiting out of order is fine: the calls ran in the order they were issued.
+    assert (hb.wait() == 0).all()
+    for i in reversed(range(5)):
+        got = handles[i].wait()
+        assert handles[i].done()
+        assert (got == sum(q + i for q in range(n))).all()
+    # A blocking call after async ones runs after them.
+    h = mf.allgather_async(np.array([r]))
+    assert (mf.allreduce(np.ones(3)) == n).all()
+    assert list(h.wait()) == list(range(n))
+    hr = mf.reduce_scatter_async(np.ones((n, 2)))
+    assert (hr.wait() == n).all()
+
+
+def case_barrier_and_send_recv():
+    n, r = mf.size(), mf.rank()
+    mf.barrier()
+    if n < 2:
+        return
+    # A ring of messages, different sizes and dtypes, with tags.
+    right, left = (r + 1) % n, (r - 1) % n
+    if r % 2 == 0:
+        mf.send(np.arange(10, dtype=np.int64) + r, right, tag=3)
+        got = mf.recv(np.empty(10, np.int64), left, tag=3)
+    else:
+        got = mf.recv(np.empty(10, np.int64), left, tag=3)
+        mf.send(np.arange(10, dtype=np.int64) + r, right, tag=3)
+    assert (got == np.arange(10) + left).all()

@@ -1,0 +1,123 @@
+"""Multi-rank cases for bad input: every mismatch is a MismatchError on every rank naming the
+ranks, a rank whose own arguments are invalid gets its own error while its peers get a
+MismatchError at once (no hang), and the job goes on working afterwards."""
+import numpy as np
+import pytest
+
+import mlfabric as mf
+
+from .common import setup, torch  # noqa: F401
+
+
+def _expect_mismatch(fn, *needles):
+    with pytest.raises(mf.MismatchError) as info:
+        fn()
+    msg = str(info.value)
+    for needle in needles:
+        assert needle in msg, f"{needle!r} not in {msg!r}"
+    return msg
+
+
+def _still_works():
+    n = mf.size()
+    assert (mf.allreduce(np.ones(1000)) == n).all()
+
+
+def case_shape_mismatch_names_ranks():
+    n, r = mf.size(), mf.rank()
+    if n == 1:
+        return
+    for algorithm in ("auto", "ring", "tree", "rhd"):
+        count = 10 if r != n - 1 else 11
+        _expect_mismatch(lambda: mf.allreduce(np.ones(count), algorithm=algorithm),
+                         "shape", f"(11,) on rank(s) [{n - 1}]")
+        _still_works()
+    # Same element count, different shape, also refused.
+    shape = (2, 6) if r == 0 else (3, 4)
+    _expect_mismatch(lambda: mf.allreduce(np.ones(shape)), "shape", "(2, 6) on rank(s) [0]")
+    # Larger than one pipeline step: the header round catches it before any data moves.
+    big = 2_000_000 + (r == 1)
+    _expect_mismatch(lambda: mf.allreduce(np.ones(big, np.float32)), "shape")
+    _still_works()
+
+
+def case_dtype_op_root_kind_algorithm_mismatch():
+    n, r = mf.size(), mf.rank()
+    if n == 1:
+        return
+    dtype = np.float32 if r == 0 else np.float64
+    _expect_mismatch(lambda: mf.allreduce(np.ones(8, dtype)), "dtype", "float32 on rank(s) [0]",
+                     "float64")
+    op = "sum" if r == 0 else "max"
+    _expect_mismatch(lambda: mf.allreduce(np.ones(8), op=op), "op", "max")
+    _expect_mismatch(lambda: mf.broadcast(np.ones(8), root=r), "root")
+    if r == 0:
+        _expect_mismatch(lambda: mf.broadcast(np.ones(8)), "kind", "broadcast", "allreduce")
+    else:
+        _expect_mismatch(lambda: mf.allreduce(np.ones(8)), "kind", "broadcast", "allreduce")
+    algo = "ring" if r == 0 else "tree"
+    _expect_mismatch(lambda: mf.allreduce(np.ones(8), algorithm=algo), "algorithm", "ring", "tree")
+    _expect_mismatch(lambda: mf.allgather(np.ones(3 + r)), "shape")
+    _expect_mismatch(lambda: mf.reduce_scatter(np.ones((4, 2 + r))), "shape")
+    _still_works()
+
+
+def case_local_rejection_fails_fast_everywhere():
+    n, r = mf.size(), mf.rank()
+    bad = n - 1
+    # An unsupported dtype on one rank: TypeError there, MismatchError naming it elsewhere.
+    x = np.ones(8, np.complex64) if r == bad else np.ones(8, np.float32)
+    if r == bad:
+        with pytest.raises(TypeError, match="unsupported dtype"):
+            mf.allreduce(x)
+    elif n > 1:
+        _expect_mismatch(lambda: mf.allreduce(x), f"rank(s) [{bad}] rejected")
+    # Invalid values on one rank: ValueError / TypeError there.
+    if r == bad:
+        with pytest.raises(ValueError, match="root"):
+            mf.broadcast(np.ones(3), root=n + 5)
+        with pytest.raises(ValueError, match="unknown reduction op"):
+            mf.allreduce(np.ones(3), op="median")
+        with pytest.raises(TypeError, match="avg"):
+            mf.allreduce(np.ones(3, np.int32), op="avg")
+        with pytest.raises(ValueError, match="elements"):
+            mf.allreduce(np.ones(3), out=np.ones(4))
+        with pytest.raises(ValueError, match="unknown algorithm"):
+            mf.allreduce(np.ones(3), algorithm="butterfly")
+        with pytest.raises(TypeError, match="numpy array"):
+            mf.allreduce([1.0, 2.0, 3.0])
+    elif n > 1:
+        _expect_mismatch(lambda: mf.broadcast(np.ones(3)), "rejected")
+        for _ in range(5):
+            kwargs = {}
+            _expect_mismatch(lambda: mf.allreduce(np.ones(3), **kwargs), "rejected")
+    _still_works()
+
+
+def case_every_rank_rejects_the_same_way():
+    with pytest.raises(TypeError):
+        mf.allreduce(np.ones(4, np.uint8))
+    with pytest.raises(ValueError):
+        mf.reduce_scatter(np.array(3.0))
+    _still_works()
+
+
+def case_send_recv_mismatch():
+    n, r = mf.size(), mf.rank()
+    if n < 2:
+        return
+    if r == 0:
+        mf.send(np.ones(5, np.float32), 1, tag=7)
+    elif r == 1:
+        with pytest.raises(mf.MismatchError, match="5 x float32"):
+            mf.recv(np.empty(6, np.float32), 0, tag=7)
+    _still_works()
+
+
+def case_gpu_tensor_refused():
+    if torch is None:
+        return
+    t = torch.ones(3, device="meta")
+    with pytest.raises(mf.MlfabricError, match="GPU tensors need the NCCL transport|meta"):
+        mf.allreduce(t)
+    _still_works()

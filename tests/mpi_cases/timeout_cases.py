@@ -1,0 +1,26 @@
+"""A rank that never joins a collective: its peers raise PeerTimeoutError within MLFABRIC_TIMEOUT
+(the harness sets it to 3 s for this module) instead of hanging. Runs last: the engine is unusable
+afterwards by design."""
+import time
+
+import numpy as np
+import pytest
+
+import mlfabric as mf
+
+from .common import setup  # noqa: F401
+
+
+def case_missing_peer_times_out():
+    n, r = mf.size(), mf.rank()
+    if n == 1:
+        return
+    if r == n - 1:
+        time.sleep(6)  # "dead": never calls allreduce
+        return
+    t0 = time.monotonic()
+    with pytest.raises(mf.PeerTimeoutError, match="timed out|no progress") as info:
+        mf.allreduce(np.ones(10))
+    waited = time.monotonic() - t0
+    assert 2.5 < waited < 10, waited
+    assert str(n - 1) in str(info.value)

@@ -1,0 +1,41 @@
+"""Starts real mpirun jobs from pytest, each bounded by a timeout. The Open MPI root variables are
+set here (the test harness), never in library code."""
+import os
+import shutil
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def mpirun_path():
+    here = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    return here if os.path.exists(here) else shutil.which("mpirun")
+
+
+def mpi_env(extra=None):
+    env = dict(os.environ)
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               PYTHONUNBUFFERED="1", MLFABRIC_TIMEOUT=env.get("MLFABRIC_TIMEOUT", "20"),
+               # Keep Open MPI from probing networks: everything is on this host.
+               OMPI_MCA_btl="self,sm", OMPI_MCA_osc="^ucx")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra or {})
+    return env
+
+
+def run_mpi(n, args, timeout=180, env=None, mpirun_args=()):
+    """Run `mpirun -n n python args...`; return the CompletedProcess (output merged)."""
+    mpirun = mpirun_path()
+    assert mpirun, "mpirun not found next to python or on PATH"
+    cmd = [mpirun, "--oversubscribe", *mpirun_args, "-n", str(n), sys.executable, *args]
+    return subprocess.run(cmd, cwd=ROOT, env=mpi_env(env), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
+
+
+def run_cases(module, n, pattern="", timeout=180, env=None):
+    """Run tests/mpi_cases/<module>.py's case_* functions on n ranks; fail with the job's output."""
+    proc = run_mpi(n, ["-m", "tests.mpi_cases.runner", module, pattern], timeout=timeout, env=env)
+    assert proc.returncode == 0, f"mpirun -n {n} {module} failed (rc={proc.returncode}):\n{proc.stdout}"
+    assert " 0 failed" in proc.stdout, proc.stdout
+    return proc.stdout

@@ -1,0 +1,62 @@
+"""Bad input under real mpirun (tests/mpi_cases/errors_cases.py, timeout_cases.py), and the
+single-process errors: use before init, bad environment settings."""
+import subprocess
+import sys
+
+import pytest
+
+from tests.mpi_util import ROOT, mpi_env, run_cases
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_errors(n):
+    run_cases("errors_cases", n, timeout=300)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [2, 3])
+def test_dead_peer_times_out(n):
+    run_cases("timeout_cases", n, timeout=120, env={"MLFABRIC_TIMEOUT": "3"})
+
+
+def _python(code, env=None):
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=mpi_env(env),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+
+
+def test_calls_before_init_raise():
+    code = """
+import numpy as np, mlfabric as mf
+for f in (lambda: mf.allreduce(np.ones(3)), mf.rank, mf.size, mf.barrier,
+          lambda: mf.shared_empty(3), lambda: mf.broadcast(np.ones(2))):
+    try:
+        f()
+    except mf.NotInitializedError as e:
+        assert "mlfabric.init()" in str(e)
+    else:
+        raise SystemExit("no error before init")
+mf.init(); mf.init()  # idempotent
+assert mf.size() == 1 and mf.rank() == 0 and mf.local_size() == 1
+mf.finalize()
+try:
+    mf.allreduce(np.ones(3))
+except mf.NotInitializedError:
+    print("OK")
+"""
+    proc = _python(code)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout
+
+
+def test_bad_environment_values_are_errors():
+    proc = _python("import mlfabric as mf; mf.init()", {"MLFABRIC_TIMEOUT": "soon"})
+    assert proc.returncode != 0 and "MLFABRIC_TIMEOUT" in proc.stdout
+    proc = _python("import mlfabric as mf; mf.init()", {"MLFABRIC_SHM": "yes"})
+    assert proc.returncode != 0 and "MLFABRIC_SHM" in proc.stdout
+
+
+def test_shm_can_be_disabled():
+    code = ("import numpy as np, mlfabric as mf; mf.init(); "
+            "assert (mf.allreduce(np.ones(5)) == 1).all(); print('OK')")
+    proc = _python(code, {"MLFABRIC_SHM": "0"})
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout
