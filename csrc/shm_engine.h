@@ -73,7 +73,8 @@ class ShmEngine {
   void staged(const CallArgs& a, bool combined);
   void zero_copy(const CallArgs& a);
   void stage_step(const CallArgs& a, uint64_t k, size_t step, size_t e);
-  void finish_step(const CallArgs& a, uint64_t k, size_t step, size_t e);
+  void compute_step(const CallArgs& a, uint64_t k, size_t step, size_t e);
+  void drain_step(const CallArgs& a, uint64_t k, size_t step, size_t e);
   size_t sub_elems(const CallArgs& a) const;
   size_t num_steps(const CallArgs& a, size_t e) const;
 
@@ -87,8 +88,10 @@ class ShmEngine {
   char* data_;
   uint64_t round_ = 0;     // rounds this rank has started; the same on every rank between calls
   bool broken_ = false;
+  bool redundant_ = false;  // this call: small allreduce reduced whole by every rank
   std::vector<int64_t> snapshot_;
   std::vector<size_t> chunk_off_, chunk_len_;  // scratch: this call's partition
+  std::vector<const void*> srcs_;              // scratch: one source pointer per rank
 };
 
 }  // namespace mlf

@@ -59,6 +59,11 @@ class Executor:
             self._cv.notify_all()
         return handle
 
+    def idle(self):
+        """True when no non-blocking call is queued or running (only the issuing thread queues
+        calls, so the answer stays true until that thread submits one)."""
+        return not self._queue and not self._busy
+
     def run(self, what, fn):
         """Run fn() now, in order after pending non-blocking calls; return its result."""
         with self._cv:

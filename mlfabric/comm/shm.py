@@ -71,12 +71,24 @@ class ShmTransport:
             header.KIND_CODES[kind], code, op, scale, root, inp.ptr if inp is not None else 0,
             out.ptr if out is not None else 0, count, list(chunks), hdr, list(peer_in),
             list(peer_out))
+        if status:
+            self._raise(what, status, message)
+        return zero_copy
+
+    def allreduce_small(self, x, out, plan):
+        """The latency path: a small C-contiguous numpy allreduce with a cached plan
+        (code, op, scale, header); x and out are arrays of the same dtype and size."""
+        code, op, scale, hdr = plan
+        status, _, message = self.engine.run_arrays(1, code, op, scale, x, out, hdr)
+        if status:
+            self._raise("allreduce", status, message)
+        return out
+
+    def _raise(self, what, status, message):
         if status == 1:
             header.check(header.from_flat(self.engine.headers(), self.size), what)
             raise MlfabricError(f"{what}: header mismatch")  # pragma: no cover - check() raises
-        if status == 2:
-            raise PeerTimeoutError(f"{what}: {message}")
-        return zero_copy
+        raise PeerTimeoutError(f"{what}: {message}")
 
     def check_headers(self, what, hdr):
         """Header round only: every rank's header compared, no data moved (for the MPI paths)."""

@@ -5,7 +5,7 @@ import numpy as np
 
 import mlfabric as mf
 
-from .common import (DTYPES, OPS, assert_close, reference, same_everywhere, setup, to_dtype,  # noqa: F401
+from .common import (DTYPES, OPS, assert_close, magnitude, reference, same_everywhere, setup, to_dtype,  # noqa: F401
                      torch, values)
 
 SIZES = (0, 1, 7, 1021, 65537)
@@ -19,9 +19,9 @@ def _allreduce_check(dtype, op, count, algorithm, salt=0):
         return
     x = to_dtype(values(r, count, dtype, op, salt), dtype)
     got = mf.allreduce(x, op=op, algorithm=algorithm)
-    want = reference(op, [values(q, count, dtype, op, salt) for q in range(n)], n)
+    inputs = [values(q, count, dtype, op, salt) for q in range(n)]
     what = f"allreduce {op} {dtype} n={count} {algorithm}"
-    assert_close(got, want, dtype, what)
+    assert_close(got, reference(op, inputs, n), dtype, what, magnitude(op, inputs, n))
     same_everywhere(got, what)
 
 
@@ -148,10 +148,11 @@ def case_reduce_scatter():
                 count = rows * 3
                 x = to_dtype(values(r, count, dtype, op).reshape(rows, 3), dtype)
                 got = mf.reduce_scatter(x, op=op)
-                full = reference(op, [values(q, count, dtype, op).reshape(rows, 3)
-                                      for q in range(n)], n)
-                want = np.array_split(full, n)[r]
-                assert_close(got, want, dtype, f"reduce_scatter {op} {dtype} rows={rows}")
+                inputs = [values(q, count, dtype, op).reshape(rows, 3) for q in range(n)]
+                want = np.array_split(reference(op, inputs, n), n)[r]
+                mag = magnitude(op, inputs, n)
+                mag = None if mag is None else np.array_split(mag, n)[r]
+                assert_close(got, want, dtype, f"reduce_scatter {op} {dtype} rows={rows}", mag)
 
 
 def case_reduce_to_root():
