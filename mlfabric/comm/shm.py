@@ -36,6 +36,7 @@ class ShmTransport:
         comm.Barrier()
         self.allocs = []
         self._ids = itertools.count()
+        self.zero_copy_calls = 0   # calls that read peers' shared buffers in place (for tests)
 
     # --- shared buffers -------------------------------------------------------------------
     def allocate(self, nbytes):
@@ -73,6 +74,7 @@ class ShmTransport:
             list(peer_out))
         if status:
             self._raise(what, status, message)
+        self.zero_copy_calls += bool(zero_copy)
         return zero_copy
 
     def allreduce_small(self, x, out, plan):

@@ -82,6 +82,11 @@ def case_allreduce_torch_and_noncontiguous():
     assert_close(mf.allreduce(g.detach()), np.full(10, n), "float32", "requires_grad source")
 
 
+def _zero_copy_calls():
+    from mlfabric import context
+    return context.get().shm.zero_copy_calls
+
+
 def case_shared_buffers_zero_copy():
     n, r = mf.size(), mf.rank()
     for count in (1, 1021, 300_007):
@@ -89,7 +94,10 @@ def case_shared_buffers_zero_copy():
         assert mf.is_shared(s)
         s[:] = values(r, count, "float64", "sum")
         want = reference("sum", [values(q, count, "float64", "sum") for q in range(n)], n)
+        before = _zero_copy_calls()
         mf.allreduce(s, out=s)
+        # Calls longer than one pipeline step read peers' buffers in place.
+        assert _zero_copy_calls() == before + (count > 100_000), (before, _zero_copy_calls())
         assert_close(s, want, "float64", f"shared in place n={count}")
         same_everywhere(s, "shared")
         s[:] = values(r, count, "float64", "sum")
