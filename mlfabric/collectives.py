@@ -142,6 +142,11 @@ def _allreduce(x, op, out, algorithm, async_):
 _SMALL_BYTES = 16384  # calls up to this size take the latency path when they can
 
 
+def _same_layout(out, x):
+    return (type(out) is np.ndarray and out.dtype == x.dtype and out.shape == x.shape
+            and out.flags.c_contiguous)
+
+
 def _small_plan(ctx, x, op):
     """The cached (code, op, scale, header) of a small numpy allreduce, or None when the
     arguments need the general path's checks (it raises the right errors)."""
@@ -170,11 +175,11 @@ def allreduce(x, op="sum", out=None, algorithm="auto"):
     # Latency path: small contiguous numpy arrays on one host skip the general machinery (a few
     # microseconds of Python that would dominate a call this size). Same protocol, same checks.
     if (ctx is not None and ctx.shm is not None and type(x) is np.ndarray
-            and (out is None or out is x) and algorithm == "auto" and x.nbytes <= _SMALL_BYTES
-            and x.flags.c_contiguous and ctx.executor.idle()):
+            and algorithm == "auto" and x.nbytes <= _SMALL_BYTES and x.flags.c_contiguous
+            and (out is None or out is x or _same_layout(out, x)) and ctx.executor.idle()):
         plan = _small_plan(ctx, x, op)
         if plan is not None:
-            return ctx.shm.allreduce_small(x, x if out is x else np.empty_like(x), plan)
+            return ctx.shm.allreduce_small(x, np.empty_like(x) if out is None else out, plan)
     return _allreduce(x, op, out, algorithm, False)
 
 

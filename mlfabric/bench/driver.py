@@ -16,11 +16,12 @@ from . import impls, report
 
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64")
 ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8}
-# Unit roundoff of the floating dtypes: the tolerance of op avg (the only inexact check).
+# Machine epsilon (ulp of 1.0) of the floating dtypes: op avg, the only inexact check, allows 2.
 EPS = {"float32": 2.0 ** -23, "float64": 2.0 ** -52, "float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}
 OPS = ("sum", "prod", "min", "max", "avg")
 ALGORITHMS = ("auto", "shm", "ring", "rhd", "tree")
-SENTINEL = 127      # written to outputs before a run; outside every input pattern's range
+SENTINEL = 16384    # written to outputs before a run: exact in every dtype, and no input or
+                    # expected value reaches it (|values| <= 256 up to 256 ranks, <= n beyond)
 CHUNK = 1 << 20     # elements per step when filling and checking, to bound temporary memory
 UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -29,7 +30,7 @@ class UsageError(Exception):
     """A bad command line; raised identically on every rank, reported by rank 0, exit status 2."""
 
 
-# --- sizes -----------------------------------------------------------------------------------------
+# --- sizes ---------------------------------------------------------------------------------------
 
 def parse_size(text):
     """'8' -> 8, '64K' -> 65536, '128M', '1G', '1.5K', '4KiB', '16B'; binary units."""
@@ -64,7 +65,7 @@ def size_sweep(begin, end, factor):
     return sizes
 
 
-# --- data pattern: small integers, exact in every dtype, so results are checked for equality ----
+# --- data pattern: small integers, exact in every dtype, so results are checked for equality -----
 
 def _mix(x):
     """A 64-bit mixing hash (wrapping uint64 arithmetic), so no shift of the data goes unnoticed."""
@@ -73,7 +74,8 @@ def _mix(x):
 
 
 def amplitude(p):
-    """Inputs lie in [-a, a]. Sums over n ranks must stay exact in bfloat16 (|int| <= 256)."""
+    """Inputs lie in [-a, a]. Sums over n ranks must stay exact in bfloat16 (|int| <= 256), which
+    holds up to 256 ranks (float16: 2048)."""
     if p.op in ("sum", "avg"):
         return max(1, min(30, 256 // p.nranks))
     return 30
@@ -215,7 +217,7 @@ def make_params(coll, args, count, nranks, rank):
                   args.root if coll.rooted else -1, nranks, rank, count, send, recv)
 
 
-# --- filling, timing, checking ---------------------------------------------------------------------
+# --- filling, timing, checking -------------------------------------------------------------------
 
 def _chunks(n):
     for lo in range(0, n, CHUNK):
@@ -320,7 +322,7 @@ def make_record(coll, family, variant, p, args, seconds, wrong):
     }
 
 
-# --- command line ----------------------------------------------------------------------------------
+# --- command line --------------------------------------------------------------------------------
 
 class _Parser(argparse.ArgumentParser):
     """argparse that prints (help, usage, errors) on rank 0 only, and exits on every rank alike."""
@@ -395,7 +397,7 @@ def resolve_baseline(name, variant_names):
     return None
 
 
-# --- the run ---------------------------------------------------------------------------------------
+# --- the run -------------------------------------------------------------------------------------
 
 class Run:
     """One invocation: sets the families up, sweeps sizes x impls, reports, shuts down."""
@@ -505,6 +507,7 @@ def _kind_of(family_name, reason):
 
 def run(args, comm):
     sizes, variants = validate(args, comm.size)
+    impls.limit_threads()
     if args.plot and comm.rank == 0:
         missing = report.plot_unavailable()
     else:
@@ -515,11 +518,9 @@ def run(args, comm):
     bench = Run(args, comm, sizes, variants)
     host = report.host_info(comm)
     bench.say(report.preamble(args, comm.size, sizes, variants, host))
-    try:
-        bench.setup()
-        bench.sweep()
-    finally:
-        bench.shutdown()
+    bench.setup()
+    bench.sweep()
+    bench.shutdown()  # not on an exception: shutdown is collective, and main() aborts instead
     return bench.finish(host)
 
 

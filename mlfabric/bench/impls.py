@@ -7,6 +7,7 @@ does). mlfabric and torch are imported lazily, inside their family.
 import inspect
 import os
 import socket
+import sys
 from datetime import timedelta
 
 import numpy as np
@@ -18,6 +19,18 @@ PINGPONG_TAG = 17
 
 class Unsupported(Exception):
     """This implementation cannot run this case; the driver skips it with a printed note."""
+
+
+def limit_threads():
+    """One compute thread per rank, as torchrun does, unless OMP_NUM_THREADS says otherwise: with
+    a rank per core, torch's OpenMP workers (used by the bench's own fills and checks, and by
+    gloo) would only oversubscribe the cores the ranks being measured need."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch = sys.modules.get("torch")  # a later import reads the variable
+    if torch is not None:
+        torch.set_num_threads(1)
 
 
 def import_torch():
@@ -113,7 +126,7 @@ def chunk_of(buf, rank, chunk):
     return buf[rank * chunk:(rank + 1) * chunk]
 
 
-# --- families --------------------------------------------------------------------------------------
+# --- families ------------------------------------------------------------------------------------
 
 class Family:
     """A group of variants sharing one runtime (set up once per run, shut down at the end).
@@ -386,11 +399,13 @@ class MlfabricFamily(Family):
         super().setup(comm, opts)
         import mlfabric
         self.mlf = mlfabric
-        self.owns_init = True
+        self._pool, self._slot = {}, 0
         mlfabric.init(comm=comm)
+        self.owns_init = True
 
     def shutdown(self):
-        if self.owns_init:
+        self._pool.clear()  # finalize() frees the shared memory: drop the views first
+        if getattr(self, "owns_init", False):
             self.mlf.finalize()
 
     def supports(self, variant, coll, dtype, op):
@@ -402,13 +417,30 @@ class MlfabricFamily(Family):
     def algorithm(self, variant, coll):
         return self.opts.algorithm if coll == "allreduce" else None
 
+    def prepare(self, variant, coll, p):
+        self._slot = 0  # shared buffers are handed out by slot, in the same order on every rank
+        return super().prepare(variant, coll, p)
+
     def _buf(self, variant, count, dtype):
+        """A 1-D buffer; for mlfabric-shared a view of a pooled shared_empty() buffer.
+
+        shared_empty() is collective and its memory lives until finalize(), so every rank asks
+        for the same slots in the same order and a slot is reallocated only when it is too small
+        (an ascending sweep keeps < 2x the largest size per slot)."""
         if variant != "mlfabric-shared":
             return alloc(count, dtype)
-        try:
-            return self.mlf.shared_empty((count,), dtype)
-        except TypeError as e:
-            raise Unsupported(f"shared_empty cannot hold {dtype}: {e}") from e
+        slot, self._slot = self._slot, self._slot + 1
+        pooled = self._pool.get(slot)
+        if pooled is None or pooled[0] != dtype or length(pooled[1]) < count:
+            want = dtype
+            if dtype == "bfloat16":
+                want = import_torch().bfloat16
+            try:
+                pooled = (dtype, self.mlf.shared_empty((max(count, 1),), want))
+            except TypeError as e:
+                raise Unsupported(f"shared_empty cannot hold {dtype}: {e}") from e
+            self._pool[slot] = pooled
+        return pooled[1][:count]
 
     def _allreduce(self, variant, p):
         mlf, op, alg = self.mlf, p.op, self.opts.algorithm
@@ -443,20 +475,18 @@ class MlfabricFamily(Family):
 
     def _pingpong(self, variant, p):
         mlf = self.mlf
+        # Every rank allocates both buffers: shared_empty() is collective.
+        s, r = self._buf(variant, p.count, p.dtype), self._buf(variant, p.count, p.dtype)
         if self.rank == 0:
-            s, r = self._buf(variant, p.count, p.dtype), self._buf(variant, p.count, p.dtype)
-
             def run0():
                 mlf.send(s, 1, tag=PINGPONG_TAG)
                 mlf.recv(r, 1, tag=PINGPONG_TAG)
             return Case(run0, s, r)
         if self.rank == 1:
-            b = self._buf(variant, p.count, p.dtype)
-
             def run1():
-                mlf.recv(b, 0, tag=PINGPONG_TAG)
-                mlf.send(b, 0, tag=PINGPONG_TAG)
-            return Case(run1, b, b)
+                mlf.recv(s, 0, tag=PINGPONG_TAG)
+                mlf.send(s, 0, tag=PINGPONG_TAG)
+            return Case(run1, s, s)
         return idle_case()
 
     def version(self):

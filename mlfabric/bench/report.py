@@ -66,6 +66,8 @@ def summary(records, names, base):
     by = {(r["bytes"], r["impl"]): r for r in records}
     sizes = sorted({r["bytes"] for r in records})
     others = [n for n in names if n != base]
+    if not others:
+        return "#\n" + _avg_busbw(records, names)
     lines = ["#", f"# busbw relative to {base} (= {base} time / impl time; > 1: faster than "
                   f"{base})", "#" + _row("size(B)", others)[1:]]
     ratios = {n: [] for n in others}
@@ -80,11 +82,14 @@ def summary(records, names, base):
                 cells.append("-")
         lines.append(_row(str(s), cells))
     lines.append("#" + _row("geomean", [f"{geomean(ratios[n]):.2f}" for n in others])[1:])
-    lines.append("#")
+    lines += ["#", _avg_busbw(records, names)]
+    return "\n".join(lines)
+
+
+def _avg_busbw(records, names):
     avg = "  ".join(f"{n} {_mean([r['busbw'] for r in records if r['impl'] == n]):.3f}"
                     for n in names)
-    lines.append(f"# Avg bus bandwidth (GB/s): {avg}")
-    return "\n".join(lines)
+    return f"# Avg bus bandwidth (GB/s): {avg}"
 
 
 def _mean(xs):
@@ -158,7 +163,8 @@ def plot(path, records, names, title):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("size (bytes)")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
+        if records:
+            ax.legend()
     ax_t.set_yscale("log")
     ax_bw.set_ylabel("busbw (GB/s)")
     ax_t.set_ylabel("time (us)")
