@@ -29,8 +29,19 @@ def cuda_wanted():
     return nvcc
 
 
-def cuda_home(nvcc):
-    return os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+def cuda_lib_dirs(nvcc):
+    """Directories holding libcudart_static.a: CUDA_HOME's, nvcc's install's, /usr/local/cuda's
+    (nvcc on PATH is sometimes a wrapper script outside the CUDA tree)."""
+    homes = [os.environ.get("CUDA_HOME"), os.path.dirname(os.path.dirname(os.path.realpath(nvcc))),
+             "/usr/local/cuda"]
+    for home in filter(None, homes):
+        dirs = [d for d in (os.path.join(home, "lib64"),
+                            os.path.join(home, "targets", "x86_64-linux", "lib"))
+                if os.path.exists(os.path.join(d, "libcudart_static.a"))]
+        if dirs:
+            return dirs
+    raise SystemExit(f"nvcc found at {nvcc} but not libcudart_static.a; set CUDA_HOME "
+                     "or MLFABRIC_CUDA=0")
 
 
 class BuildExt(build_ext):
@@ -38,14 +49,11 @@ class BuildExt(build_ext):
 
     def build_extensions(self):
         nvcc = cuda_wanted()
+        print(f"mlfabric: CUDA kernels {'ON with ' + nvcc if nvcc else 'OFF'}")
         for ext in self.extensions:
             if nvcc:
                 ext.extra_objects += self._nvcc_compile(nvcc)
-                home = cuda_home(nvcc)
-                libdirs = [d for d in (os.path.join(home, "lib64"),
-                                       os.path.join(home, "targets", "x86_64-linux", "lib"))
-                           if os.path.isdir(d)]
-                ext.library_dirs += libdirs
+                ext.library_dirs += cuda_lib_dirs(nvcc)
                 ext.libraries += ["cudart_static", "dl", "rt", "pthread"]
                 ext.define_macros += [("MLFABRIC_WITH_CUDA", "1")]
         super().build_extensions()

@@ -98,7 +98,8 @@ void bind_kernels(py::module_& m) {
       py::arg("x"), py::arg("count"), py::arg("dtype"), nogil(),
       "sqrt(sum x[i]^2), accumulated in float64.");
   m.def(
-      "copy", [](uintptr_t dst, uintptr_t src, size_t nbytes) { mlf::copy(ptr(dst), ptr(src), nbytes); },
+      "copy",
+      [](uintptr_t dst, uintptr_t src, size_t nbytes) { mlf::copy(ptr(dst), ptr(src), nbytes); },
       py::arg("dst"), py::arg("src"), py::arg("nbytes"), nogil(),
       "memcpy (streaming stores for large copies); dst and src must not overlap.");
   m.def("isa", []() { return std::string(mlf::isa()); },
@@ -121,7 +122,8 @@ void bind_kernels(py::module_& m) {
         DType t = checked_dtype(dtype);
         RedOp o = checked_op(op);
         auto p = checked_srcs(srcs, t, scale);
-        cuda_check(cuda::reduce(ptr(dst), p.data(), int(p.size()), count, t, o, scale, ptr(stream)));
+        cuda_check(
+            cuda::reduce(ptr(dst), p.data(), int(p.size()), count, t, o, scale, ptr(stream)));
       },
       py::arg("dst"), py::arg("srcs"), py::arg("count"), py::arg("dtype"), py::arg("op"),
       py::arg("scale") = 1.0, py::arg("stream") = 0, nogil(),
@@ -129,7 +131,8 @@ void bind_kernels(py::module_& m) {
   m.def(
       "cuda_scale",
       [](uintptr_t x, size_t count, int dtype, double alpha, uintptr_t stream) {
-        cuda_check(cuda::scale(ptr(x), count, checked_floating(dtype, "scale"), alpha, ptr(stream)));
+        DType t = checked_floating(dtype, "scale");
+        cuda_check(cuda::scale(ptr(x), count, t, alpha, ptr(stream)));
       },
       py::arg("x"), py::arg("count"), py::arg("dtype"), py::arg("alpha"), py::arg("stream") = 0,
       nogil(), "scale() on a device pointer, queued on `stream`.");

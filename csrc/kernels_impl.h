@@ -14,21 +14,28 @@
 // and rounded once on the way out). Outputs of kStreamBytes or more are written with non-temporal
 // stores, so a reduce moves the bytes a copy moves instead of also pulling dst into the cache. More
 // than kGroup sources are combined in groups through an L1 accumulator tile, to keep the number of
-// concurrent memory streams within what the prefetchers follow. No FMA contraction (-std=c++17
-// turns it off) and a fixed order of operations: every ISA returns bit-identical results, so ranks
-// on different CPUs agree.
+// concurrent memory streams within what the prefetchers follow. No FMA contraction (see below)
+// and a fixed order of operations: every ISA returns bit-identical results, so ranks on different
+// CPUs agree.
+
+// gcc contracts a*b+c into FMA whenever the target has it (avx512f implies it), even in ISO mode;
+// that would make axpy and norm2 round differently per ISA. The kernels are memory-bound, so FMA
+// buys nothing here. no-trapping-math lets gcc turn the branch-free float16 conversions below
+// into vector selects (nothing here reads floating-point exception flags).
+#pragma GCC optimize("fp-contract=off", "no-trapping-math")
 
 namespace mlf {
 namespace MLF_ISA_NS {
 namespace {
 
-constexpr size_t kChunk = 32;       // elements per chunk: 2-4 vector registers per source
-constexpr size_t kTile = 1024;      // elements per accumulator tile (4-8 KiB, stays in L1)
-constexpr int kGroup = 8;           // sources combined per pass over memory
+constexpr size_t kChunk = 32;   // elements per chunk: 2-4 vector registers per source
+constexpr size_t kTile = 1024;  // elements per accumulator tile (4-8 KiB, stays in L1)
+constexpr int kGroup = 8;       // sources combined per pass over memory
 // Outputs at least this big are streamed past the cache. Below it the output is likely read soon
 // (the next step of a collective) and fits the cache.
 constexpr size_t kStreamBytes = size_t(4) << 20;
 constexpr size_t kLine = 64;
+static_assert(kChunk * 2 % kLine == 0, "a chunk of any dtype must be whole cache lines");
 
 inline size_t min_size(size_t a, size_t b) { return a < b ? a : b; }
 
@@ -44,7 +51,8 @@ inline void stream_line(void* p, const void* v) {
                         _mm256_loadu_si256(static_cast<const __m256i*>(v) + h));
 #else
   for (int h = 0; h < 4; ++h)
-    _mm_stream_si128(static_cast<__m128i*>(p) + h, _mm_loadu_si128(static_cast<const __m128i*>(v) + h));
+    _mm_stream_si128(static_cast<__m128i*>(p) + h,
+                     _mm_loadu_si128(static_cast<const __m128i*>(v) + h));
 #endif
 }
 
@@ -60,6 +68,30 @@ inline void stream_bytes(void* dst, const void* src, size_t bytes) {
 }
 
 inline void stream_fence() { _mm_sfence(); }
+
+// One vector to memory: streamed (p aligned to the vector) or through the cache.
+inline void put_vec(void* p, __m128i v, bool nt) {
+  if (nt)
+    _mm_stream_si128(static_cast<__m128i*>(p), v);
+  else
+    _mm_storeu_si128(static_cast<__m128i*>(p), v);
+}
+#if MLF_ISA_LEVEL >= 1
+inline void put_vec(void* p, __m256i v, bool nt) {
+  if (nt)
+    _mm256_stream_si256(static_cast<__m256i*>(p), v);
+  else
+    _mm256_storeu_si256(static_cast<__m256i*>(p), v);
+}
+#endif
+#if MLF_ISA_LEVEL >= 2
+inline void put_vec(void* p, __m512i v, bool nt) {
+  if (nt)
+    _mm512_stream_si512(static_cast<__m512i*>(p), v);
+  else
+    _mm512_storeu_si512(p, v);
+}
+#endif
 
 // ---------------------------------------------------------------- element kinds
 
@@ -83,26 +115,27 @@ inline uint32_t f32_bits(float f) {
 // float16 in software, bit-exact with F16C (round to nearest even; NaN payload kept and quietened),
 // written without branches so the baseline build vectorises it. Subnormals go through integer
 // conversion rather than denormal float arithmetic, so flush-to-zero modes do not change results.
+// Comparisons are on int32_t (the values are below 2**31): SSE2 has no unsigned compare.
 inline float f16_to_f32(uint16_t h) {
+  int32_t em = h & 0x7fff;
   uint32_t sign = uint32_t(h & 0x8000u) << 16;
-  uint32_t em = h & 0x7fffu;
-  uint32_t normal = (em << 13) + (uint32_t(127 - 15) << 23);
-  uint32_t special = (em << 13) | 0x7f800000u;  // inf / NaN
-  uint32_t sub = f32_bits(float(int32_t(em)) * 0x1p-24f);
-  uint32_t mag = em >= 0x7c00u ? special : (em < 0x0400u ? sub : normal);
+  uint32_t normal = (uint32_t(em) << 13) + (uint32_t(127 - 15) << 23);
+  uint32_t special = (uint32_t(em) << 13) | 0x7f800000u;  // inf / NaN
+  uint32_t sub = f32_bits(float(em) * 0x1p-24f);
+  uint32_t mag = em >= 0x7c00 ? special : (em < 0x0400 ? sub : normal);
   return bits_f32(mag | sign);
 }
 inline uint16_t f32_to_f16(float f) {
   uint32_t u = f32_bits(f);
   uint32_t sign = (u >> 16) & 0x8000u;
   uint32_t x = u & 0x7fffffffu;
+  int32_t xs = int32_t(x);
   uint32_t normal = (x + (uint32_t(15 - 127) << 23) + 0xfffu + ((x >> 13) & 1u)) >> 13;
   uint32_t sub = f32_bits(bits_f32(x) + 0.5f) - 0x3f000000u;  // add aligns the 10 bits, RNE
-  uint32_t special = x > 0x7f800000u ? (0x7e00u | ((x >> 13) & 0x3ffu)) : 0x7c00u;
-  uint32_t mag = x >= 0x47800000u ? special : (x < 0x38800000u ? sub : normal);
+  uint32_t special = xs > 0x7f800000 ? (0x7e00u | ((x >> 13) & 0x3ffu)) : 0x7c00u;
+  uint32_t mag = xs >= 0x47800000 ? special : (xs < 0x38800000 ? sub : normal);
   return uint16_t(mag | sign);
 }
-
 inline float bf16_to_f32(uint16_t h) { return bits_f32(uint32_t(h) << 16); }
 // Round to nearest even on the dropped 16 bits; NaNs stay NaN (quietened, sign and top payload
 // kept) instead of rounding into infinity.
@@ -117,26 +150,36 @@ inline uint16_t f32_to_bf16(float f) {
 // moves of another width, and the mismatched store/load sizes then defeat store forwarding; with
 // same-width moves gcc keeps the local chunk arrays in registers.
 template <size_t Bytes>
-inline void move_chunk(void* d, const void* s) {
+inline void move_chunk(void* d, const void* s, bool nt = false) {
   char* dc = static_cast<char*>(d);
   const char* sc = static_cast<const char*>(s);
 #if MLF_ISA_LEVEL >= 2
-  for (size_t b = 0; b < Bytes; b += 64) _mm512_storeu_si512(dc + b, _mm512_loadu_si512(sc + b));
+  for (size_t b = 0; b < Bytes; b += 64) put_vec(dc + b, _mm512_loadu_si512(sc + b), nt);
 #elif MLF_ISA_LEVEL >= 1
   for (size_t b = 0; b < Bytes; b += 32)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dc + b),
-                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + b)));
+    put_vec(dc + b, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + b)), nt);
 #else
   for (size_t b = 0; b < Bytes; b += 16)
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dc + b),
-                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + b)));
+    put_vec(dc + b, _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + b)), nt);
 #endif
 }
 
 template <class T>
 inline void load(Native<T>, const T* p, T* a) { move_chunk<kChunk * sizeof(T)>(a, p); }
+// store(kind, p, a, nt): nt streams past the cache (p then 64-byte aligned, chunks whole stores).
 template <class T>
-inline void store(Native<T>, T* p, const T* a) { move_chunk<kChunk * sizeof(T)>(p, a); }
+inline void store(Native<T>, T* p, const T* a, bool nt) {
+  move_chunk<kChunk * sizeof(T)>(p, a, nt);
+}
+
+#if MLF_ISA_LEVEL == 0
+// Software rounding of a chunk to 16 bits, then one (possibly streamed) move.
+inline void store_soft(uint16_t* p, const float* a, bool nt, uint16_t (*round)(float)) {
+  alignas(64) uint16_t tmp[kChunk];
+  for (size_t l = 0; l < kChunk; ++l) tmp[l] = round(a[l]);
+  move_chunk<sizeof tmp>(p, tmp, nt);
+}
+#endif
 
 // bfloat16 -> float32 is a shift; float32 -> bfloat16 rounds as f32_to_bf16 does, lane by lane.
 inline void load(BF16, const uint16_t* p, float* a) {
@@ -154,79 +197,77 @@ inline void load(BF16, const uint16_t* p, float* a) {
   for (size_t l = 0; l < kChunk; ++l) a[l] = bf16_to_f32(p[l]);
 #endif
 }
-inline void store(BF16, uint16_t* p, const float* a) {
+inline void store(BF16, uint16_t* p, const float* a, bool nt) {
 #if MLF_ISA_LEVEL >= 2
+  // Round in place in the 32-bit lanes (NaN: set the quiet bit instead), then one word permute
+  // gathers the high halves of 32 lanes.
   const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff);
-  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
-  const __m512i quiet = _mm512_set1_epi32(0x40);
-  for (size_t l = 0; l < kChunk; l += 16) {
-    __m512i u = _mm512_castps_si512(_mm512_loadu_ps(a + l));
-    __m512i hi = _mm512_srli_epi32(u, 16);
-    __m512i r = _mm512_srli_epi32(
-        _mm512_add_epi32(_mm512_add_epi32(u, bias), _mm512_and_si512(hi, one)), 16);
-    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs_mask), inf);
-    r = _mm512_mask_blend_epi32(nan, r, _mm512_or_si512(hi, quiet));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + l), _mm512_cvtepi32_epi16(r));
+  const __m512i quiet = _mm512_set1_epi32(0x00400000);
+  alignas(64) static constexpr uint16_t kOddWords[32] = {
+      1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31,
+      33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63};
+  const __m512i odd = _mm512_load_si512(kOddWords);
+  static_assert(kChunk % 32 == 0, "whole 64-byte outputs");
+  for (size_t l = 0; l < kChunk; l += 32) {
+    __m512i r[2];
+    for (int h = 0; h < 2; ++h) {
+      __m512 f = _mm512_loadu_ps(a + l + 16 * h);
+      __m512i u = _mm512_castps_si512(f);
+      __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+      r[h] = _mm512_add_epi32(_mm512_add_epi32(u, bias), lsb);
+      r[h] = _mm512_mask_or_epi32(r[h], _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), u, quiet);
+    }
+    put_vec(p + l, _mm512_permutex2var_epi16(r[0], odd, r[1]), nt);
   }
 #elif MLF_ISA_LEVEL >= 1
   const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff);
-  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
   const __m256i quiet = _mm256_set1_epi32(0x40);
   for (size_t l = 0; l < kChunk; l += 16) {
     __m256i r2[2];
     for (int h = 0; h < 2; ++h) {
-      __m256i u = _mm256_castps_si256(_mm256_loadu_ps(a + l + 8 * h));
+      __m256 f = _mm256_loadu_ps(a + l + 8 * h);
+      __m256i u = _mm256_castps_si256(f);
       __m256i hi = _mm256_srli_epi32(u, 16);
       __m256i r = _mm256_srli_epi32(
           _mm256_add_epi32(_mm256_add_epi32(u, bias), _mm256_and_si256(hi, one)), 16);
-      // Signed compare is right here: both sides have the sign bit clear.
-      __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, abs_mask), inf);
-      r2[h] = _mm256_blendv_epi8(r, _mm256_or_si256(hi, quiet), nan);
+      __m256 nan = _mm256_cmp_ps(f, f, _CMP_UNORD_Q);
+      __m256 qnan = _mm256_castsi256_ps(_mm256_or_si256(hi, quiet));
+      r2[h] = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r), qnan, nan));
     }
     // packus works within 128-bit lanes; the permute puts the four quarters back in order.
     __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r2[0], r2[1]), 0xd8);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + l), packed);
+    put_vec(p + l, packed, nt);
   }
 #else
-  for (size_t l = 0; l < kChunk; ++l) p[l] = f32_to_bf16(a[l]);
+  store_soft(p, a, nt, f32_to_bf16);
 #endif
 }
 // float16 uses F16C explicitly where available: gcc 12 converts _Float16 one element at a time.
 inline void load(F16, const uint16_t* p, float* a) {
 #if MLF_ISA_LEVEL >= 2
   for (size_t l = 0; l < kChunk; l += 16)
-    _mm512_storeu_ps(a + l, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + l))));
+    _mm512_storeu_ps(a + l,
+                     _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + l))));
 #elif MLF_ISA_LEVEL >= 1
   for (size_t l = 0; l < kChunk; l += 8)
-    _mm256_storeu_ps(a + l, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + l))));
+    _mm256_storeu_ps(a + l,
+                     _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + l))));
 #else
   for (size_t l = 0; l < kChunk; ++l) a[l] = f16_to_f32(p[l]);
 #endif
 }
-inline void store(F16, uint16_t* p, const float* a) {
+inline void store(F16, uint16_t* p, const float* a, bool nt) {
+  constexpr int kRne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;  // whatever MXCSR says
+  (void)kRne;
 #if MLF_ISA_LEVEL >= 2
   for (size_t l = 0; l < kChunk; l += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + l),
-                        _mm512_cvtps_ph(_mm512_loadu_ps(a + l), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    put_vec(p + l, _mm512_cvtps_ph(_mm512_loadu_ps(a + l), kRne), nt);
 #elif MLF_ISA_LEVEL >= 1
   for (size_t l = 0; l < kChunk; l += 8)
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + l),
-                     _mm256_cvtps_ph(_mm256_loadu_ps(a + l), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    put_vec(p + l, _mm256_cvtps_ph(_mm256_loadu_ps(a + l), kRne), nt);
 #else
-  for (size_t l = 0; l < kChunk; ++l) p[l] = f32_to_f16(a[l]);
+  store_soft(p, a, nt, f32_to_f16);
 #endif
-}
-
-// A chunk to dst: through the cache, or streamed (dst 64-byte aligned; a chunk is whole lines).
-template <class K>
-inline void put(K kind, typename K::S* p, const typename K::A* a, bool nt) {
-  using S = typename K::S;
-  static_assert(kChunk * sizeof(S) % kLine == 0, "a chunk must be whole cache lines");
-  if (!nt) return store(kind, p, a);
-  alignas(64) S tmp[kChunk];
-  store(kind, tmp, a);
-  for (size_t b = 0; b < sizeof tmp; b += kLine)
-    stream_line(reinterpret_cast<char*>(p) + b, reinterpret_cast<const char*>(tmp) + b);
 }
 
 // ---------------------------------------------------------------- reduction operators
@@ -306,7 +347,7 @@ void reduce_chunks(K kind, typename K::S* dst, const typename K::S* const* src, 
       A a[kChunk];
       combine_chunk<Op>(kind, nullptr, src, 0, k, i, a);
       if (scaled) scale_chunk(a, s);
-      put(kind, dst + i, a, nt);
+      store(kind, dst + i, a, nt);
     }
     return;
   }
@@ -326,7 +367,7 @@ void reduce_chunks(K kind, typename K::S* dst, const typename K::S* const* src, 
           move_chunk<sizeof(A) * kChunk>(slot, a);
         } else {
           if (scaled) scale_chunk(a, s);
-          put(kind, dst + i, a, nt);
+          store(kind, dst + i, a, nt);
         }
       }
       j0 = j1;
@@ -352,7 +393,7 @@ void reduce_short(K kind, typename K::S* dst, const typename K::S* const* src, i
     for (size_t l = 0; l < kChunk; ++l) a[l] = Op::f(a[l], b[l]);
   }
   if (scaled) scale_chunk(a, s);
-  store(kind, pad, a);
+  store(kind, pad, a, false);
   memcpy(dst + i, pad, m * sizeof(S));
 }
 
@@ -421,7 +462,7 @@ inline void axpby_chunk(K kind, typename K::S* y, const typename K::S* x, typena
   } else {
     for (size_t l = 0; l < kChunk; ++l) ya[l] = ya[l] * a;
   }
-  store(kind, y, ya);
+  store(kind, y, ya, false);
 }
 
 // scale (x null) or axpy over n elements; the short tail goes through padded chunks.
@@ -456,7 +497,8 @@ void axpy(void* y, const void* x, size_t n, DType t, double alpha) {
   using U16 = uint16_t;
   switch (t) {
     case DType::f32:
-      return axpby(Native<float>{}, static_cast<float*>(y), static_cast<const float*>(x), n, 1.f, af);
+      return axpby(Native<float>{}, static_cast<float*>(y), static_cast<const float*>(x), n, 1.f,
+                   af);
     case DType::f64:
       return axpby(Native<double>{}, static_cast<double*>(y), static_cast<const double*>(x), n, 1.,
                    alpha);
@@ -520,8 +562,8 @@ double norm2(const void* x, size_t n, DType t) {
 
 // ---------------------------------------------------------------- copy
 
-// glibc's memcpy for what stays in cache; big copies stream exactly like the reduce kernels' output,
-// so copy is the fair ceiling they are measured against.
+// glibc's memcpy for what stays in cache; big copies stream exactly like the reduce kernels'
+// output, so copy is the fair ceiling they are measured against.
 void copy(void* dst, const void* src, size_t bytes) {
   if (bytes >= kStreamBytes) {
     stream_bytes(dst, src, bytes);

@@ -60,7 +60,7 @@ def bf16_rne(x):
     lo = lo_bits.view(np.float32).astype(np.float64)
     with np.errstate(invalid="ignore", over="ignore"):
         hi = hi_bits.view(np.float32).astype(np.float64)
-        hi = np.where(np.isinf(hi) & ~np.isinf(f), np.sign(f) * 2.0 ** 128, hi)
+        hi = np.where(np.isinf(hi) & ~np.isinf(f), np.sign(f).astype(np.float64) * 2.0 ** 128, hi)
         x64 = f.astype(np.float64)
         dlo, dhi = np.abs(x64 - lo), np.abs(hi - x64)
         odd = ((lo_bits >> 16) & 1) == 1
