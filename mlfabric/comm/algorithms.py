@@ -3,50 +3,220 @@ and binomial-tree allreduce, tree reduce/broadcast, ring allgather and ring redu
 are mlfabric's path between hosts (ranks on one host use the shared-memory engine instead) and what
 users get when they name an algorithm explicitly.
 
-Contract: every function is blocking, collective over all ranks of `comm` (each rank calls it with
-the same count, dtype, op, root and algorithm), and works in place on 1-D contiguous numpy arrays
-of the storage dtype of `code` (mlfabric._dtypes.storage_dtype: bfloat16 is carried as uint16).
-The caller owns the arrays; the only temporary is one scratch array of at most one chunk (capped at
-two message segments, see p2p.SEGMENT_BYTES). Results are bit-for-bit identical on every rank:
-each element is reduced by exactly one rank, in an order fixed by the algorithm, and then copied
-to the others. All traffic goes through mlfabric.comm.p2p (one dedicated tag, bounded waits): a
-dead or diverged peer raises PeerTimeoutError instead of hanging. Ranks are not checked for
-agreeing arguments here (the caller's job); disagreeing ranks end in an MPI error or a timeout.
+Contract: every function is blocking and collective over all ranks of `comm` (each rank calls it
+with the same count, dtype, op, root and algorithm; that is the caller's to check: ranks that
+disagree end in an MPI error or a PeerTimeoutError). Arrays are 1-D contiguous numpy arrays of the
+storage dtype of `code` (mlfabric._dtypes.storage_dtype: bfloat16 is carried as uint16), owned by
+the caller and worked on in place. The only temporary is a scratch buffer of at most one chunk
+(never more than two message segments, or one segment per tree child; see p2p.SEGMENT_BYTES),
+cached per thread between calls. Results are bit-for-bit identical on every rank: each element is
+reduced by exactly one rank, in an order fixed by the algorithm, then copied to the others. All
+traffic goes through mlfabric.comm.p2p (a dedicated tag, bounded waits), so a dead or diverged peer
+raises PeerTimeoutError instead of hanging.
 
 `op` is a kernel op code (mlfabric._dtypes.OP_CODES) or an op name; "avg" (floating dtypes only)
 is a sum scaled by 1/n, applied by the rank that finishes each chunk, so it costs no extra pass.
 """
+import threading
+
 import numpy as np
+from mpi4py import MPI
 
 from .. import _C, _dtypes
 from . import p2p
-from .p2p import Batch, as_bytes
+from .p2p import isend, irecv, segments, wait
 
 ALGORITHMS = ("ring", "rhd", "tree")
 
+_STORAGE = tuple(_dtypes.storage_dtype(c) for c in range(len(_dtypes.DTYPE_NAMES)))
+_SUM = _dtypes.OP_CODES["sum"]
+_RECV, _SEND = (True,), (False,)  # request kinds for p2p.wait (receives get cancelled)
+
 
 # ---------------------------------------------------------------------------------------------
-# helpers
+# argument checks, pointers, scratch
 
 def _check(arr, code, name="arr"):
     if not isinstance(arr, np.ndarray):
         raise TypeError(f"{name} must be a numpy array, got {type(arr).__name__}")
     if arr.ndim != 1 or not arr.flags.c_contiguous:
         raise ValueError(f"{name} must be a 1-D contiguous array, got shape {arr.shape}")
-    want = _dtypes.storage_dtype(code)
-    if arr.dtype != want:
+    if not isinstance(code, (int, np.integer)) or not 0 <= code < len(_STORAGE):
+        raise ValueError(f"unknown dtype code {code!r}; expected 0..{len(_STORAGE) - 1} "
+                         f"({', '.join(_dtypes.DTYPE_NAMES)})")
+    if arr.dtype != _STORAGE[code]:
         raise TypeError(f"{name} has dtype {arr.dtype}, but dtype code {code} "
-                        f"({_dtypes.DTYPE_NAMES[code]}) is stored as {want}")
+                        f"({_dtypes.DTYPE_NAMES[code]}) is stored as {_STORAGE[code]}")
 
 
 def _op_scale(op, code, n):
     """(kernel op code, scale) for op given as a code or a name."""
-    if isinstance(op, (int, np.integer)) and not isinstance(op, bool):
-        if not 0 <= op < len(_dtypes.OPS):
-            raise ValueError(f"unknown reduction op code {op}; expected 0..{len(_dtypes.OPS) - 1}")
+    opc = _dtypes.OP_CODES.get(op) if isinstance(op, str) else None  # the fast, common case
+    if opc is not None:
+        return opc, 1.0
+    if isinstance(op, str):
+        opc, avg = _dtypes.op_code(op, code)
+        return opc, (1.0 / n if avg else 1.0)
+    if isinstance(op, (int, np.integer)) and not isinstance(op, bool) \
+            and 0 <= op < len(_dtypes.OPS):
         return int(op), 1.0
-    opc, avg = _dtypes.op_code(op, code)
-    return opc, (1.0 / n if avg else 1.0)
+    raise ValueError(f"unknown reduction op {op!r}; expected a name ({', '.join(_dtypes.ALL_OPS)}) "
+                     f"or a code 0..{len(_dtypes.OPS) - 1}")
+
+
+def _addr(a):
+    """Address of a contiguous array's first byte (MPI.buffer: ~8x cheaper than a.ctypes.data)."""
+    return MPI.buffer(a).address
+
+
+_tls = threading.local()
+
+
+def _scratch(nbytes):
+    """(uint8 array, address) of at least nbytes: the per-thread scratch buffer, grown on demand.
+    A timeout may leave a parked receive pointing into it, so after one a fresh buffer is made."""
+    c = getattr(_tls, "scratch", None)
+    if c is None or c[0].size < nbytes or c[2] != p2p.timeouts:
+        buf = np.empty(max(nbytes, 4096), np.uint8)
+        c = _tls.scratch = (buf, _addr(buf), p2p.timeouts)
+    return c[0], c[1]
+
+
+class _Call:
+    """What every step of one collective call needs."""
+
+    __slots__ = ("comm", "n", "r", "b", "isz", "base", "code", "op", "name")
+
+    def __init__(self, comm, arr, code, op, name):
+        self.comm, self.n, self.r = comm, comm.Get_size(), comm.Get_rank()
+        self.b = arr.view(np.uint8)  # byte view: messages are byte ranges of it
+        self.isz, self.base = arr.itemsize, _addr(arr)
+        self.code, self.op, self.name = code, op, name
+
+
+def _scale_in_place(arr, code, scale):
+    if scale != 1.0 and arr.size:
+        p = _addr(arr)
+        _C.reduce(p, [p], arr.size, code, _SUM, scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# steps: one exchange with up to two peers
+
+def _post_sends(x, peer, lo, hi, reqs, peers, kinds):
+    """Post the sends of elements [lo, hi) to peer, one message per segment."""
+    isz = x.isz
+    for s, e in segments((hi - lo) * isz):
+        reqs.append(isend(x.comm, x.b[lo * isz + s:lo * isz + e], peer))
+        peers.append(peer)
+        kinds.append(False)
+
+
+def _exchange(x, send, recv, what):
+    """Send elements send=(peer, lo, hi) and receive recv=(peer, lo, hi) into place (either may
+    be None); the ranges must not overlap. The allgather/broadcast step."""
+    reqs, peers, kinds = [], [], []
+    isz = x.isz
+    if recv is not None:
+        peer, lo, hi = recv
+        for s, e in segments((hi - lo) * isz):
+            reqs.append(irecv(x.comm, x.b[lo * isz + s:lo * isz + e], peer))
+            peers.append(peer)
+            kinds.append(True)
+    if send is not None:
+        _post_sends(x, *send, reqs, peers, kinds)
+    if reqs:
+        wait(reqs, peers, what, kinds)
+
+
+def _exchange_reduce(x, send, recv, scale, what):
+    """Send elements send=(peer, lo, hi) while receiving recv=(peer, lo, hi) and reducing it into
+    place: arr[lo:hi] = scale * op(arr[lo:hi], received). The reduce-scatter step."""
+    reqs, peers, kinds = [], [], []
+    peer, lo, hi = recv
+    nbytes = (hi - lo) * x.isz
+    if nbytes <= p2p.SEGMENT_BYTES:  # one message (or none): receive it all, then reduce
+        if nbytes:
+            scratch, sptr = _scratch(nbytes)
+            reqs.append(irecv(x.comm, scratch[:nbytes], peer))
+            peers.append(peer)
+            kinds.append(True)
+        if send is not None:
+            _post_sends(x, *send, reqs, peers, kinds)
+        if reqs:
+            wait(reqs, peers, what, kinds)
+        if nbytes:
+            dst = x.base + lo * x.isz
+            _C.reduce(dst, [dst, sptr], hi - lo, x.code, x.op, scale)
+        return
+    if send is not None:
+        _post_sends(x, *send, reqs, peers, kinds)
+    isz = x.isz
+    segs = segments(nbytes)
+    _reduce_stream(x, [(peer, lo + s // isz, lo + e // isz, scale if k == len(segs) - 1 else 1.0)
+                       for k, (s, e) in enumerate(segs)], what)
+    if reqs:
+        wait(reqs, peers, what, kinds)
+
+
+def _reduce_stream(x, jobs, what, after=None):
+    """Receive and reduce a stream of messages, each at most one segment, in order.
+
+    jobs[j] = (peer, lo, hi, scale): the next message from peer holds elements [lo, hi); reduce it
+    into place with that scale. Two scratch slots double-buffer: message j+1 arrives while j is
+    reduced. after(j), if given, runs once job j is reduced (the tree forwards finished
+    segments there)."""
+    isz = x.isz
+    slot = max((hi - lo) * isz for _, lo, hi, _ in jobs)
+    scratch, sptr = _scratch(slot * min(len(jobs), 2))
+    comm, code, op, base = x.comm, x.code, x.op, x.base
+    reqs = [None] * len(jobs)
+
+    def post(j):
+        peer, lo, hi, _ = jobs[j]
+        at = (j & 1) * slot
+        reqs[j] = irecv(comm, scratch[at:at + (hi - lo) * isz], peer)
+
+    post(0)
+    if len(jobs) > 1:
+        post(1)
+    for j, (peer, lo, hi, scale) in enumerate(jobs):
+        wait([reqs[j]], [peer], what, _RECV)
+        reqs[j] = None
+        dst = base + lo * isz
+        _C.reduce(dst, [dst, sptr + (j & 1) * slot], hi - lo, code, op, scale)
+        if j + 2 < len(jobs):
+            post(j + 2)
+        if after is not None:
+            after(j)
+
+
+# ---------------------------------------------------------------------------------------------
+# ring
+
+def _ring_reduce_scatter(x, offs, scale):
+    """Afterwards rank r's chunk [offs[r], offs[r+1]) holds the full reduction (the other chunks
+    hold partial results). n - 1 steps: in step s rank r passes chunk r-s-1 to the right and
+    reduces chunk r-s-2 from the left into its own, so chunk c is reduced starting from rank
+    c+1's contribution and ending at rank c's."""
+    n, r = x.n, x.r
+    right, left = (r + 1) % n, (r - 1) % n
+    for s in range(n - 1):
+        sc, rc = (r - s - 1) % n, (r - s - 2) % n
+        _exchange_reduce(x, (right, offs[sc], offs[sc + 1]), (left, offs[rc], offs[rc + 1]),
+                         scale if s == n - 2 else 1.0,
+                         ("{} (rank {}, reduce-scatter step {})", x.name, r, s))
+
+
+def _ring_allgather(x, offs):
+    """Rank r holds chunk r; afterwards every rank holds every chunk. In step s rank r passes
+    chunk r-s to the right and receives chunk r-s-1 from the left, in place."""
+    n, r = x.n, x.r
+    right, left = (r + 1) % n, (r - 1) % n
+    for s in range(n - 1):
+        sc, rc = (r - s) % n, (r - s - 1) % n
+        _exchange(x, (right, offs[sc], offs[sc + 1]), (left, offs[rc], offs[rc + 1]),
+                  ("{} (rank {}, allgather step {})", x.name, r, s))
 
 
 def _offsets(counts):
@@ -57,157 +227,51 @@ def _offsets(counts):
 
 
 def _even_offsets(count, n):
-    """n chunks as equal as possible, the first count % n one element longer (empty if count < n)."""
+    """n chunks as equal as possible, the first count % n one element longer (empty ones when
+    count < n)."""
     q, rem = divmod(count, n)
     return _offsets([q + (i < rem) for i in range(n)])
 
 
-def _scratch(max_elems, itemsize, slots):
-    """The one scratch array: `slots` (1 or 2) slots, each the largest single receive (a range of
-    max_elems elements, or one segment if that is smaller)."""
-    slot = min(max_elems * itemsize, p2p.SEGMENT_BYTES)
-    return np.empty(max(slots * slot, 1), np.uint8)
-
-
-def _scale_in_place(arr, code, scale):
-    if scale != 1.0 and arr.size:
-        ptr = arr.ctypes.data
-        _C.reduce(ptr, [ptr], arr.size, code, _dtypes.OP_CODES["sum"], scale)
-
-
-def _recv_reduce(comm, jobs, arr, scratch, code, op, what, after=None):
-    """Receive and reduce a stream of messages into arr.
-
-    jobs[j] = (peer, lo, hi, scale): the next message from peer holds elements [lo, hi) (at most
-    one segment); arr[lo:hi] = scale * op(arr[lo:hi], message). Jobs run in order, so the order of
-    reduction is fixed. Two scratch slots double-buffer: job j+1 arrives while job j is reduced.
-    after(j), if given, runs once job j is reduced (the tree forwards finished segments there)."""
-    if not jobs:
-        return
-    isz = arr.itemsize
-    stride = scratch.size // 2 if len(jobs) > 1 else 0  # slot 1 starts here
-    base = arr.ctypes.data
-    sbase = scratch.ctypes.data
-    reqs = [None] * len(jobs)
-
-    def post(j):
-        peer, lo, hi, _ = jobs[j]
-        slot = (j & 1) * stride
-        reqs[j] = p2p.irecv(comm, scratch[slot:slot + (hi - lo) * isz], peer)
-
-    post(0)
-    if len(jobs) > 1:
-        post(1)
-    for j, (peer, lo, hi, scale) in enumerate(jobs):
-        p2p.wait([reqs[j]], [peer], what)
-        reqs[j] = None
-        if hi > lo:
-            dst = base + lo * isz
-            _C.reduce(dst, [dst, sbase + (j & 1) * stride], hi - lo, code, op, scale)
-        if j + 2 < len(jobs):
-            post(j + 2)
-        if after is not None:
-            after(j)
-
-
-def _range_jobs(peer, lo, hi, isz, scale):
-    """Jobs receiving elements [lo, hi) from peer, cut into segments exactly as Batch.send cuts
-    the same range on the sending side; the last segment carries the scale."""
-    segs = p2p.segments((hi - lo) * isz)
-    return [(peer, lo + s // isz, lo + e // isz, scale if k == len(segs) - 1 else 1.0)
-            for k, (s, e) in enumerate(segs)]
-
-
-def _send_recv_reduce(comm, arr, scratch, code, op, what, send, recv, scale=1.0):
-    """Send elements send=(peer, lo, hi) of arr while receiving recv=(peer, lo, hi) and reducing
-    it into arr (scaled by scale); the two ranges must not overlap. Either may be None."""
-    b = Batch(comm)
-    if send is not None:
-        b.send(as_bytes(arr, send[1], send[2]), send[0])
-    if recv is not None:
-        _recv_reduce(comm, _range_jobs(recv[0], recv[1], recv[2], arr.itemsize, scale),
-                     arr, scratch, code, op, what)
-    b.wait(what)
-
-
-def _send_recv(comm, arr, what, send, recv):
-    """Send elements send=(peer, lo, hi) of arr and receive recv=(peer, lo, hi) into arr."""
-    b = Batch(comm)
-    if recv is not None:
-        b.recv_into(as_bytes(arr, recv[1], recv[2]), recv[0])
-    if send is not None:
-        b.send(as_bytes(arr, send[1], send[2]), send[0])
-    b.wait(what)
-
-
-# ---------------------------------------------------------------------------------------------
-# ring
-
-def _ring_reduce_scatter(comm, arr, code, op, offs, scale, what):
-    """After this, rank r's chunk [offs[r], offs[r+1]) of arr holds the full reduction (other
-    chunks hold partial sums). n - 1 steps; in step s rank r passes chunk r-s-1 to the right and
-    reduces chunk r-s-2 from the left into its own copy, so chunk c is summed starting from rank
-    c+1's contribution and ending at rank c's."""
-    n, r = comm.Get_size(), comm.Get_rank()
-    right, left = (r + 1) % n, (r - 1) % n
-    biggest = max(offs[i + 1] - offs[i] for i in range(n))
-    scratch = _scratch(biggest, arr.itemsize, 2 if biggest * arr.itemsize > p2p.SEGMENT_BYTES else 1)
-    for s in range(n - 1):
-        sc, rc = (r - s - 1) % n, (r - s - 2) % n
-        _send_recv_reduce(comm, arr, scratch, code, op, f"{what} (rank {r}, reduce-scatter step {s})",
-                          (right, offs[sc], offs[sc + 1]), (left, offs[rc], offs[rc + 1]),
-                          scale if s == n - 2 else 1.0)
-
-
-def _ring_allgather(comm, arr, offs, what):
-    """Rank r holds chunk r of arr; afterwards every rank holds every chunk. In step s rank r
-    passes chunk r-s to the right and receives chunk r-s-1 from the left, in place."""
-    n, r = comm.Get_size(), comm.Get_rank()
-    right, left = (r + 1) % n, (r - 1) % n
-    for s in range(n - 1):
-        sc, rc = (r - s) % n, (r - s - 1) % n
-        _send_recv(comm, arr, f"{what} (rank {r}, allgather step {s})",
-                   (right, offs[sc], offs[sc + 1]), (left, offs[rc], offs[rc + 1]))
-
-
 def ring_allreduce(comm, arr, code, op):
-    """Allreduce arr in place: ring reduce-scatter then ring allgather over n chunks (the first
-    count % n one element longer; empty when count < n). 2(n-1) steps each moving count/n
-    elements: bandwidth-optimal, so the choice for large messages."""
+    """Allreduce arr in place: ring reduce-scatter then ring allgather over n chunks (unequal when
+    count % n != 0, empty when count < n). 2(n-1) steps of count/n elements each: bandwidth-
+    optimal, the choice for large messages. Returns arr."""
     _check(arr, code)
     n = comm.Get_size()
     opc, scale = _op_scale(op, code, n)
-    if n == 1:
+    if n == 1 or arr.size == 0:
         _scale_in_place(arr, code, scale)
         return arr
+    x = _Call(comm, arr, code, opc, "ring_allreduce")
     offs = _even_offsets(arr.size, n)
-    _ring_reduce_scatter(comm, arr, code, opc, offs, scale, "ring_allreduce")
-    _ring_allgather(comm, arr, offs, "ring_allreduce")
+    _ring_reduce_scatter(x, offs, scale)
+    _ring_allgather(x, offs)
     return arr
 
 
 def ring_reduce_scatter(comm, arr, code, op, counts):
-    """Reduce arr across ranks and leave rank r's chunk (counts[r] elements, at offset
-    sum(counts[:r]); sum(counts) == arr.size) reduced. Returns that chunk: a view of arr. The rest
-    of arr is used as scratch and holds partial results afterwards."""
+    """Reduce arr across ranks, leaving rank r's chunk reduced: counts[r] elements at offset
+    sum(counts[:r]) (sum(counts) == arr.size, the same counts on every rank). Returns that chunk,
+    a view of arr. The rest of arr is used as scratch and holds partial results afterwards."""
     _check(arr, code)
     n, r = comm.Get_size(), comm.Get_rank()
     counts = [int(c) for c in counts]
-    if len(counts) != n or any(c < 0 for c in counts) or sum(counts) != arr.size:
+    if len(counts) != n or min(counts) < 0 or sum(counts) != arr.size:
         raise ValueError(f"counts must be {n} non-negative numbers summing to arr.size "
                          f"({arr.size}), got {counts}")
     opc, scale = _op_scale(op, code, n)
     offs = _offsets(counts)
-    if n == 1:
+    if n == 1 or arr.size == 0:
         _scale_in_place(arr, code, scale)
     else:
-        _ring_reduce_scatter(comm, arr, code, opc, offs, scale, "ring_reduce_scatter")
+        _ring_reduce_scatter(_Call(comm, arr, code, opc, "ring_reduce_scatter"), offs, scale)
     return arr[offs[r]:offs[r + 1]]
 
 
 def ring_allgather(comm, inp, out):
     """out = the concatenation, in rank order, of every rank's inp (all the same size and dtype;
-    inp may be out's own slot). Works on raw bytes, so any dtype goes. Returns out."""
+    inp may be this rank's own slot of out). Moves bytes, so any dtype goes. Returns out."""
     n, r = comm.Get_size(), comm.Get_rank()
     for name, a in (("inp", inp), ("out", out)):
         if not isinstance(a, np.ndarray) or a.ndim != 1 or not a.flags.c_contiguous:
@@ -215,13 +279,14 @@ def ring_allgather(comm, inp, out):
     if out.dtype != inp.dtype or out.size != n * inp.size:
         raise ValueError(f"out must hold {n} x {inp.size} elements of {inp.dtype}, "
                          f"got {out.size} of {out.dtype}")
-    ob = as_bytes(out)
-    m = inp.nbytes
-    mine = ob[r * m:(r + 1) * m]
-    if m and not (mine.ctypes.data == inp.ctypes.data):
-        np.copyto(mine, as_bytes(inp))
+    m = inp.size
+    if m == 0:
+        return out
+    mine = out[r * m:(r + 1) * m]
+    if _addr(mine) != MPI.buffer(inp).address:
+        mine[...] = inp
     if n > 1:
-        _ring_allgather(comm, ob, [i * m for i in range(n + 1)], "ring_allgather")
+        _ring_allgather(_Call(comm, out, 0, 0, "ring_allgather"), [i * m for i in range(n + 1)])
     return out
 
 
@@ -230,30 +295,29 @@ def ring_allgather(comm, inp, out):
 
 def rhd_allreduce(comm, arr, code, op):
     """Allreduce arr in place, Rabenseifner's way: reduce-scatter by recursive halving, then
-    allgather by recursive doubling, over pof2 (largest power of two <= n) blocks: 2 log2(pof2)
-    steps moving count/2 + count/4 + ... elements. For n not a power of two, the first 2*rem ranks
-    (rem = n - pof2) pair up: each even one hands its vector to its odd neighbour and sits out, and
-    gets the result back at the end (two extra full-vector steps for those pairs)."""
+    allgather by recursive doubling, over pof2 blocks (pof2 = largest power of two <= n):
+    2 log2(pof2) steps moving count/2 + count/4 + ... elements each way, fewer steps than the ring
+    at the same volume. For n not a power of two, the first 2*rem ranks (rem = n - pof2) pair up:
+    each even one hands its vector to its odd neighbour and sits out, and gets the result back at
+    the end (two extra whole-vector steps for those pairs). Returns arr."""
     _check(arr, code)
     n, r = comm.Get_size(), comm.Get_rank()
     opc, scale = _op_scale(op, code, n)
-    if n == 1:
+    if n == 1 or arr.size == 0:
         _scale_in_place(arr, code, scale)
         return arr
     count = arr.size
+    x = _Call(comm, arr, code, opc, "rhd_allreduce")
     pof2 = 1 << (n.bit_length() - 1)
     rem = n - pof2
-    scratch = _scratch(count, arr.itemsize, 2 if arr.nbytes > p2p.SEGMENT_BYTES else 1)
-    what = f"rhd_allreduce (rank {r}"
+    fold = ("{} (rank {}, {})", x.name, r, "fold-in")
 
-    # Fold the extra ranks in.
-    if r < 2 * rem:
+    if r < 2 * rem:  # fold the extra ranks in
         if r % 2 == 0:
-            _send_recv(comm, arr, what + ", fold-in)", (r + 1, 0, count), None)
+            _exchange(x, (r + 1, 0, count), None, fold)
             newrank = -1
         else:
-            _send_recv_reduce(comm, arr, scratch, code, opc, what + ", fold-in)", None,
-                              (r - 1, 0, count))
+            _exchange_reduce(x, None, (r - 1, 0, count), 1.0, fold)
             newrank = r // 2
     else:
         newrank = r - rem
@@ -261,37 +325,38 @@ def rhd_allreduce(comm, arr, code, op):
     if newrank != -1:
         offs = _even_offsets(count, pof2)
 
-        def real(nr):  # rank in comm of the rank numbered nr among the pof2 taking part
+        def real(nr):  # the comm rank of participant nr
             return nr * 2 + 1 if nr < rem else nr + rem
 
-        # Recursive halving: at distance mask, keep the half of the current block range that
-        # belongs with the lower (or upper) partner and reduce the partner's copy of it.
+        # Recursive halving: with the partner at distance mask, keep one half of the current
+        # block range (the lower half for the lower partner), send the other, and reduce the
+        # partner's copy of the kept half into it. The last step finishes the blocks: scale there.
         mask, send_idx, recv_idx, last_idx = 1, 0, 0, pof2
         while mask < pof2:
-            dst = real(newrank ^ mask)
+            partner = newrank ^ mask
             half = pof2 // (mask * 2)
-            if newrank < (newrank ^ mask):
+            if newrank < partner:
                 send_idx = recv_idx + half
                 send, recv = (send_idx, last_idx), (recv_idx, send_idx)
             else:
                 recv_idx = send_idx + half
                 send, recv = (send_idx, recv_idx), (recv_idx, last_idx)
-            _send_recv_reduce(comm, arr, scratch, code, opc, f"{what}, halving mask {mask})",
-                              (dst, offs[send[0]], offs[send[1]]),
-                              (dst, offs[recv[0]], offs[recv[1]]),
-                              scale if mask * 2 == pof2 else 1.0)
+            dst = real(partner)
+            _exchange_reduce(x, (dst, offs[send[0]], offs[send[1]]),
+                             (dst, offs[recv[0]], offs[recv[1]]),
+                             scale if mask * 2 == pof2 else 1.0,
+                             ("{} (rank {}, halving distance {})", x.name, r, mask))
             send_idx = recv_idx
             mask <<= 1
             if mask < pof2:
                 last_idx = recv_idx + pof2 // mask
 
-        # Recursive doubling: retrace the steps, swapping finished blocks.
+        # Recursive doubling: retrace the steps backwards, swapping finished blocks.
         mask >>= 1
         while mask > 0:
-            newdst = newrank ^ mask
-            dst = real(newdst)
+            partner = newrank ^ mask
             half = pof2 // (mask * 2)
-            if newrank < newdst:
+            if newrank < partner:
                 if mask != pof2 // 2:
                     last_idx += half
                 recv_idx = send_idx + half
@@ -299,148 +364,194 @@ def rhd_allreduce(comm, arr, code, op):
             else:
                 recv_idx = send_idx - half
                 send, recv = (send_idx, last_idx), (recv_idx, send_idx)
-            _send_recv(comm, arr, f"{what}, doubling mask {mask})",
-                       (dst, offs[send[0]], offs[send[1]]), (dst, offs[recv[0]], offs[recv[1]]))
-            if newrank > newdst:
+            dst = real(partner)
+            _exchange(x, (dst, offs[send[0]], offs[send[1]]), (dst, offs[recv[0]], offs[recv[1]]),
+                      ("{} (rank {}, doubling distance {})", x.name, r, mask))
+            if newrank > partner:
                 send_idx = recv_idx
             mask >>= 1
 
-    # Hand the result back to the ranks that sat out.
-    if r < 2 * rem:
+    if r < 2 * rem:  # hand the result back to the ranks that sat out
+        fold = ("{} (rank {}, {})", x.name, r, "fold-out")
         if r % 2 == 1:
-            _send_recv(comm, arr, what + ", fold-out)", (r - 1, 0, count), None)
+            _exchange(x, (r - 1, 0, count), None, fold)
         else:
-            _send_recv(comm, arr, what + ", fold-out)", None, (r + 1, 0, count))
+            _exchange(x, None, (r + 1, 0, count), fold)
     return arr
 
 
 # ---------------------------------------------------------------------------------------------
 # binomial tree
 
+def _tree(n, vrank):
+    """(parent vrank or None, child vranks nearest first) in the binomial tree rooted at vrank 0."""
+    children, mask = [], 1
+    while mask < n:
+        if vrank & mask:
+            return vrank - mask, children
+        if vrank + mask < n:
+            children.append(vrank + mask)
+        mask <<= 1
+    return None, children
+
+
 def tree_reduce(comm, arr, code, op, root=0):
-    """Reduce arr onto root (in place there) along a binomial tree: log2(n) steps of the whole
-    vector, the fewest messages, so the choice for small ones. On the other ranks arr is clobbered
-    (it holds the partial result of their subtree). Each segment is passed up as soon as this
-    rank's subtree has reduced it, so large vectors pipeline through the tree. Returns arr."""
+    """Reduce arr onto root, in place there, along a binomial tree: log2(n) steps of the whole
+    vector, the fewest messages. On every other rank arr is clobbered (it ends up holding the
+    partial result of that rank's subtree). Large vectors are pipelined: each segment goes up as
+    soon as this rank's subtree has reduced it. Returns arr."""
     _check(arr, code)
-    n, r = comm.Get_size(), comm.Get_rank()
+    n = comm.Get_size()
     if not 0 <= root < n:
         raise ValueError(f"root {root} out of range for {n} ranks")
     opc, scale = _op_scale(op, code, n)
-    _tree_reduce(comm, arr, code, opc, root, scale, "tree_reduce")
+    if arr.size:
+        _tree_reduce(_Call(comm, arr, code, opc, "tree_reduce"), arr, root, scale)
     return arr
 
 
-def _tree_reduce(comm, arr, code, op, root, scale, what):
-    n, r = comm.Get_size(), comm.Get_rank()
-    vrank = (r - root) % n
-    children, parent, mask = [], None, 1
-    while mask < n:
-        if vrank & mask:
-            parent = (vrank - mask + root) % n
-            break
-        if vrank + mask < n:
-            children.append((vrank + mask + root) % n)
-        mask <<= 1
-    isz = arr.itemsize
-    segs = [(s // isz, e // isz) for s, e in p2p.segments(arr.size * isz)]
-    what = f"{what} (rank {r}, root {root})"
+def _tree_reduce(x, arr, root, scale):
+    n, r = x.n, x.r
+    vparent, vchildren = _tree(n, (r - root) % n)
+    parent = None if vparent is None else (vparent + root) % n
+    children = [(v + root) % n for v in vchildren]
+    what = ("{} (rank {}, root {})", x.name, r, root)
     if not children:
         if parent is None:
-            _scale_in_place(arr, code, scale)
+            _scale_in_place(arr, x.code, scale)
         else:
-            _send_recv(comm, arr, what, (parent, 0, arr.size), None)
+            _exchange(x, (parent, 0, arr.size), None, what)
         return
-    # Per segment, the children in a fixed order (nearest subtree first); the last child's
-    # reduction finishes the segment, which then goes up (or gets the scale, on the root).
-    last = len(children) - 1
-    jobs = [(child, lo, hi, scale if parent is None and k == last else 1.0)
-            for lo, hi in segs for k, child in enumerate(children)]
-    up = Batch(comm)
+    nbytes = arr.nbytes
+    k = len(children)
+    # The children's contributions are reduced in a fixed order (nearest subtree first); the last
+    # one finishes the vector, which then goes up, or gets the scale on the root.
+    last_scale = scale if parent is None else 1.0
+    if nbytes <= p2p.SEGMENT_BYTES:
+        # One message per child: receive them all at once (k <= log2 n slots), reduce in order.
+        scratch, sptr = _scratch(k * nbytes)
+        reqs = [irecv(x.comm, scratch[i * nbytes:(i + 1) * nbytes], c)
+                for i, c in enumerate(children)]
+        for i, c in enumerate(children):
+            wait([reqs[i]], [c], what, _RECV)
+            _C.reduce(x.base, [x.base, sptr + i * nbytes], arr.size, x.code, x.op,
+                      last_scale if i == k - 1 else 1.0)
+        if parent is not None:
+            wait([isend(x.comm, x.b, parent)], [parent], what, _SEND)
+        return
+    isz = x.isz
+    segs = [(s // isz, e // isz) for s, e in segments(nbytes)]
+    jobs = [(c, lo, hi, last_scale if i == k - 1 else 1.0) for lo, hi in segs
+            for i, c in enumerate(children)]
+    ups, peers, kinds = [], [], []
 
     def forward(j):
-        if parent is not None and j % len(children) == last:
-            lo, hi = segs[j // len(children)]
-            up.send(as_bytes(arr, lo, hi), parent)
+        if parent is not None and j % k == k - 1:
+            lo, hi = segs[j // k]
+            ups.append(isend(x.comm, x.b[lo * isz:hi * isz], parent))
+            peers.append(parent)
+            kinds.append(False)
 
-    _recv_reduce(comm, jobs, arr, _scratch(arr.size, isz, 2 if len(jobs) > 1 else 1), code, op,
-                 what, forward)
-    up.wait(what)
+    _reduce_stream(x, jobs, what, forward)
+    if ups:
+        wait(ups, peers, what, kinds)
 
 
 def tree_broadcast(comm, arr, root=0):
-    """Broadcast root's arr into every rank's arr (same size and dtype everywhere; any dtype: it
-    moves bytes) along a binomial tree; each segment is forwarded to the children as soon as it
-    arrives, so large vectors pipeline. Returns arr."""
-    n, r = comm.Get_size(), comm.Get_rank()
+    """Copy root's arr into every rank's arr (same size and dtype everywhere; any dtype: it moves
+    bytes) along a binomial tree, farthest subtree first; large vectors are pipelined: each
+    segment is forwarded as soon as it arrives. Returns arr."""
+    n = comm.Get_size()
     if not isinstance(arr, np.ndarray) or arr.ndim != 1 or not arr.flags.c_contiguous:
         raise ValueError("arr must be a 1-D contiguous numpy array")
     if not 0 <= root < n:
         raise ValueError(f"root {root} out of range for {n} ranks")
-    _tree_broadcast(comm, as_bytes(arr), root, "tree_broadcast")
+    if n > 1 and arr.size:
+        _tree_broadcast(_Call(comm, arr, 0, 0, "tree_broadcast"), root)
     return arr
 
 
-def _tree_broadcast(comm, buf, root, what):
-    n, r = comm.Get_size(), comm.Get_rank()
-    if n == 1:
-        return
-    vrank = (r - root) % n
-    parent, mask = None, 1
-    while mask < n:
-        if vrank & mask:
-            parent = (vrank - mask + root) % n
-            break
-        mask <<= 1
-    children = []
-    mask >>= 1
-    while mask > 0:  # farthest subtree first: it has the most ranks still to reach
-        if vrank + mask < n:
-            children.append((vrank + mask + root) % n)
-        mask >>= 1
-    what = f"{what} (rank {r}, root {root})"
-    segs = p2p.segments(buf.size)
-    down = Batch(comm)
-    if parent is None:
+def _tree_broadcast(x, root):
+    n, r = x.n, x.r
+    vparent, vchildren = _tree(n, (r - root) % n)
+    children = [(v + root) % n for v in reversed(vchildren)]  # farthest (largest subtree) first
+    what = ("{} (rank {}, root {})", x.name, r, root)
+    comm, b = x.comm, x.b
+    segs = segments(b.size)
+    reqs, peers, kinds = [], [], []
+    if vparent is None:
         for s, e in segs:
             for c in children:
-                down.send(buf[s:e], c)
+                reqs.append(isend(comm, b[s:e], c))
+                peers.append(c)
+                kinds.append(False)
     else:
-        reqs = [p2p.irecv(comm, buf[s:e], parent) for s, e in segs]
-        for (s, e), req in zip(segs, reqs):
-            p2p.wait([req], [parent], what)
+        parent = (vparent + root) % n
+        recvs = [irecv(comm, b[s:e], parent) for s, e in segs]
+        for (s, e), req in zip(segs, recvs):
+            wait([req], [parent], what, _RECV)
             for c in children:
-                down.send(buf[s:e], c)
-    down.wait(what)
+                reqs.append(isend(comm, b[s:e], c))
+                peers.append(c)
+                kinds.append(False)
+    if reqs:
+        wait(reqs, peers, what, kinds)
 
 
 def tree_allreduce(comm, arr, code, op):
     """Allreduce arr in place: binomial-tree reduce to rank 0, then binomial broadcast from it.
-    2 log2(n) steps of the whole vector: few messages, for latency-bound sizes."""
+    2 log2(n) steps of the whole vector: the fewest messages, for latency-bound sizes."""
     _check(arr, code)
     n = comm.Get_size()
     opc, scale = _op_scale(op, code, n)
-    _tree_reduce(comm, arr, code, opc, 0, scale, "tree_allreduce")
-    _tree_broadcast(comm, as_bytes(arr), 0, "tree_allreduce")
+    if n == 1 or arr.size == 0:
+        _scale_in_place(arr, code, scale)
+        return arr
+    x = _Call(comm, arr, code, opc, "tree_allreduce")
+    _tree_reduce(x, arr, 0, scale)
+    _tree_broadcast(x, 0)
     return arr
 
 
 # ---------------------------------------------------------------------------------------------
 # choice and dispatch
 
+# Crossover points, measured on the development VM: 2 cores, Open MPI 5 over btl self,sm, so n=3
+# and n=4 are oversubscribed; the machine was shared and noisy, so each number is the best of
+# 3 runs x 15 trials, in microseconds per float32-sum allreduce, as MPI.Allreduce/tree/rhd/ring:
+#    bytes   n=2                    n=3                    n=4
+#        8   1.6/11.5/17/17         6.1/25/31/43           7.6/36/52/95
+#    1 Ki    2.4/13/19/18           10/29/41/75            14/45/92/105
+#    4 Ki    4.9/24/13/13           24/44/47/70            28/55/79/108
+#   16 Ki    16/43/32/32            41/46/56/102           46/63/112/157
+#   64 Ki    43/132/78/77           75/95/166/174          93/137/206/244
+#  256 Ki    151/362/181/245        184/212/198/176        216/254/313/326
+#    1 Mi    302/625/340/373        428/627/533/740        459/684/657/693
+#    4 Mi    1087/1824/1336/1273    1572/2848/2643/1772    1846/2731/1962/2127
+# (a small call costs ~6 us of Python over MPI's C path; the ratio is what it is for 8 bytes.)
+# Reading: on 2 ranks (the one unoversubscribed case) the tree wins up to 1 KiB and loses from
+# 4 KiB: ring/rhd move half the vector each way at once, the tree the whole vector twice in turn.
+# On 3-4 ranks the tree wins up to 64-256 KiB here, but oversubscription flatters it (a ring or
+# halving step needs every rank on a core at once); between hosts, where the tree's log2(n)
+# whole-vector steps cost real bandwidth, its limit should be lower, so we take 16 KiB. Rabenseifner
+# wins 1-4 MiB on 4 ranks and is never worse than the ring in steps or volume for a power-of-two n;
+# for other n its fold-in/fold-out add two whole-vector steps, so the ring takes over. The ring is
+# kept for large messages, where its neighbour-only traffic suits hierarchical networks. Users can
+# always name an algorithm.
+TREE_MAX_BYTES_2 = 2 * 1024
+TREE_MAX_BYTES = 16 * 1024
+RHD_MAX_BYTES = 4 << 20
+
+
 def choose_allreduce(nbytes, n):
-    """The algorithm `allreduce(..., "auto")` uses for nbytes per rank on n ranks."""
-    if n <= 1:
+    """The algorithm allreduce(..., "auto") uses for nbytes per rank on n ranks: "tree", "rhd"
+    or "ring" (see the measurements above)."""
+    if n <= 1 or nbytes <= (TREE_MAX_BYTES_2 if n == 2 else TREE_MAX_BYTES):
         return "tree"
-    if nbytes <= TREE_MAX_BYTES:
-        return "tree"
-    if nbytes <= RHD_MAX_BYTES:
+    if nbytes <= RHD_MAX_BYTES and n & (n - 1) == 0:
         return "rhd"
     return "ring"
 
-
-TREE_MAX_BYTES = 4096
-RHD_MAX_BYTES = 1 << 20
 
 _IMPL = {"ring": ring_allreduce, "rhd": rhd_allreduce, "tree": tree_allreduce}
 
@@ -448,10 +559,10 @@ _IMPL = {"ring": ring_allreduce, "rhd": rhd_allreduce, "tree": tree_allreduce}
 def allreduce(comm, arr, code, op, algorithm="auto"):
     """Allreduce arr in place with the named algorithm ("ring", "rhd", "tree", or "auto" for
     choose_allreduce's pick). Returns arr."""
-    if algorithm == "auto":
-        algorithm = choose_allreduce(arr.nbytes, comm.Get_size())
     impl = _IMPL.get(algorithm)
     if impl is None:
-        raise ValueError(f"unknown allreduce algorithm {algorithm!r}; expected one of "
-                         f"{', '.join(ALGORITHMS + ('auto',))}")
+        if algorithm != "auto":
+            raise ValueError(f"unknown allreduce algorithm {algorithm!r}; expected one of "
+                             f"{', '.join(ALGORITHMS + ('auto',))}")
+        impl = _IMPL[choose_allreduce(arr.nbytes, comm.Get_size())]
     return impl(comm, arr, code, op)

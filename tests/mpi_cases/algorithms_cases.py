@@ -23,14 +23,15 @@ N, RANK = world.Get_size(), world.Get_rank()
 
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64")
 OPS = ("sum", "prod", "min", "max")
-SIZES = sorted({0, 1, 7, 1021, max(N - 1, 0)})
+SIZES = sorted({0, 1, 7, 1021, 65537, max(N - 1, 0)})
 
 
 # ---------------------------------------------------------------------------------------------
 # inputs and references
 
 def values(seed, rank, op, dtype, count):
-    """float64 values for one rank's input, exact in every dtype and after reducing n <= 8 of them."""
+    """float64 values for one rank's input, exact in every dtype, and so are the reductions of
+    up to 8 ranks' inputs."""
     rng = np.random.default_rng([seed, rank, OPS.index(op) if op in OPS else 9,
                                  DTYPES.index(dtype), count])
     integer = dtype.startswith("int")
@@ -68,30 +69,57 @@ def reference(seed, op, dtype, count, n=N):
     return ref
 
 
-class Agreement:
-    """Collects a hash of every result; check() asserts all ranks collected the same ones."""
+class Checker:
+    """What one case found on this rank: a hash of every result (ranks must agree on it) and the
+    mismatches against the reference. Recording instead of raising keeps a failing rank in step
+    with the others, so it cannot leave them stuck in a collective; @collective_case settles it."""
 
     def __init__(self):
-        self.h = hashlib.sha256()
-        self.n = 0
+        self.h, self.n, self.errors = hashlib.sha256(), 0, []
 
     def add(self, arr):
         self.h.update(np.ascontiguousarray(arr).tobytes())
         self.n += 1
 
-    def check(self):
-        got = world.allgather((self.n, self.h.hexdigest()))
-        assert all(g == got[0] for g in got), f"ranks disagree bitwise: {got}"
+    def finish(self, raised):
+        got = world.allgather((self.n, self.h.hexdigest(), self.errors[:3]))
+        if raised is not None:
+            raise raised
+        if self.errors:
+            raise AssertionError("; ".join(self.errors[:3]) + f" ({len(self.errors)} in all)")
+        agree = [(n, h) for n, h, _ in got]
+        if any(e for _, _, e in got):
+            return  # another rank reports its own mismatches
+        assert all(g == agree[0] for g in agree), f"ranks disagree bitwise: {agree}"
+
+
+CHECK = Checker()
+
+
+def collective_case(fn):
+    """A case whose checks are recorded in CHECK and settled (allgathered) at its end."""
+    def run():
+        global CHECK
+        CHECK = Checker()
+        raised = None
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - raised again after the allgather
+            raised = e
+        CHECK.finish(raised)
+    run.__name__ = fn.__name__
+    return run
 
 
 def check_equal(got, want, what):
     if not np.array_equal(got, want):
-        bad = np.flatnonzero(got != want)
-        raise AssertionError(f"{what}: {bad.size} wrong of {want.size}, first at {bad[0]}: "
-                             f"got {got[bad[0]]} want {want[bad[0]]}")
+        bad = np.flatnonzero(got != want) if got.shape == want.shape else [0]
+        i = bad[0] if len(bad) else 0
+        CHECK.errors.append(f"{what}: {len(bad)} wrong of {want.size}"
+                            + (f", first at {i}: got {got[i]} want {want[i]}" if want.size else ""))
 
 
-def run_allreduce(algorithm, op, dtype, count, seed, agree):
+def run_allreduce(algorithm, op, dtype, count, seed):
     code = _dtypes.DTYPE_CODES[dtype]
     arr = to_storage(values(seed, RANK, op, dtype, count), dtype)
     out = alg.allreduce(world, arr, code, op, algorithm)
@@ -101,85 +129,85 @@ def run_allreduce(algorithm, op, dtype, count, seed, agree):
     got = from_storage(arr, dtype)
     if op == "avg":
         tol = {"float32": 1e-6, "float64": 1e-12, "float16": 1e-3, "bfloat16": 8e-3}[dtype]
-        assert np.allclose(got, ref, rtol=tol, atol=tol), what
+        if not np.allclose(got, ref, rtol=tol, atol=tol):
+            CHECK.errors.append(f"{what}: max error {np.max(np.abs(got - ref))}")
     else:
         check_equal(got, ref, what)
-    agree.add(arr)
+    CHECK.add(arr)
 
 
 # ---------------------------------------------------------------------------------------------
 # allreduce
 
 def _matrix(algorithm):
-    agree = Agreement()
     for dtype in DTYPES:
         for op in OPS:
             for count in SIZES:
-                run_allreduce(algorithm, op, dtype, count, 1, agree)
-    agree.check()
+                run_allreduce(algorithm, op, dtype, count, 1)
 
 
+@collective_case
 def case_ring_allreduce_matrix():
     _matrix("ring")
 
 
+@collective_case
 def case_rhd_allreduce_matrix():
     _matrix("rhd")
 
 
+@collective_case
 def case_tree_allreduce_matrix():
     _matrix("tree")
 
 
+@collective_case
 def case_auto_allreduce():
-    agree = Agreement()
     for count in (0, 3, 1021, 65537):
-        run_allreduce("auto", "sum", "float32", count, 2, agree)
-    agree.check()
+        run_allreduce("auto", "sum", "float32", count, 2)
 
 
+@collective_case
 def case_large_float32_sum():
     """Primes and sizes past several message segments (pipelined receive/reduce paths)."""
-    agree = Agreement()
     for algorithm in alg.ALGORITHMS:
         for count in (65537, 300007):
-            run_allreduce(algorithm, "sum", "float32", count, 3, agree)
-    run_allreduce("ring", "max", "float64", 65537, 3, agree)
-    agree.check()
+            run_allreduce(algorithm, "sum", "float32", count, 3)
+    run_allreduce("ring", "max", "float64", 65537, 3)
 
 
+@collective_case
 def case_avg():
-    agree = Agreement()
     for algorithm in alg.ALGORITHMS:
         for dtype in ("float32", "float64", "float16", "bfloat16"):
-            run_allreduce(algorithm, "avg", dtype, 1021, 4, agree)
-    agree.check()
+            run_allreduce(algorithm, "avg", dtype, 1021, 4)
 
 
+@collective_case
 def case_tiny_segments():
     """Every path that cuts messages into segments, at small sizes: segments of 24 bytes."""
     saved = p2p.SEGMENT_BYTES
     p2p.SEGMENT_BYTES = 24
     try:
-        agree = Agreement()
         for algorithm in alg.ALGORITHMS:
             for dtype in ("float64", "bfloat16", "int32"):
                 for count in (1, 7, 101):
-                    run_allreduce(algorithm, "sum", dtype, count, 5, agree)
+                    run_allreduce(algorithm, "sum", dtype, count, 5)
         code = _dtypes.DTYPE_CODES["float32"]
         for root in range(N):
             a = to_storage(values(6, RANK, "max", "float32", 101), "float32")
             alg.tree_reduce(world, a, code, "max", root)
             if RANK == root:
-                check_equal(from_storage(a, "float32"), reference(6, "max", "float32", 101), "reduce")
+                check_equal(from_storage(a, "float32"), reference(6, "max", "float32", 101),
+                            "reduce")
             b = np.arange(53, dtype=np.float64) * (root + 1) if RANK == root else np.zeros(53)
             alg.tree_broadcast(world, b, root)
             check_equal(b, np.arange(53, dtype=np.float64) * (root + 1), "broadcast")
-        agree.check()
     finally:
         p2p.SEGMENT_BYTES = saved
 
 
+@collective_case
 def case_op_codes_and_errors():
     a = to_storage(values(7, RANK, "sum", "int64", 5), "int64")
     alg.ring_allreduce(world, a, _dtypes.DTYPE_CODES["int64"], _dtypes.OP_CODES["sum"])
@@ -190,7 +218,8 @@ def case_op_codes_and_errors():
         assert "ring" in str(e) and "rhd" in str(e) and "tree" in str(e), e
     else:
         raise AssertionError("unknown algorithm accepted")
-    for bad, exc in ((np.zeros(3, np.float32), TypeError), (np.zeros((2, 2), np.int64), ValueError)):
+    for bad, exc in ((np.zeros(3, np.float32), TypeError),
+                     (np.zeros((2, 2), np.int64), ValueError)):
         try:
             alg.ring_allreduce(world, bad, 5, "sum")
         except exc:
@@ -203,13 +232,17 @@ def case_op_codes_and_errors():
         pass
     else:
         raise AssertionError("avg on int32 accepted")
-    assert alg.choose_allreduce(8, N) in alg.ALGORITHMS
-    assert alg.choose_allreduce(1 << 30, 4) == "ring"
+    for n in (1, 2, 3, 4, 8, 64):
+        for nbytes in (0, 8, 4096, 1 << 16, 1 << 20, 1 << 30):
+            assert alg.choose_allreduce(nbytes, n) in alg.ALGORITHMS
+    assert alg.choose_allreduce(8, 4) != "ring"
+    assert alg.choose_allreduce(256 << 20, 4) == "ring"
 
 
 # ---------------------------------------------------------------------------------------------
 # tree reduce / broadcast, allgather, reduce-scatter
 
+@collective_case
 def case_tree_reduce_every_root():
     for root in range(N):
         for dtype in DTYPES:
@@ -222,6 +255,7 @@ def case_tree_reduce_every_root():
                                 f"tree_reduce root={root} {op} {dtype}")
 
 
+@collective_case
 def case_tree_broadcast_every_root():
     for root in range(N):
         for count in (0, 1, 7, 65537):
@@ -235,11 +269,13 @@ def case_tree_broadcast_every_root():
         check_equal(a, w64, "tree_broadcast int64")
 
 
+@collective_case
 def case_ring_allgather():
     for dtype in ("float32", "bfloat16", "int64", "uint8"):
         for m in (0, 1, 7, 1021):
             def piece(r):
-                return (np.arange(m) * 3 + r * 1000).astype(np.uint16 if dtype == "bfloat16" else dtype)
+                storage = np.uint16 if dtype == "bfloat16" else dtype
+                return (np.arange(m) * 3 + r * 1000).astype(storage)
             out = np.zeros(N * m, piece(0).dtype)
             assert alg.ring_allgather(world, piece(RANK), out) is out
             check_equal(out, np.concatenate([piece(r) for r in range(N)]), f"allgather {dtype} {m}")
@@ -250,6 +286,7 @@ def case_ring_allgather():
             check_equal(out2, out, "allgather in place")
 
 
+@collective_case
 def case_ring_reduce_scatter_unequal():
     layouts = [[(3 * r + 1) % 5 for r in range(N)],   # unequal, with zeros for some n
                [0] * (N - 1) + [9],                     # everything on the last rank
@@ -276,46 +313,52 @@ def case_ring_reduce_scatter_unequal():
 # ---------------------------------------------------------------------------------------------
 # bounded waits
 
+def _expect_timeout(fn, bound, *needles):
+    t0 = time.perf_counter()
+    try:
+        fn()
+    except PeerTimeoutError as e:
+        took = time.perf_counter() - t0
+        assert bound <= took < bound + 1.0, f"timed out after {took:.3f}s, bound {bound}s"
+        for s in needles:
+            assert s in str(e), f"{s!r} not in {str(e)!r}"
+    else:
+        raise AssertionError("no PeerTimeoutError")
+
+
 def case_timeout():
     """Rank 0 waits on a peer that never sends: PeerTimeoutError within the bound, naming the
-    operation and the peer; its receive is cancelled, so the communicator still works after."""
+    operation and the peer; its receive is cancelled, so the communicator still works after.
+    Failures are kept until the end so every rank goes through the same collective calls."""
     sub = world.Dup()
     saved = os.environ.get("MLFABRIC_TIMEOUT")
     bound = 0.3
+    failure = None
     os.environ["MLFABRIC_TIMEOUT"] = str(bound)
     try:
         if RANK == 0:
-            # p2p level: a receive nobody will match (from rank 0 itself when alone).
+            # p2p level: a receive nobody matches (from rank 0 itself when alone).
             peer = 1 % N
-            buf = np.zeros(8, np.uint8)
-            t0 = time.perf_counter()
-            try:
-                p2p.wait([p2p.irecv(sub, buf, peer)], [peer], "test receive")
-            except PeerTimeoutError as e:
-                took = time.perf_counter() - t0
-                assert bound <= took < bound + 1.0, took
-                assert "test receive" in str(e) and f"[{peer}]" in str(e), str(e)
-            else:
-                raise AssertionError("no PeerTimeoutError")
+            _expect_timeout(lambda: p2p.wait([p2p.irecv(sub, np.zeros(8, np.uint8), peer)], [peer],
+                                             "test receive", [True]),
+                            bound, "test receive", f"[{peer}]")
             if N > 1:
-                # algorithm level: a broadcast from rank 1, which is not broadcasting. Rank 0 is
-                # a leaf of that tree, so it only receives and leaves no stray message behind.
-                t0 = time.perf_counter()
-                try:
-                    alg.tree_broadcast(sub, np.zeros(16, np.float32), 1)
-                except PeerTimeoutError as e:
-                    took = time.perf_counter() - t0
-                    assert bound <= took < bound + 1.0, took
-                    assert "tree_broadcast" in str(e) and "[1]" in str(e), str(e)
-                else:
-                    raise AssertionError("no PeerTimeoutError")
+                # Algorithm level: a broadcast from rank 1, which is not broadcasting. Rank 0 has
+                # virtual rank n-1 in that tree: a leaf, so it only receives (from its parent)
+                # and leaves no stray message behind.
+                v = N - 1
+                parent = (v - (v & -v) + 1) % N
+                _expect_timeout(lambda: alg.tree_broadcast(sub, np.zeros(16, np.float32), 1),
+                                bound, "tree_broadcast", f"[{parent}]")
+    except Exception as e:  # noqa: BLE001 - re-raised below, after the collective calls
+        failure = e
     finally:
         if saved is None:
             os.environ.pop("MLFABRIC_TIMEOUT", None)
         else:
             os.environ["MLFABRIC_TIMEOUT"] = saved
     world.Barrier()
-    # The late peers arrive now: rank 1 sends what rank 0 waited for. The cancelled receives must
+    # The late peer arrives now: rank 1 sends what rank 0 waited for. The cancelled receive must
     # not swallow it: rank 0 gets it with a fresh receive, and the next collective is clean.
     if N > 1:
         if RANK == 1:
@@ -328,3 +371,38 @@ def case_timeout():
     alg.ring_allreduce(sub, a, 0, "sum")
     check_equal(from_storage(a, "float32"), reference(40, "sum", "float32", 33), "after timeout")
     sub.Free()
+    if failure is not None:
+        raise failure
+
+
+def case_diverged_sizes():
+    """Ranks that disagree on the size get an error, never a hang: the root broadcasts 16 floats
+    where the others expect 8; its children see a truncated message (MlfabricError), and their
+    subtrees, never served, time out (PeerTimeoutError, a subclass)."""
+    from mlfabric.errors import MlfabricError
+
+    sub = world.Dup()
+    saved = os.environ.get("MLFABRIC_TIMEOUT")
+    os.environ["MLFABRIC_TIMEOUT"] = "0.3"
+    failure = None
+    try:
+        a = np.zeros(16 if RANK == 0 else 8, np.float32)
+        try:
+            alg.tree_broadcast(sub, a, 0)
+        except MlfabricError as e:
+            if RANK == 0:
+                failure = AssertionError(f"root failed: {e}")
+            elif "tree_broadcast" not in str(e):
+                failure = AssertionError(f"error does not name the operation: {e}")
+        else:
+            if RANK != 0:
+                failure = AssertionError("a truncated broadcast passed silently")
+    finally:
+        if saved is None:
+            os.environ.pop("MLFABRIC_TIMEOUT", None)
+        else:
+            os.environ["MLFABRIC_TIMEOUT"] = saved
+    world.Barrier()
+    sub.Free()
+    if failure is not None:
+        raise failure
