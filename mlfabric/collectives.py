@@ -398,16 +398,16 @@ def recv(x, source, tag=0):
     what = f"recv from rank {source}"
 
     def body():
-        p2p.wait([ctx.comm.Irecv(meta, source, t)], [source], what)
+        p2p.wait([ctx.comm.Irecv(meta, source, t)], [source], what, [True])
         code, count = int(meta[0]), int(meta[1])
         if code != xb.code or count != xb.count:
             # Drain the payload so the channel stays usable, then report.
             scratch = np.empty(count * _dtypes.ITEMSIZE[code], np.uint8)
-            p2p.wait([ctx.comm.Irecv([scratch, MPI.BYTE], source, t)], [source], what)
+            p2p.wait([ctx.comm.Irecv([scratch, MPI.BYTE], source, t)], [source], what, [True])
             raise MismatchError(
                 f"{what}: rank {source} sent {count} x {_dtypes.DTYPE_NAMES[code]}, this rank "
                 f"expects {xb.count} x {_dtypes.DTYPE_NAMES[xb.code]}")
-        p2p.wait([ctx.comm.Irecv([p2p.as_bytes(xb.arr), MPI.BYTE], source, t)], [source], what)
+        p2p.wait([ctx.comm.Irecv([p2p.as_bytes(xb.arr), MPI.BYTE], source, t)], [source], what, [True])
         return _finish(x, xb)
 
     return ctx.executor.run("recv", body)
