@@ -4,6 +4,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <optional>
+
 #include "shm_engine.h"
 
 namespace py = pybind11;
@@ -19,17 +21,20 @@ void bind_shm(py::module_& m) {
       .def("reset_segment", &ShmEngine::reset_segment)
       .def(
           "run",
-          [](ShmEngine& self, int kind, int dtype, int op, double scale, int root, uintptr_t in,
-             uintptr_t out, size_t count, std::vector<size_t> chunks, std::vector<int64_t> header,
+          [](ShmEngine& self, int kind, int dtype, int op, double scale, int root,
+             const std::optional<py::array>& in, std::optional<py::array>& out, size_t count,
+             std::vector<size_t> chunks, std::vector<int64_t> header,
              std::vector<uintptr_t> peer_in, std::vector<uintptr_t> peer_out) {
+            // Arrays are C-contiguous views made by mlfabric._buffers; their addresses are read
+            // here, which is cheaper than asking numpy for them in Python.
             CallArgs a;
             a.kind = static_cast<Kind>(kind);
             a.dtype = static_cast<DType>(dtype);
             a.op = static_cast<RedOp>(op);
             a.scale = scale;
             a.root = root;
-            a.in = reinterpret_cast<const char*>(in);
-            a.out = reinterpret_cast<char*>(out);
+            a.in = in ? static_cast<const char*>(in->data()) : nullptr;
+            a.out = out ? static_cast<char*>(out->mutable_data()) : nullptr;
             a.count = count;
             a.chunks = std::move(chunks);
             a.header = std::move(header);
@@ -45,28 +50,40 @@ void bind_shm(py::module_& m) {
           "Run one collective; returns (status, zero_copy, message). status 0 ok, 1 header "
           "mismatch (see headers()), 2 timeout (the engine is unusable afterwards).")
       .def(
-          "run_arrays",
-          [](ShmEngine& self, int kind, int dtype, int op, double scale, const py::array& in,
-             py::array& out, std::vector<int64_t> header) {
-            // The small-call fast path: C-contiguous numpy arrays (checked by the caller), no
-            // zero-copy candidacy, count = in.size.
+          "add_plan",
+          [](ShmEngine& self, int kind, int dtype, int op, double scale, std::vector<int64_t> header) {
             CallArgs a;
             a.kind = static_cast<Kind>(kind);
             a.dtype = static_cast<DType>(dtype);
             a.op = static_cast<RedOp>(op);
             a.scale = scale;
+            a.header = std::move(header);
+            return self.add_plan(std::move(a));
+          },
+          "Prepare a repeated call (no zero-copy); returns the index for run_plan().")
+      .def(
+          "run_plan",
+          [](ShmEngine& self, int index, const py::array& in, py::array& out) {
+            // The hot path: C-contiguous arrays of the plan's dtype and the same size (the
+            // caller checks dtype and shape; contiguity is checked here). Returns -1 without
+            // touching the engine when an array is not C-contiguous, else run()'s status; the
+            // message of a failure is in last_message.
+            constexpr int kC = py::array::c_style;
+            if ((in.flags() & kC) != kC || (out.flags() & kC) != kC) return -1;
+            CallArgs& a = self.plan(static_cast<size_t>(index));
             a.in = static_cast<const char*>(in.data());
             a.out = static_cast<char*>(out.mutable_data());
             a.count = static_cast<size_t>(in.size());
-            a.header = std::move(header);
             CallResult r;
             {
               py::gil_scoped_release nogil;
               r = self.run(a);
             }
-            return py::make_tuple(r.status, r.zero_copy, r.message);
+            self.last_message = r.message;
+            return r.status;
           },
-          "run() for small calls on numpy arrays: pointers taken from the arrays themselves.")
+          py::arg("index"), py::arg("in").noconvert(), py::arg("out").noconvert())
+      .def_readonly("last_message", &ShmEngine::last_message)
       .def("headers", &ShmEngine::headers)
       .def_property_readonly("rounds", &ShmEngine::rounds)
       .def_property_readonly("broken", &ShmEngine::broken)

@@ -13,10 +13,11 @@
 // k+1 before everyone has published in for k+1, which they do only after reading round k).
 //
 // Data paths:
-//  - staged: a call larger than one step is cut into steps; per step each rank copies a block of
-//    its input into its slot (copy-in), reduces its own sub-block across all ranks' slots (so
-//    the reduce-scatter is spread over all ranks), and copies the reduced block out. Blocks are
-//    small enough to stay in cache, so DRAM sees the input once and the output once.
+//  - staged: a call larger than one step is cut into steps; per step each rank copies into its
+//    slot the blocks of its input that its peers reduce (copy-in), reduces its own sub-block
+//    across its own input and the peers' slots (so the reduce-scatter is spread over all ranks),
+//    and copies every reduced block out. Blocks are small enough to stay in cache, so DRAM sees
+//    the input once and the output once.
 //  - combined: a call of one step carries its data in the header round (one round trip in all —
 //    this is what keeps small-message latency low).
 //  - zero-copy: when every rank's buffer lives in an mlfabric shared buffer at the same offset,
@@ -170,8 +171,9 @@ void ShmEngine::stage_step(const CallArgs& a, uint64_t k, size_t s, size_t e) {
     case Kind::allreduce:
     case Kind::reduce:
     case Kind::reduce_scatter:
+      // Only the chunks my peers reduce: my own chunk is read from my input in place.
       for (int q = 0; q < n_; ++q) {
-        if (lo >= chunk_len_[q]) continue;
+        if (q == rank_ || lo >= chunk_len_[q]) continue;
         const size_t l = std::min(e, chunk_len_[q] - lo);
         copy(mine + q * e * isz, a.in + (chunk_off_[q] + lo) * isz, l * isz);
       }
@@ -195,11 +197,13 @@ void ShmEngine::compute_step(const CallArgs& a, uint64_t k, size_t s, size_t e) 
     for (int j = 0; j < n_; ++j) srcs_[j] = slot(k, j);
     reduce(a.out, srcs_.data(), n_, a.count, a.dtype, a.op, a.scale);
   } else if (reducing && lo < chunk_len_[rank_]) {
-    // Reduce my sub-block (chunk rank_) across every rank's slot, into my own slot (a line I
-    // already own) or, for reduce_scatter, straight into the output.
+    // Reduce my sub-block (chunk rank_) across my input and every peer's slot, into my own slot
+    // (lines I already own; peers copy the result from there) or, for reduce_scatter, straight
+    // into the output.
     const size_t isz = dtype_size(a.dtype);
     const size_t l = std::min(e, chunk_len_[rank_] - lo);
     for (int j = 0; j < n_; ++j) srcs_[j] = slot(k, j) + rank_ * e * isz;
+    srcs_[rank_] = a.in + (chunk_off_[rank_] + lo) * isz;
     char* dst = a.kind == Kind::reduce_scatter ? a.out + lo * isz : slot(k, rank_) + rank_ * e * isz;
     reduce(dst, srcs_.data(), n_, l, a.dtype, a.op, a.scale);
   }

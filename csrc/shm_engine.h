@@ -60,6 +60,15 @@ class ShmEngine {
   bool broken() const { return broken_; }
   void set_timeout(double s) { timeout_s_ = s; }
 
+  // Prepared calls: the fixed part of a call repeated many times (kind, dtype, op, scale,
+  // header), so the hot path passes only the buffers. Returns the plan's index.
+  int add_plan(CallArgs a) {
+    plans_.push_back(std::move(a));
+    return static_cast<int>(plans_.size()) - 1;
+  }
+  CallArgs& plan(size_t i) { return plans_.at(i); }
+  std::string last_message;  // of the last run_plan() that failed (set by the binding)
+
  private:
   enum Field { kIn = 0, kRed = 1, kOut = 2 };
   std::atomic<uint64_t>& flag(int r, Field f) const;
@@ -91,7 +100,8 @@ class ShmEngine {
   bool redundant_ = false;  // this call: small allreduce reduced whole by every rank
   std::vector<int64_t> snapshot_;
   std::vector<size_t> chunk_off_, chunk_len_;  // scratch: this call's partition
-  std::vector<const void*> srcs_;              // scratch: one source pointer per rank
+  std::vector<const void*> srcs_;
+  std::vector<CallArgs> plans_;              // scratch: one source pointer per rank
 };
 
 }  // namespace mlf

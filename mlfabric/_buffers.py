@@ -39,7 +39,7 @@ class Buf:
 
     @property
     def ptr(self):
-        return self.arr.ctypes.data
+        return self.arr.__array_interface__["data"][0]
 
     def writeback(self):
         """Copy a temporary back into the user's (non-contiguous) array."""
@@ -80,10 +80,9 @@ def wrap(x, name="x"):
             arr = arr.view(np.uint16)
         return Buf(x, arr, tuple(x.shape), code, copied)
     if isinstance(x, np.ndarray):
-        if x.dtype.name == "bfloat16":  # ml_dtypes' bfloat16
-            code = 3
-        else:
-            code = _dtypes.numpy_dtype_code(x.dtype)
+        code = _dtypes._NUMPY_CODES.get(x.dtype)
+        if code is None:
+            code = 3 if x.dtype.name == "bfloat16" else _dtypes.numpy_dtype_code(x.dtype)
         copied = not x.flags.c_contiguous
         arr = np.ascontiguousarray(x) if copied else x
         arr = arr.reshape(-1)

@@ -15,8 +15,15 @@ AVG = "avg"
 ALL_OPS = OPS + (AVG,)
 
 
+# Native-byte-order numpy dtypes -> code (a dict lookup: dtype.name is slow in numpy 2).
+_NUMPY_CODES = {np.dtype(name): code for code, name in enumerate(DTYPE_NAMES) if name != "bfloat16"}
+
+
 def numpy_dtype_code(dt):
     """Code of a numpy dtype, or raise TypeError naming the supported ones."""
+    code = _NUMPY_CODES.get(dt)
+    if code is not None:
+        return code
     dt = np.dtype(dt)
     name = dt.name
     if name in DTYPE_CODES and dt.isnative:

@@ -139,29 +139,34 @@ def _allreduce(x, op, out, algorithm, async_):
     return _run(what, what, prepare, async_)
 
 
-_SMALL_BYTES = 16384  # calls up to this size take the latency path when they can
+def _maybe_shared(ctx, x):
+    """False when x cannot be an mlfabric shared buffer: its memory is owned by an ndarray chain
+    that does not end in an MPI window (cheaper than looking its address up)."""
+    base = x.base
+    while type(base) is np.ndarray:
+        base = base.base
+    return type(base) is MPI.buffer
 
 
 def _same_layout(out, x):
-    return (type(out) is np.ndarray and out.dtype == x.dtype and out.shape == x.shape
-            and out.flags.c_contiguous)
+    return type(out) is np.ndarray and out.dtype == x.dtype and out.shape == x.shape
 
 
-def _small_plan(ctx, x, op):
-    """The cached (code, op, scale, header) of a small numpy allreduce, or None when the
+def _plain_plan(ctx, x, op):
+    """The prepared engine call of a numpy allreduce on the direct path, or None when the
     arguments need the general path's checks (it raises the right errors)."""
     key = (x.dtype, x.shape, op)
-    plan = ctx.small_plans.get(key)
+    plan = ctx.plain_plans.get(key)
     if plan is None:
         try:
             code = _dtypes.numpy_dtype_code(x.dtype)
             opc, avg = _dtypes.op_code(op, code)
         except (TypeError, ValueError):
             return None
-        plan = (code, opc, 1.0 / ctx.size if avg else 1.0,
-                header.make("allreduce", code, opc, avg, 0, x.shape, "shm"))
-        if len(ctx.small_plans) < 1024:
-            ctx.small_plans[key] = plan
+        hdr = header.make("allreduce", code, opc, avg, 0, x.shape, "shm")
+        plan = ctx.shm.plan("allreduce", code, opc, 1.0 / ctx.size if avg else 1.0, hdr)
+        if len(ctx.plain_plans) < 1024:
+            ctx.plain_plans[key] = plan
     return plan
 
 
@@ -172,14 +177,17 @@ def allreduce(x, op="sum", out=None, algorithm="auto"):
     out=x to reduce in place. algorithm: auto (shared memory on one host, else by size), shm,
     ring, rhd (recursive halving-doubling), tree. Every rank gets bitwise the same result."""
     ctx = context._ctx
-    # Latency path: small contiguous numpy arrays on one host skip the general machinery (a few
-    # microseconds of Python that would dominate a call this size). Same protocol, same checks.
-    if (ctx is not None and ctx.shm is not None and type(x) is np.ndarray
-            and algorithm == "auto" and x.nbytes <= _SMALL_BYTES and x.flags.c_contiguous
-            and (out is None or out is x or _same_layout(out, x)) and ctx.executor.idle()):
-        plan = _small_plan(ctx, x, op)
+    # Direct path: numpy arrays on one host skip the general machinery (microseconds of Python
+    # that would dominate calls up to ~1 MiB) through a prepared engine call. Same protocol, same
+    # header checks. Shared buffers longer than one step take the general path, for zero-copy.
+    if (ctx is not None and ctx.shm is not None and type(x) is np.ndarray and algorithm == "auto"
+            and (out is None or out is x or _same_layout(out, x)) and not ctx.executor.pending
+            and not (ctx.shm.allocs and x.nbytes > ctx.shm.block and _maybe_shared(ctx, x))):
+        plan = _plain_plan(ctx, x, op)
         if plan is not None:
-            return ctx.shm.allreduce_small(x, np.empty_like(x) if out is None else out, plan)
+            res = np.empty_like(x) if out is None else out
+            if ctx.shm.run_plan("allreduce", plan, x, res):
+                return res
     return _allreduce(x, op, out, algorithm, False)
 
 

@@ -30,7 +30,7 @@ class Context:
             from .comm.shm import ShmTransport
             self.shm = ShmTransport(self.node_comm)
         self.executor = Executor()
-        self.small_plans = {}  # (dtype, shape, op) -> plan of the allreduce latency path
+        self.plain_plans = {}  # (dtype, shape, op) -> plan of allreduce's direct path
 
     def close(self):
         self.executor.shutdown()

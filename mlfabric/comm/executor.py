@@ -41,9 +41,11 @@ class Executor:
     def __init__(self):
         self._cv = threading.Condition()
         self._queue = collections.deque()
-        self._busy = False
         self._thread = None
         self._closed = False
+        # Calls submitted and not yet finished. Zero means a blocking call may run at once on the
+        # caller's thread (only the issuing thread submits, so it stays zero until it does).
+        self.pending = 0
 
     def submit(self, what, fn):
         """Queue fn() behind every call issued before it; return its Handle."""
@@ -56,19 +58,13 @@ class Executor:
                                                 daemon=True)
                 self._thread.start()
             self._queue.append((fn, handle))
+            self.pending += 1
             self._cv.notify_all()
         return handle
 
-    def idle(self):
-        """True when no non-blocking call is queued or running (only the issuing thread queues
-        calls, so the answer stays true until that thread submits one)."""
-        return not self._queue and not self._busy
-
     def run(self, what, fn):
         """Run fn() now, in order after pending non-blocking calls; return its result."""
-        with self._cv:
-            idle = not self._queue and not self._busy
-        if idle:
+        if not self.pending:
             return fn()
         return self.submit(what, fn).wait()
 
@@ -80,13 +76,12 @@ class Executor:
                 if not self._queue:
                     return
                 fn, handle = self._queue.popleft()
-                self._busy = True
             try:
                 handle._finish(result=fn())
             except BaseException as exc:  # noqa: BLE001 - handed to the waiter
                 handle._finish(error=exc)
             with self._cv:
-                self._busy = False
+                self.pending -= 1
                 self._cv.notify_all()
 
     def shutdown(self):

@@ -2,6 +2,7 @@
 whose kind, dtype, op, root, shape or algorithm differs between ranks becomes a MismatchError on
 every rank (Horovod negotiates the same way). Owns the header layout (shared with
 csrc/shm_engine.h: 16 words, the first 12 must agree) and the error messages; sends nothing."""
+import math
 import zlib
 
 import numpy as np
@@ -26,7 +27,7 @@ def make(kind, code=0, op=0, avg=False, root=0, shape=(), algorithm="none",
         tail = zlib.crc32(np.asarray(dims[_MAX_DIMS - 1:], np.int64).tobytes())
         dims = dims[:_MAX_DIMS - 1] + [tail]
     dims += [-1] * (_MAX_DIMS - len(dims))
-    count = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
+    count = math.prod(shape)
     return [KIND_CODES[kind], code, op | (8 if avg else 0) | (ALGO_CODES[algorithm] << 4), root,
             count, len(shape), *dims, zc_in[0], zc_in[1], zc_out[0], zc_out[1]]
 

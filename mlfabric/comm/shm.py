@@ -26,6 +26,7 @@ class ShmTransport:
         self.comm = comm            # all ranks on this host, rank order = the user's communicator
         self.rank, self.size = comm.rank, comm.size
         block, slots = _config.shm_block_bytes(), _config.shm_slots()
+        self.block = block
         nbytes = _C.ShmEngine.required_bytes(self.size, block, slots)
         self.win = MPI.Win.Allocate_shared(nbytes if self.rank == 0 else 0, 1, comm=comm)
         mem, _ = self.win.Shared_query(0)
@@ -56,11 +57,11 @@ class ShmTransport:
 
     def zero_copy_info(self, buf):
         """Header words (id, offset) and peers' addresses of buf, or ((-1, -1), [])."""
-        if buf is None or buf.copied or buf.count == 0:
-            return (-1, -1), []
+        if not self.allocs or buf is None or buf.copied or buf.count == 0:
+            return (-1, -1), ()
         hit = self.lookup(buf.ptr, buf.nbytes)
         if hit is None:
-            return (-1, -1), []
+            return (-1, -1), ()
         alloc, off = hit
         return (alloc.id, off), [p + off for p in alloc.peers]
 
@@ -69,22 +70,26 @@ class ShmTransport:
             count=0, chunks=(), peer_in=(), peer_out=()):
         """Run one call on the engine; raise MismatchError / PeerTimeoutError like every rank."""
         status, zero_copy, message = self.engine.run(
-            header.KIND_CODES[kind], code, op, scale, root, inp.ptr if inp is not None else 0,
-            out.ptr if out is not None else 0, count, list(chunks), hdr, list(peer_in),
-            list(peer_out))
+            header.KIND_CODES[kind], code, op, scale, root, None if inp is None else inp.arr,
+            None if out is None else out.arr, count, chunks, hdr, peer_in, peer_out)
         if status:
             self._raise(what, status, message)
         self.zero_copy_calls += bool(zero_copy)
         return zero_copy
 
-    def allreduce_small(self, x, out, plan):
-        """The latency path: a small C-contiguous numpy allreduce with a cached plan
-        (code, op, scale, header); x and out are arrays of the same dtype and size."""
-        code, op, scale, hdr = plan
-        status, _, message = self.engine.run_arrays(1, code, op, scale, x, out, hdr)
-        if status:
-            self._raise("allreduce", status, message)
-        return out
+    def plan(self, kind, code, op, scale, hdr):
+        """Index of a prepared call for run_plan()."""
+        return self.engine.add_plan(header.KIND_CODES[kind], code, op, scale, hdr)
+
+    def run_plan(self, what, index, x, out):
+        """Run a prepared call on C-contiguous numpy arrays; False (nothing done) when one is
+        not contiguous."""
+        status = self.engine.run_plan(index, x, out)
+        if status == 0:
+            return True
+        if status < 0:
+            return False
+        self._raise(what, status, self.engine.last_message)
 
     def _raise(self, what, status, message):
         if status == 1:
