@@ -84,6 +84,11 @@ void bind_shm(py::module_& m) {
           },
           py::arg("index"), py::arg("in").noconvert(), py::arg("out").noconvert())
       .def_readonly("last_message", &ShmEngine::last_message)
+      .def("probe_publish", &ShmEngine::probe_publish)
+      .def("probe_peers", &ShmEngine::probe_peers, py::call_guard<py::gil_scoped_release>())
+      .def("enable_cma", &ShmEngine::enable_cma, py::arg("on"), py::arg("min_bytes"),
+           py::arg("max_bytes"))
+      .def_property_readonly("cma_enabled", &ShmEngine::cma_enabled)
       .def("headers", &ShmEngine::headers)
       .def_property_readonly("rounds", &ShmEngine::rounds)
       .def_property_readonly("broken", &ShmEngine::broken)

@@ -25,6 +25,10 @@
 #include "shm_engine.h"
 
 #include <sched.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <cerrno>
 
 #include <algorithm>
 #include <chrono>
@@ -36,12 +40,19 @@ namespace mlf {
 namespace {
 
 constexpr size_t kLine = 64;
-constexpr size_t kCtlBytes = 512;         // per rank: 3 flag lines + 2 headers of 16 words
+constexpr size_t kCtlBytes = 512;         // per rank: 3 flag lines, 2 headers of 16 words, extras
 constexpr size_t kHeaderOffset = 3 * kLine;
+constexpr size_t kExtrasOffset = kHeaderOffset + 2 * kHdrWords * sizeof(int64_t);
+constexpr size_t kCmaTile = 65536;        // bytes read from each peer per reduction tile
+const uint64_t kProbeWord = 0x6d6c6661627269ULL;  // read by peers to test process_vm_readv
 constexpr size_t kZeroCopyTile = 32768;   // bytes per tile: the reduced tile is re-read from L1/L2
 // An allreduce up to this size is reduced whole by every rank (same sources, same order, so the
 // same bits everywhere): one synchronisation instead of two, which is what small calls pay for.
 constexpr size_t kRedundantBytes = 16384;
+
+struct EngineFailure : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
 
 struct Timeout : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -73,6 +84,87 @@ const char* kind_name(Kind k) {
 }
 
 }  // namespace
+
+// What a rank tells its peers about the call in flight, beside its header: where its buffers are
+// in its own address space, for the single-copy path.
+struct ShmEngine::Extras {
+  int64_t pid;
+  uint64_t in, out, probe;
+};
+static_assert(kExtrasOffset + sizeof(int64_t) * 4 <= kCtlBytes, "ctl block too small");
+
+ShmEngine::Extras& ShmEngine::extras(int r) const {
+  return *reinterpret_cast<Extras*>(ctl_ + kCtlBytes * r + kExtrasOffset);
+}
+
+void ShmEngine::probe_publish() {
+  extras(rank_).pid = getpid();
+  extras(rank_).probe = reinterpret_cast<uintptr_t>(&kProbeWord);
+}
+
+bool ShmEngine::probe_peers() {
+  for (int j = 0; j < n_; ++j) {
+    if (j == rank_) continue;
+    uint64_t word = 0;
+    iovec local{&word, sizeof word}, remote{reinterpret_cast<void*>(extras(j).probe), sizeof word};
+    if (process_vm_readv(static_cast<pid_t>(extras(j).pid), &local, 1, &remote, 1, 0) !=
+            static_cast<ssize_t>(sizeof word) || word != kProbeWord)
+      return false;
+  }
+  return true;
+}
+
+void ShmEngine::read_peer(int j, void* local, uintptr_t remote, size_t bytes) {
+  char* dst = static_cast<char*>(local);
+  while (bytes > 0) {
+    iovec l{dst, bytes}, r{reinterpret_cast<void*>(remote), bytes};
+    const ssize_t got = process_vm_readv(static_cast<pid_t>(extras(j).pid), &l, 1, &r, 1, 0);
+    if (got <= 0) {
+      std::ostringstream os;
+      os << "reading local rank " << j << "'s buffer failed (process_vm_readv: "
+         << std::strerror(errno) << ")";
+      throw EngineFailure(os.str());
+    }
+    dst += got, remote += static_cast<size_t>(got), bytes -= static_cast<size_t>(got);
+  }
+}
+
+void ShmEngine::sync_round(const char* what) {
+  const uint64_t k = ++round_;
+  publish(kIn, k);
+  wait_all(kIn, k, what);
+  publish(kRed, k);
+  publish(kOut, k);
+}
+
+void ShmEngine::cma_allreduce(const CallArgs& a) {
+  const size_t isz = dtype_size(a.dtype);
+  const size_t off = chunk_off_[rank_], len = chunk_len_[rank_];
+  const size_t tile = kCmaTile / isz;
+  cma_tmp_.resize(static_cast<size_t>(n_) * kCmaTile);
+  // Reduce-scatter: my chunk, tile by tile, from my input and each peer's input (read into a
+  // private tile that stays in cache), into my output.
+  for (size_t t = 0; t < len; t += tile) {
+    const size_t l = std::min(tile, len - t), at = (off + t) * isz;
+    for (int j = 0; j < n_; ++j) {
+      if (j == rank_) {
+        srcs_[j] = a.in + at;
+        continue;
+      }
+      char* tmp = cma_tmp_.data() + static_cast<size_t>(j) * kCmaTile;
+      read_peer(j, tmp, extras(j).in + at, l * isz);
+      srcs_[j] = tmp;
+    }
+    reduce(a.out + at, srcs_.data(), n_, l, a.dtype, a.op, a.scale);
+  }
+  sync_round("allreduce");  // every chunk is reduced; nobody has overwritten an input chunk
+  // Allgather: every peer's reduced chunk straight from its output into mine.
+  for (int j = 0; j < n_; ++j)
+    if (j != rank_ && chunk_len_[j])
+      read_peer(j, a.out + chunk_off_[j] * isz, extras(j).out + chunk_off_[j] * isz,
+                chunk_len_[j] * isz);
+  sync_round("allreduce");  // nobody reuses its output before every peer has read it
+}
 
 size_t ShmEngine::required_bytes(int nranks, size_t block_bytes, int slots) {
   return kCtlBytes * nranks + slot_bytes_for(nranks, block_bytes) * nranks * slots + kLine;
@@ -336,6 +428,8 @@ CallResult ShmEngine::run(const CallArgs& a) {
     uint64_t k = ++round_;
     if (combined && steps == 1) stage_step(a, k, 0, e);
     std::copy(a.header.begin(), a.header.end(), header_slot(rank_, k));
+    extras(rank_).in = reinterpret_cast<uintptr_t>(a.in);
+    extras(rank_).out = reinterpret_cast<uintptr_t>(a.out);
     publish(kIn, k);
     wait_all(kIn, k, what);
     if (!check_headers(k, res)) {
@@ -362,6 +456,11 @@ CallResult ShmEngine::run(const CallArgs& a) {
       return res;
     }
     res.zero_copy = false;
+    const size_t bytes = a.count * dtype_size(a.dtype);
+    if (cma_ && a.kind == Kind::allreduce && bytes > cma_min_bytes_ && bytes <= cma_max_bytes_) {
+      cma_allreduce(a);
+      return res;
+    }
     // Software pipeline: the copy-out of step s-1 comes after the copy-in and reduction of step
     // s, so a rank that is a little behind its peers delays nobody's next step.
     for (size_t s = 0; s < steps; ++s) {
@@ -377,7 +476,7 @@ CallResult ShmEngine::run(const CallArgs& a) {
       if (s > 0) drain_step(a, k - 1, s - 1, e);
     }
     drain_step(a, k, steps - 1, e);
-  } catch (const Timeout& t) {
+  } catch (const std::runtime_error& t) {  // Timeout or EngineFailure
     broken_ = true;
     res.status = 2;
     res.message = t.what();

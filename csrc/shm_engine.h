@@ -60,6 +60,20 @@ class ShmEngine {
   bool broken() const { return broken_; }
   void set_timeout(double s) { timeout_s_ = s; }
 
+  // Single-copy path (Linux cross-memory attach, process_vm_readv): ranks read their peers'
+  // private buffers directly, as MPI's shared-memory transport does. probe_publish() and
+  // probe_peers() test once whether the kernel allows it here; the caller agrees on the answer
+  // across ranks and passes it to enable_cma(). Used for allreduce calls of more than one step,
+  // of more than min_bytes and at most max_bytes; others keep the staged path.
+  void probe_publish();
+  bool probe_peers();
+  void enable_cma(bool on, size_t min_bytes, size_t max_bytes) {
+    cma_ = on;
+    cma_min_bytes_ = min_bytes;
+    cma_max_bytes_ = max_bytes;
+  }
+  bool cma_enabled() const { return cma_; }
+
   // Prepared calls: the fixed part of a call repeated many times (kind, dtype, op, scale,
   // header), so the hot path passes only the buffers. Returns the plan's index.
   int add_plan(CallArgs a) {
@@ -81,6 +95,11 @@ class ShmEngine {
 
   void staged(const CallArgs& a, bool combined);
   void zero_copy(const CallArgs& a);
+  void cma_allreduce(const CallArgs& a);
+  void read_peer(int j, void* local, uintptr_t remote, size_t bytes);
+  void sync_round(const char* what);
+  struct Extras;
+  Extras& extras(int r) const;
   void stage_step(const CallArgs& a, uint64_t k, size_t step, size_t e);
   void compute_step(const CallArgs& a, uint64_t k, size_t step, size_t e);
   void drain_step(const CallArgs& a, uint64_t k, size_t step, size_t e);
@@ -101,7 +120,10 @@ class ShmEngine {
   std::vector<int64_t> snapshot_;
   std::vector<size_t> chunk_off_, chunk_len_;  // scratch: this call's partition
   std::vector<const void*> srcs_;
-  std::vector<CallArgs> plans_;              // scratch: one source pointer per rank
+  std::vector<CallArgs> plans_;
+  bool cma_ = false;
+  size_t cma_min_bytes_ = 0, cma_max_bytes_ = 0;
+  std::vector<char> cma_tmp_;              // scratch: one source pointer per rank
 };
 
 }  // namespace mlf

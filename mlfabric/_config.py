@@ -6,6 +6,10 @@ MLFABRIC_TIMEOUT   seconds a rank waits for its peers inside one collective befo
 MLFABRIC_SHM       0 disables the intra-host shared-memory path (default 1).
 MLFABRIC_SHM_BLOCK bytes each rank stages per pipeline step in the shared-memory engine.
 MLFABRIC_SHM_SLOTS pipeline depth of the shared-memory engine (steps in flight).
+MLFABRIC_CMA_MIN, MLFABRIC_CMA_MAX
+                   allreduce calls of more than MIN and at most MAX bytes read peers' buffers
+                   directly (single copy, process_vm_readv) instead of staging them; MAX=0 turns
+                   the single-copy path off. Defaults from BENCHMARKS.md: 2 MiB and 64 MiB.
 """
 import os
 
@@ -42,3 +46,7 @@ def shm_block_bytes():
 
 def shm_slots():
     return _number("MLFABRIC_SHM_SLOTS", 4, int, 2)
+
+
+def cma_range():
+    return _number("MLFABRIC_CMA_MIN", 2 << 20, int, 0), _number("MLFABRIC_CMA_MAX", 64 << 20, int, 0)

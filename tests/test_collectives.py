@@ -9,3 +9,17 @@ pytestmark = pytest.mark.mpi
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_collectives(n):
     run_cases("collectives_cases", n, timeout=600)
+
+
+@pytest.mark.parametrize("n", [3])
+def test_allreduce_staged_path_only(n):
+    # The single-copy path off: large allreduce calls go through the staged pipeline instead.
+    run_cases("collectives_cases", n, pattern="case_allreduce", timeout=300,
+              env={"MLFABRIC_CMA_MAX": "0"})
+
+
+@pytest.mark.parametrize("n", [2])
+def test_allreduce_small_pipeline_steps(n):
+    # Tiny blocks and the fewest slots: every call wraps around the staging slots many times.
+    run_cases("collectives_cases", n, pattern="case_allreduce", timeout=300,
+              env={"MLFABRIC_SHM_BLOCK": "4096", "MLFABRIC_SHM_SLOTS": "2", "MLFABRIC_CMA_MAX": "0"})

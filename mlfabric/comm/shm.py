@@ -35,6 +35,15 @@ class ShmTransport:
         if self.rank == 0:
             self.engine.reset_segment()
         comm.Barrier()
+        # Single-copy reads of peers' buffers (process_vm_readv), when the kernel allows them
+        # here for every rank (containers often forbid them); the same answer on every rank.
+        cma_min, cma_max = _config.cma_range()
+        if cma_max > 0 and self.size > 1:
+            self.engine.probe_publish()
+            comm.Barrier()
+            ok = comm.allreduce(1 if self.engine.probe_peers() else 0, op=MPI.MIN) == 1
+            self.engine.enable_cma(ok, cma_min, cma_max)
+            comm.Barrier()
         self.allocs = []
         self._ids = itertools.count()
         self.zero_copy_calls = 0   # calls that read peers' shared buffers in place (for tests)
