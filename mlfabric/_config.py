@@ -7,9 +7,9 @@ MLFABRIC_SHM       0 disables the intra-host shared-memory path (default 1).
 MLFABRIC_SHM_BLOCK bytes each rank stages per pipeline step in the shared-memory engine.
 MLFABRIC_SHM_SLOTS pipeline depth of the shared-memory engine (steps in flight).
 MLFABRIC_CMA_MIN, MLFABRIC_CMA_MAX
-                   allreduce calls of more than MIN and at most MAX bytes read peers' buffers
-                   directly (single copy, process_vm_readv) instead of staging them; MAX=0 turns
-                   the single-copy path off. Defaults from BENCHMARKS.md: 2 MiB and 64 MiB.
+                   with two ranks on a host, allreduce calls of more than MIN and at most MAX
+                   bytes read the peer's buffers directly (single copy, process_vm_readv)
+                   instead of staging them; MAX=0 turns this off. Defaults: 2 MiB and 64 MiB.
 """
 import os
 

@@ -37,8 +37,10 @@ class ShmTransport:
         comm.Barrier()
         # Single-copy reads of peers' buffers (process_vm_readv), when the kernel allows them
         # here for every rank (containers often forbid them); the same answer on every rank.
+        # Measured (BENCHMARKS.md): it beats the staged pipeline for 2-64 MiB calls between two
+        # ranks, and loses to it with more ranks per host, so it is used for two ranks only.
         cma_min, cma_max = _config.cma_range()
-        if cma_max > 0 and self.size > 1:
+        if cma_max > 0 and self.size == 2:
             self.engine.probe_publish()
             comm.Barrier()
             ok = comm.allreduce(1 if self.engine.probe_peers() else 0, op=MPI.MIN) == 1
