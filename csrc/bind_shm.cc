@@ -48,7 +48,8 @@ void bind_shm(py::module_& m) {
             return py::make_tuple(r.status, r.zero_copy, r.message);
           },
           "Run one collective; returns (status, zero_copy, message). status 0 ok, 1 header "
-          "mismatch (see headers()), 2 timeout (the engine is unusable afterwards).")
+          "mismatch (see headers()), 2 timeout, 3 other failure (the engine is unusable after 2 "
+          "or 3).")
       .def(
           "add_plan",
           [](ShmEngine& self, int kind, int dtype, int op, double scale, std::vector<int64_t> header) {

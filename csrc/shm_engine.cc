@@ -476,10 +476,14 @@ CallResult ShmEngine::run(const CallArgs& a) {
       if (s > 0) drain_step(a, k - 1, s - 1, e);
     }
     drain_step(a, k, steps - 1, e);
-  } catch (const std::runtime_error& t) {  // Timeout or EngineFailure
+  } catch (const Timeout& t) {
     broken_ = true;
     res.status = 2;
     res.message = t.what();
+  } catch (const EngineFailure& f) {
+    broken_ = true;
+    res.status = 3;
+    res.message = f.what();
   }
   return res;
 }

@@ -41,7 +41,8 @@ struct CallArgs {
   std::vector<uintptr_t> peer_out;     // peers' output addresses when my output is a shared buffer
 };
 
-// status: 0 ok, 1 mismatch (headers() has every rank's header as seen), 2 timeout/broken.
+// status: 0 ok, 1 mismatch (headers() has every rank's header as seen), 2 timeout, 3 another
+// failure (a single-copy read refused); after 2 or 3 the engine is unusable.
 struct CallResult {
   int status = 0;
   bool zero_copy = false;

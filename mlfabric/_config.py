@@ -7,9 +7,9 @@ MLFABRIC_SHM       0 disables the intra-host shared-memory path (default 1).
 MLFABRIC_SHM_BLOCK bytes each rank stages per pipeline step in the shared-memory engine.
 MLFABRIC_SHM_SLOTS pipeline depth of the shared-memory engine (steps in flight).
 MLFABRIC_CMA_MIN, MLFABRIC_CMA_MAX
-                   with two ranks on a host, allreduce calls of more than MIN and at most MAX
-                   bytes read the peer's buffers directly (single copy, process_vm_readv)
-                   instead of staging them; MAX=0 turns this off. Defaults: 2 MiB and 64 MiB.
+                   allreduce calls of more than MIN and at most MAX bytes read peers' buffers
+                   directly (single copy, process_vm_readv) instead of staging them; MAX=0 turns
+                   this off. Defaults: 2 and 64 MiB for two ranks, 64 MiB and no limit above.
 """
 import os
 
@@ -48,5 +48,9 @@ def shm_slots():
     return _number("MLFABRIC_SHM_SLOTS", 4, int, 2)
 
 
-def cma_range():
-    return _number("MLFABRIC_CMA_MIN", 2 << 20, int, 0), _number("MLFABRIC_CMA_MAX", 64 << 20, int, 0)
+def cma_range(nranks):
+    """(min, max] bytes of the allreduce calls that take the single-copy path. Defaults from the
+    A/B profile in BENCHMARKS.md (benchmarks/shm_paths.py): with two ranks it beats the staged
+    pipeline from 2 to 64 MiB; with more ranks per host only above 64 MiB."""
+    lo, hi = (2 << 20, 64 << 20) if nranks == 2 else (64 << 20, 1 << 62)
+    return _number("MLFABRIC_CMA_MIN", lo, int, 0), _number("MLFABRIC_CMA_MAX", hi, int, 0)

@@ -23,3 +23,11 @@ def test_allreduce_small_pipeline_steps(n):
     # Tiny blocks and the fewest slots: every call wraps around the staging slots many times.
     run_cases("collectives_cases", n, pattern="case_allreduce", timeout=300,
               env={"MLFABRIC_SHM_BLOCK": "4096", "MLFABRIC_SHM_SLOTS": "2", "MLFABRIC_CMA_MAX": "0"})
+
+
+@pytest.mark.parametrize("n", [3])
+def test_allreduce_single_copy_path(n):
+    # With more than two ranks the single-copy path only takes calls over 64 MiB by default;
+    # lowered here so the cases' large calls go through it (where the kernel allows it).
+    run_cases("collectives_cases", n, pattern="case_allreduce", timeout=300,
+              env={"MLFABRIC_CMA_MIN": "65536"})

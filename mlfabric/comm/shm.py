@@ -37,10 +37,8 @@ class ShmTransport:
         comm.Barrier()
         # Single-copy reads of peers' buffers (process_vm_readv), when the kernel allows them
         # here for every rank (containers often forbid them); the same answer on every rank.
-        # Measured (BENCHMARKS.md): it beats the staged pipeline for 2-64 MiB calls between two
-        # ranks, and loses to it with more ranks per host, so it is used for two ranks only.
-        cma_min, cma_max = _config.cma_range()
-        if cma_max > 0 and self.size == 2:
+        cma_min, cma_max = _config.cma_range(self.size)
+        if cma_max > 0 and self.size > 1:
             self.engine.probe_publish()
             comm.Barrier()
             ok = comm.allreduce(1 if self.engine.probe_peers() else 0, op=MPI.MIN) == 1
@@ -106,7 +104,9 @@ class ShmTransport:
         if status == 1:
             header.check(header.from_flat(self.engine.headers(), self.size), what)
             raise MlfabricError(f"{what}: header mismatch")  # pragma: no cover - check() raises
-        raise PeerTimeoutError(f"{what}: {message}")
+        if status == 2:
+            raise PeerTimeoutError(f"{what}: {message}")
+        raise MlfabricError(f"{what}: {message}; the shared-memory engine is unusable now")
 
     def check_headers(self, what, hdr):
         """Header round only: every rank's header compared, no data moved (for the MPI paths)."""
