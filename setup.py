@@ -21,7 +21,10 @@ def cuda_wanted():
         raise SystemExit(f"MLFABRIC_CUDA must be 0, 1 or unset (auto), got {flag!r}")
     if flag == "0":
         return None
-    nvcc = os.environ.get("NVCC") or shutil.which("nvcc")
+    nvcc = os.environ.get("NVCC")
+    if nvcc and not (os.path.isfile(nvcc) and os.access(nvcc, os.X_OK)):
+        raise SystemExit(f"NVCC={nvcc!r} is not an executable")
+    nvcc = nvcc or shutil.which("nvcc")
     if nvcc is None and os.path.exists("/usr/local/cuda/bin/nvcc"):
         nvcc = "/usr/local/cuda/bin/nvcc"
     if flag == "1" and nvcc is None:
