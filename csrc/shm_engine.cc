@@ -43,7 +43,8 @@ constexpr size_t kLine = 64;
 constexpr size_t kCtlBytes = 512;         // per rank: 3 flag lines, 2 headers of 16 words, extras
 constexpr size_t kHeaderOffset = 3 * kLine;
 constexpr size_t kExtrasOffset = kHeaderOffset + 2 * kHdrWords * sizeof(int64_t);
-constexpr size_t kCmaTile = 65536;        // bytes read from each peer per reduction tile
+constexpr size_t kCmaTile = 1 << 20;      // bytes read from each peer per reduction tile:
+                                          // few system calls, still cache-resident
 const uint64_t kProbeWord = 0x6d6c6661627269ULL;  // read by peers to test process_vm_readv
 constexpr size_t kZeroCopyTile = 32768;   // bytes per tile: the reduced tile is re-read from L1/L2
 // An allreduce up to this size is reduced whole by every rank (same sources, same order, so the
@@ -140,8 +141,11 @@ void ShmEngine::sync_round(const char* what) {
 void ShmEngine::cma_allreduce(const CallArgs& a) {
   const size_t isz = dtype_size(a.dtype);
   const size_t off = chunk_off_[rank_], len = chunk_len_[rank_];
-  const size_t tile = kCmaTile / isz;
-  cma_tmp_.resize(static_cast<size_t>(n_) * kCmaTile);
+  // Per-peer tiles of up to kCmaTile, fewer bytes with many ranks (at most ~16 MiB in all).
+  const size_t tile_bytes = std::max<size_t>(kLine, std::min(kCmaTile, (size_t(16) << 20) / n_) /
+                                                        kLine * kLine);
+  const size_t tile = tile_bytes / isz;
+  cma_tmp_.resize(static_cast<size_t>(n_) * tile_bytes);
   // Reduce-scatter: my chunk, tile by tile, from my input and each peer's input (read into a
   // private tile that stays in cache), into my output.
   for (size_t t = 0; t < len; t += tile) {
@@ -151,7 +155,7 @@ void ShmEngine::cma_allreduce(const CallArgs& a) {
         srcs_[j] = a.in + at;
         continue;
       }
-      char* tmp = cma_tmp_.data() + static_cast<size_t>(j) * kCmaTile;
+      char* tmp = cma_tmp_.data() + static_cast<size_t>(j) * tile_bytes;
       read_peer(j, tmp, extras(j).in + at, l * isz);
       srcs_[j] = tmp;
     }
