@@ -66,11 +66,12 @@ void bind_shm(py::module_& m) {
           "run_plan",
           [](ShmEngine& self, int index, const py::array& in, py::array& out) {
             // The hot path: C-contiguous arrays of the plan's dtype and the same size (the
-            // caller checks dtype and shape; contiguity is checked here). Returns -1 without
-            // touching the engine when an array is not C-contiguous, else run()'s status; the
+            // caller checks dtype and shape; contiguity and a writeable out are checked here).
+            // Returns -1 without touching the engine when they fail (the general path then
+            // rejects the call on every rank), else run()'s status; the
             // message of a failure is in last_message.
             constexpr int kC = py::array::c_style;
-            if ((in.flags() & kC) != kC || (out.flags() & kC) != kC) return -1;
+            if ((in.flags() & kC) != kC || (out.flags() & kC) != kC || !out.writeable()) return -1;
             CallArgs& a = self.plan(static_cast<size_t>(index));
             a.in = static_cast<const char*>(in.data());
             a.out = static_cast<char*>(out.mutable_data());
@@ -90,9 +91,11 @@ void bind_shm(py::module_& m) {
       .def("enable_cma", &ShmEngine::enable_cma, py::arg("on"), py::arg("min_bytes"),
            py::arg("max_bytes"))
       .def_property_readonly("cma_enabled", &ShmEngine::cma_enabled)
+      .def_property_readonly("cma_calls", &ShmEngine::cma_calls)
       .def("headers", &ShmEngine::headers)
       .def_property_readonly("rounds", &ShmEngine::rounds)
       .def_property_readonly("broken", &ShmEngine::broken)
+      .def_property_readonly("any_failed", &ShmEngine::any_failed)
       .def("set_timeout", &ShmEngine::set_timeout);
 }
 

@@ -8,9 +8,10 @@
 //
 // The first round of every call carries each rank's header; after everyone's in flag arrives,
 // every rank compares all headers, so a mismatch is seen by all ranks in the same round and they
-// all return status 1 without touching the data. Headers are double-buffered by round parity:
-// a rank can be at most one header round ahead of the slowest reader (it cannot finish round
-// k+1 before everyone has published in for k+1, which they do only after reading round k).
+// all return status 1 without touching the data. Headers are double-buffered by round parity,
+// and a rank writes its header for round k only once every rank has published out for round
+// k-2, the last round that used the same slot (rounds of broadcast data wait only for the root,
+// so nothing else would stop a root from running two rounds ahead of a slow reader).
 //
 // Data paths:
 //  - staged: a call larger than one step is cut into steps; per step each rank copies into its
@@ -43,6 +44,7 @@ constexpr size_t kLine = 64;
 constexpr size_t kCtlBytes = 512;         // per rank: 3 flag lines, 2 headers of 16 words, extras
 constexpr size_t kHeaderOffset = 3 * kLine;
 constexpr size_t kExtrasOffset = kHeaderOffset + 2 * kHdrWords * sizeof(int64_t);
+constexpr size_t kFailedOffset = kExtrasOffset + 4 * sizeof(int64_t);  // nonzero: rank gave up
 constexpr size_t kCmaTile = 1 << 20;      // bytes read from each peer per reduction tile:
                                           // few system calls, still cache-resident
 const uint64_t kProbeWord = 0x6d6c6661627269ULL;  // read by peers to test process_vm_readv
@@ -92,10 +94,20 @@ struct ShmEngine::Extras {
   int64_t pid;
   uint64_t in, out, probe;
 };
-static_assert(kExtrasOffset + sizeof(int64_t) * 4 <= kCtlBytes, "ctl block too small");
+static_assert(kFailedOffset + sizeof(uint64_t) <= kCtlBytes, "ctl block too small");
+
+std::atomic<uint64_t>& ShmEngine::failed(int r) const {
+  return *reinterpret_cast<std::atomic<uint64_t>*>(ctl_ + kCtlBytes * r + kFailedOffset);
+}
 
 ShmEngine::Extras& ShmEngine::extras(int r) const {
   return *reinterpret_cast<Extras*>(ctl_ + kCtlBytes * r + kExtrasOffset);
+}
+
+bool ShmEngine::any_failed() const {
+  for (int r = 0; r < n_; ++r)
+    if (failed(r).load(std::memory_order_acquire)) return true;
+  return false;
 }
 
 void ShmEngine::probe_publish() {
@@ -134,6 +146,10 @@ void ShmEngine::sync_round(const char* what) {
   const uint64_t k = ++round_;
   publish(kIn, k);
   wait_all(kIn, k, what);
+  close_round(k);
+}
+
+void ShmEngine::close_round(uint64_t k) {
   publish(kRed, k);
   publish(kOut, k);
 }
@@ -176,7 +192,7 @@ size_t ShmEngine::required_bytes(int nranks, size_t block_bytes, int slots) {
 
 ShmEngine::ShmEngine(uintptr_t base, size_t bytes, int rank, int nranks, size_t block_bytes,
                      int slots, double timeout_s)
-    : bytes_(bytes), rank_(rank), n_(nranks), slot_bytes_(slot_bytes_for(nranks, block_bytes)),
+    : rank_(rank), n_(nranks), slot_bytes_(slot_bytes_for(nranks, block_bytes)),
       slots_(slots), timeout_s_(timeout_s) {
   if (nranks < 1 || rank < 0 || rank >= nranks || slots < 2)
     throw std::invalid_argument("ShmEngine: bad rank/size/slots");
@@ -222,10 +238,23 @@ void ShmEngine::wait_all(Field f, uint64_t target, const char* what, int only) {
         continue;
       }
       sched_yield();
-      if ((spins & 63) == 0 &&
-          std::chrono::duration<double>(clock::now() - start).count() > timeout_s_) {
+      if ((spins & 63) != 0) continue;
+      // A peer that gave up (timed out: 2, failed: 3) says so: give up now, not at our timeout.
+      int gave_up = -1;
+      uint64_t why = 0;
+      for (int m = 0; m < n_ && gave_up < 0; ++m)
+        if ((why = failed(m).load(std::memory_order_acquire)) != 0) gave_up = m;
+      const bool late = std::chrono::duration<double>(clock::now() - start).count() > timeout_s_;
+      if (gave_up >= 0 && why != 2) {
         std::ostringstream os;
-        os << "timed out after " << timeout_s_ << " s in " << what << " waiting for local rank(s)";
+        os << "local rank " << gave_up << " failed during " << what << " (see its error)";
+        throw EngineFailure(os.str());
+      }
+      if (late || gave_up >= 0) {
+        std::ostringstream os;
+        os << (late ? "timed out after " : "gave up (a peer timed out) after ")
+           << std::chrono::duration<double>(clock::now() - start).count() << " s in " << what
+           << " waiting for local rank(s)";
         for (int m = 0; m < n_; ++m)
           if ((only < 0 || m == only) && flag(m, f).load(std::memory_order_acquire) < target)
             os << ' ' << m;
@@ -392,12 +421,7 @@ void ShmEngine::zero_copy(const CallArgs& a) {
       break;
     default: break;
   }
-  // Exit round: nobody returns (and reuses its buffer) before every peer is done with it.
-  const uint64_t k = ++round_;
-  publish(kIn, k);
-  wait_all(kIn, k, kind_name(a.kind));
-  publish(kRed, k);
-  publish(kOut, k);
+  sync_round(kind_name(a.kind));  // nobody reuses its buffer before every peer is done with it
 }
 
 CallResult ShmEngine::run(const CallArgs& a) {
@@ -431,14 +455,16 @@ CallResult ShmEngine::run(const CallArgs& a) {
     // Header round (with the data of step 0 when the call is one step long).
     uint64_t k = ++round_;
     if (combined && steps == 1) stage_step(a, k, 0, e);
+    // The header slot of parity k&1 was last read in round k-2: wait until every rank is past
+    // it (a rank publishes out for a header round only after reading the headers).
+    if (k > 2) wait_all(kOut, k - 2, what);
     std::copy(a.header.begin(), a.header.end(), header_slot(rank_, k));
     extras(rank_).in = reinterpret_cast<uintptr_t>(a.in);
     extras(rank_).out = reinterpret_cast<uintptr_t>(a.out);
     publish(kIn, k);
     wait_all(kIn, k, what);
     if (!check_headers(k, res)) {
-      publish(kRed, k);
-      publish(kOut, k);
+      close_round(k);
       return res;
     }
     if (combined) {
@@ -446,14 +472,12 @@ CallResult ShmEngine::run(const CallArgs& a) {
         compute_step(a, k, 0, e);
         drain_step(a, k, 0, e);
       } else {
-        publish(kRed, k);
-        publish(kOut, k);
+        close_round(k);
       }
       res.zero_copy = false;
       return res;
     }
-    publish(kRed, k);
-    publish(kOut, k);
+    close_round(k);
     if (res.zero_copy && !a.peer_in.empty() &&
         (a.kind != Kind::allreduce || !a.peer_out.empty())) {
       zero_copy(a);
@@ -463,6 +487,7 @@ CallResult ShmEngine::run(const CallArgs& a) {
     const size_t bytes = a.count * dtype_size(a.dtype);
     if (cma_ && a.kind == Kind::allreduce && bytes > cma_min_bytes_ && bytes <= cma_max_bytes_) {
       cma_allreduce(a);
+      ++cma_calls_;
       return res;
     }
     // Software pipeline: the copy-out of step s-1 comes after the copy-in and reduction of step
@@ -481,13 +506,15 @@ CallResult ShmEngine::run(const CallArgs& a) {
     }
     drain_step(a, k, steps - 1, e);
   } catch (const Timeout& t) {
-    broken_ = true;
     res.status = 2;
     res.message = t.what();
   } catch (const EngineFailure& f) {
-    broken_ = true;
     res.status = 3;
     res.message = f.what();
+  }
+  if (res.status >= 2) {
+    broken_ = true;
+    failed(rank_).store(static_cast<uint64_t>(res.status), std::memory_order_release);
   }
   return res;
 }

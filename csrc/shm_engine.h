@@ -59,6 +59,7 @@ class ShmEngine {
   const std::vector<int64_t>& headers() const { return snapshot_; }  // nranks * kHdrWords
   uint64_t rounds() const { return round_; }
   bool broken() const { return broken_; }
+  bool any_failed() const;  // some rank's engine gave up (timeout or failure): peers may be gone
   void set_timeout(double s) { timeout_s_ = s; }
 
   // Single-copy path (Linux cross-memory attach, process_vm_readv): ranks read their peers'
@@ -74,6 +75,7 @@ class ShmEngine {
     cma_max_bytes_ = max_bytes;
   }
   bool cma_enabled() const { return cma_; }
+  uint64_t cma_calls() const { return cma_calls_; }  // calls that took the single-copy path
 
   // Prepared calls: the fixed part of a call repeated many times (kind, dtype, op, scale,
   // header), so the hot path passes only the buffers. Returns the plan's index.
@@ -92,13 +94,14 @@ class ShmEngine {
   void publish(Field f, uint64_t round);
   void wait_all(Field f, uint64_t target, const char* what, int only = -1);
   bool check_headers(uint64_t round, CallResult& res);
-  void header_round(const CallArgs& a, bool with_data, size_t step_elems);
 
   void staged(const CallArgs& a, bool combined);
   void zero_copy(const CallArgs& a);
   void cma_allreduce(const CallArgs& a);
   void read_peer(int j, void* local, uintptr_t remote, size_t bytes);
   void sync_round(const char* what);
+  void close_round(uint64_t k);
+  std::atomic<uint64_t>& failed(int r) const;
   struct Extras;
   Extras& extras(int r) const;
   void stage_step(const CallArgs& a, uint64_t k, size_t step, size_t e);
@@ -108,7 +111,6 @@ class ShmEngine {
   size_t num_steps(const CallArgs& a, size_t e) const;
 
   char* base_;
-  size_t bytes_;
   int rank_, n_;
   size_t slot_bytes_;
   int slots_;
@@ -124,6 +126,7 @@ class ShmEngine {
   std::vector<CallArgs> plans_;
   bool cma_ = false;
   size_t cma_min_bytes_ = 0, cma_max_bytes_ = 0;
+  uint64_t cma_calls_ = 0;
   std::vector<char> cma_tmp_;              // scratch: one source pointer per rank
 };
 

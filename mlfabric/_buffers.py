@@ -52,15 +52,16 @@ class Buf:
                 t = t.view(torch.bfloat16)
             self.obj.copy_(t)
         else:
-            np.copyto(self.obj, src.view(self.obj.dtype) if self.code != 3 else src)
+            np.copyto(self.obj, src.view(self.obj.dtype))
 
 
 def is_torch(x):
     return torch is not None and isinstance(x, torch.Tensor)
 
 
-def wrap(x, name="x"):
-    """Buf for x (numpy ndarray or CPU torch tensor). TypeError for other types or dtypes."""
+def wrap(x, name="x", writable=False):
+    """Buf for x (numpy ndarray or CPU torch tensor). TypeError for other types or dtypes;
+    ValueError when writable is asked for and x is a read-only numpy array."""
     if is_torch(x):
         if x.device.type != "cpu":
             raise MlfabricError(f"{name} is on {x.device}: GPU tensors need the NCCL transport, "
@@ -80,6 +81,8 @@ def wrap(x, name="x"):
             arr = arr.view(np.uint16)
         return Buf(x, arr, tuple(x.shape), code, copied)
     if isinstance(x, np.ndarray):
+        if writable and not x.flags.writeable:
+            raise ValueError(f"{name} is a read-only array; mlfabric writes the result into it")
         code = _dtypes._NUMPY_CODES.get(x.dtype)
         if code is None:
             code = 3 if x.dtype.name == "bfloat16" else _dtypes.numpy_dtype_code(x.dtype)

@@ -15,6 +15,15 @@ import os
 
 from .errors import MlfabricError
 
+# Settings that shape the collectives' protocol: every rank must use the same values (init()
+# checks, so a difference is an error on every rank rather than a crash or a hang).
+SHAPING = ("MLFABRIC_SHM", "MLFABRIC_SHM_BLOCK", "MLFABRIC_SHM_SLOTS", "MLFABRIC_CMA_MIN",
+           "MLFABRIC_CMA_MAX")
+
+
+def shaping_settings():
+    return tuple(os.environ.get(name) for name in SHAPING)
+
 
 def _number(name, default, cast=float, minimum=None):
     raw = os.environ.get(name)

@@ -22,13 +22,6 @@ from .errors import MismatchError, MlfabricError
 ALGORITHMS = ("auto", "shm", "ring", "rhd", "tree")
 
 
-class _Rejected(Exception):
-    """Wraps a local argument error so it is raised after the header exchange."""
-
-    def __init__(self, error):
-        self.error = error
-
-
 def _exchange_headers(ctx, what, hdr):
     """Header-only exchange for paths that do not carry headers themselves (MPI algorithms)."""
     if ctx.shm is not None:
@@ -54,8 +47,8 @@ def _run(what, kind, prepare, async_=False):
         except (TypeError, ValueError, MlfabricError) as exc:
             try:
                 _exchange_headers(ctx, what, header.rejected(kind))
-            except MismatchError:
-                pass
+            except MlfabricError:
+                pass  # the peers' view of this call; this rank's own error is the one to raise
             raise exc
         return body(hdr)
 
@@ -84,7 +77,7 @@ def _output(xb, out, what, count=None, shape=None):
     """(out object, its Buf): a new array shaped like `shape`, or the user's out, checked."""
     if out is None:
         return _buffers.empty_like(xb, shape)
-    ob = _buffers.wrap(out, "out")
+    ob = _buffers.wrap(out, "out", writable=True)
     want = xb.count if count is None else count
     if ob.code != xb.code:
         raise TypeError(f"{what}: out has dtype {_dtypes.DTYPE_NAMES[ob.code]}, "
@@ -139,7 +132,7 @@ def _allreduce(x, op, out, algorithm, async_):
     return _run(what, what, prepare, async_)
 
 
-def _maybe_shared(ctx, x):
+def _maybe_shared(x):
     """False when x cannot be an mlfabric shared buffer: its memory is owned by an ndarray chain
     that does not end in an MPI window (cheaper than looking its address up)."""
     base = x.base
@@ -156,7 +149,10 @@ def _plain_plan(ctx, x, op):
     """The prepared engine call of a numpy allreduce on the direct path, or None when the
     arguments need the general path's checks (it raises the right errors)."""
     key = (x.dtype, x.shape, op)
-    plan = ctx.plain_plans.get(key)
+    try:
+        plan = ctx.plain_plans.get(key)
+    except TypeError:  # an unhashable op: the general path rejects it on every rank
+        return None
     if plan is None:
         try:
             code = _dtypes.numpy_dtype_code(x.dtype)
@@ -182,7 +178,7 @@ def allreduce(x, op="sum", out=None, algorithm="auto"):
     # header checks. Shared buffers longer than one step take the general path, for zero-copy.
     if (ctx is not None and ctx.shm is not None and type(x) is np.ndarray and algorithm == "auto"
             and (out is None or out is x or _same_layout(out, x)) and not ctx.executor.pending
-            and not (ctx.shm.allocs and x.nbytes > ctx.shm.block and _maybe_shared(ctx, x))):
+            and not (ctx.shm.allocs and x.nbytes > ctx.shm.block and _maybe_shared(x))):
         plan = _plain_plan(ctx, x, op)
         if plan is not None:
             res = np.empty_like(x) if out is None else out
@@ -234,7 +230,7 @@ def _broadcast(x, root, async_):
     what = "broadcast"
 
     def prepare(ctx):
-        xb = _buffers.wrap(x)
+        xb = _buffers.wrap(x, writable=True)
         r = _check_root(root, ctx.size)
         if ctx.shm is not None:
             zc, peers = ctx.shm.zero_copy_info(xb)
@@ -399,7 +395,7 @@ def send(x, dest, tag=0):
 def recv(x, source, tag=0):
     """Receive into x from rank source (in place); returns x. See send()."""
     ctx = context.get()
-    xb = _buffers.wrap(x)
+    xb = _buffers.wrap(x, writable=True)
     source = _check_root(source, ctx.size)
     t = _user_tag(tag)
     meta = np.empty(2, np.int64)

@@ -20,6 +20,11 @@ class Context:
         self.user_comm = comm
         self.comm = comm.Dup()
         self.rank, self.size = self.comm.rank, self.comm.size
+        try:
+            _check_same_settings(self.comm)
+        except MlfabricError:
+            self.comm.Free()
+            raise
         self.node_comm = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         self.local_rank, self.local_size = self.node_comm.rank, self.node_comm.size
         # One host for everyone? Then every collective can go through shared memory.
@@ -32,12 +37,33 @@ class Context:
         self.executor = Executor()
         self.plain_plans = {}  # (dtype, shape, op) -> plan of allreduce's direct path
 
+    def broken(self):
+        """True after a timeout or engine failure: peers may be gone, so nothing collective."""
+        from .comm import p2p
+        return bool((self.shm is not None and self.shm.engine.any_failed) or p2p.abandoned())
+
     def close(self):
         self.executor.shutdown()
+        if self.broken():
+            return  # freeing windows and communicators is collective: it could wait forever
         if self.shm is not None:
             self.shm.close()
         self.node_comm.Free()
         self.comm.Free()
+
+
+def _check_same_settings(comm):
+    """MismatchError-like failure on every rank when ranks run with different settings."""
+    every = comm.allgather(_config.shaping_settings())
+    for i, name in enumerate(_config.SHAPING):
+        values = {}
+        for r, s in enumerate(every):
+            values.setdefault(s[i], []).append(r)
+        if len(values) > 1:
+            parts = "; ".join(f"{'unset' if v is None else repr(v)} on rank(s) {ranks}"
+                              for v, ranks in values.items())
+            raise MlfabricError(f"init: ranks disagree on {name}: {parts}; every rank must use "
+                                "the same value")
 
 
 def init(comm=None):

@@ -56,7 +56,23 @@ def test_bad_environment_values_are_errors():
 
 
 def test_shm_can_be_disabled():
-    code = ("import numpy as np, mlfabric as mf; mf.init(); "
+    code = ("import numpy as np, mlfabric as mf; from mlfabric import context; mf.init(); "
+            "assert context.get().shm is None; "
             "assert (mf.allreduce(np.ones(5)) == 1).all(); print('OK')")
     proc = _python(code, {"MLFABRIC_SHM": "0"})
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout
+
+
+@pytest.mark.mpi
+def test_ranks_with_different_settings_fail_at_init():
+    # MPMD launch: rank 1 runs with another pipeline block size than rank 0.
+    from tests.mpi_util import mpirun_path
+    code = ("import mlfabric as mf\ntry:\n    mf.init()\nexcept mf.MlfabricError as e:\n"
+            "    print('REFUSED', e)\nelse:\n    print('ACCEPTED')")
+    cmd = [mpirun_path(), "--oversubscribe", "-n", "1", sys.executable, "-c", code, ":",
+           "-n", "1", "env", "MLFABRIC_SHM_BLOCK=1048576", sys.executable, "-c", code]
+    proc = subprocess.run(cmd, cwd=ROOT, env=mpi_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=120)
+    assert proc.stdout.count("REFUSED") == 2, proc.stdout
+    assert "ranks disagree on MLFABRIC_SHM_BLOCK: unset on rank(s) [0]; '1048576' on rank(s) [1]" \
+        in proc.stdout

@@ -11,7 +11,9 @@ from .. import _dtypes
 from ..errors import MismatchError
 
 WORDS, CHECKED = 16, 12
-KINDS = ("barrier", "allreduce", "reduce", "reduce_scatter", "allgather", "broadcast")
+# The first six are csrc/shm_engine.h's Kind; the others are header-only exchanges.
+KINDS = ("barrier", "allreduce", "reduce", "reduce_scatter", "allgather", "broadcast",
+         "shared_empty")
 KIND_CODES = {k: i for i, k in enumerate(KINDS)}
 ALGORITHMS = ("none", "shm", "ring", "rhd", "tree")
 ALGO_CODES = {a: i for i, a in enumerate(ALGORITHMS)}

@@ -45,6 +45,11 @@ YIELD_S = 20e-3
 MAX_SLEEP_S = 1e-3
 
 _abandoned = []  # requests parked by a timeout (they keep their buffers alive)
+
+
+def abandoned():
+    """Number of requests parked by timeouts so far (nonzero: a peer may be gone)."""
+    return len(_abandoned)
 timeouts = 0     # how many timeouts this process has seen
 
 

@@ -112,9 +112,11 @@ def case_shared_buffers_zero_copy():
         g = mf.allgather(s)
         assert (g.reshape(n, count) == np.arange(n)[:, None]).all()
     # A view at the same offset everywhere is still zero-copy; a private array is not shared.
-    s = mf.shared_zeros((4, 256), np.float32)
+    s = mf.shared_zeros((4, 200_000), np.float32)
     s[1:3] = r + 1
+    before = _zero_copy_calls()
     mf.allreduce(s[1:3], out=s[1:3])
+    assert _zero_copy_calls() == before + 1
     assert (s[1:3] == n * (n + 1) / 2).all() and (s[0] == 0).all() and (s[3] == 0).all()
     assert not mf.is_shared(np.zeros(3))
     if torch is not None:
@@ -187,9 +189,13 @@ def case_async_handles_in_order():
         got = handles[i].wait()
         assert handles[i].done()
         assert (got == sum(q + i for q in range(n))).all()
-    # A blocking call after async ones runs after them.
+    # A blocking call after async ones runs after them: it sees the first call's result.
+    x = np.full(300_000, r + 1.0)
+    h = mf.allreduce_async(x, out=x)
+    got = mf.allreduce(x)  # must read x after the async call wrote the sum into it
+    h.wait()
+    assert (got == n * n * (n + 1) / 2).all(), got[:3]
     h = mf.allgather_async(np.array([r]))
-    assert (mf.allreduce(np.ones(3)) == n).all()
     assert list(h.wait()) == list(range(n))
     hr = mf.reduce_scatter_async(np.ones((n, 2)))
     assert (hr.wait() == n).all()
@@ -209,3 +215,26 @@ def case_barrier_and_send_recv():
         got = mf.recv(np.empty(10, np.int64), left, tag=3)
         mf.send(np.arange(10, dtype=np.int64) + r, right, tag=3)
     assert (got == np.arange(10) + left).all()
+
+
+def case_broadcast_then_barrier_rounds():
+    # Broadcasts of a few pipeline steps (fewer than the slots) let the root run ahead: the next
+    # call's header must not land on a header a slow peer still reads.
+    n, r = mf.size(), mf.rank()
+    x = np.empty(150_000, np.float32)
+    for i in range(300):
+        x[:] = r + i
+        mf.broadcast(x, root=i % n)
+        assert x[0] == i % n + i and x[-1] == i % n + i
+        mf.barrier()
+
+
+def case_single_copy_path_when_enabled():
+    from mlfabric import _config, context
+    engine = context.get().shm.engine
+    if not engine.cma_enabled:
+        return  # one rank, or the kernel refuses process_vm_readv here
+    lo, hi = _config.cma_range(mf.size())
+    before = engine.cma_calls
+    _allreduce_check("float32", "sum", 2_000_003, "shm", salt=1)
+    assert engine.cma_calls == before + (lo < 2_000_003 * 4 <= hi)

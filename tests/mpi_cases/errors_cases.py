@@ -121,3 +121,45 @@ def case_gpu_tensor_refused():
     with pytest.raises(mf.MlfabricError, match="GPU tensors need the NCCL transport|meta"):
         mf.allreduce(t)
     _still_works()
+
+
+def case_read_only_buffers_rejected_everywhere():
+    n, r = mf.size(), mf.rank()
+    x = np.ones(100)
+    if r == 0:
+        x.flags.writeable = False
+        with pytest.raises(ValueError, match="read-only"):
+            mf.broadcast(x, root=0)
+        with pytest.raises(ValueError, match="read-only"):
+            mf.allreduce(x, out=x)
+    elif n > 1:
+        _expect_mismatch(lambda: mf.broadcast(x, root=0), "rejected")
+        _expect_mismatch(lambda: mf.allreduce(x, out=x), "rejected")
+    # A read-only input with a fresh output is fine.
+    y = np.ones(100)
+    y.flags.writeable = False
+    assert (mf.allreduce(y) == n).all()
+    _still_works()
+
+
+def case_unhashable_op_rejected_everywhere():
+    n, r = mf.size(), mf.rank()
+    if r == 0:
+        with pytest.raises(ValueError, match="unknown reduction op"):
+            mf.allreduce(np.ones(4), op=["sum"])
+    elif n > 1:
+        _expect_mismatch(lambda: mf.allreduce(np.ones(4)), "rejected")
+    _still_works()
+
+
+def case_shared_empty_mismatch():
+    n, r = mf.size(), mf.rank()
+    if n == 1:
+        return
+    _expect_mismatch(lambda: mf.shared_empty(10 + r, np.float32), "shared_empty", "shape")
+    if r == 1:
+        with pytest.raises(TypeError):
+            mf.shared_empty(10, np.complex64)
+    else:
+        _expect_mismatch(lambda: mf.shared_empty(10, np.float32), "rejected")
+    _still_works()
