@@ -98,7 +98,8 @@ setup(
     extras_require={
         "torch": ["torch"],
         "bench": ["matplotlib"],
-        "test": ["pytest", "matplotlib"],
+        # The build tests run setup.py directly, outside pip's isolated build environment.
+        "test": ["pytest", "matplotlib", "pybind11>=2.10", "setuptools>=61", "wheel"],
     },
     entry_points={"console_scripts": ["mlfabric-bench=mlfabric.bench.__main__:main"]},
 )

@@ -34,7 +34,7 @@ def _exchange_headers(ctx, what, hdr):
     header.check(header.from_flat(every, ctx.size), what)
 
 
-def _run(what, kind, prepare, async_=False):
+def _run(what, prepare, async_=False):
     """Check arguments (prepare() -> (header, body) or raise), exchange headers, run body().
 
     A rank whose arguments are bad still joins the header exchange with a 'rejected' header, so
@@ -46,7 +46,7 @@ def _run(what, kind, prepare, async_=False):
             hdr, body = prepare(ctx)
         except (TypeError, ValueError, MlfabricError) as exc:
             try:
-                _exchange_headers(ctx, what, header.rejected(kind))
+                _exchange_headers(ctx, what, header.rejected(what))
             except MlfabricError:
                 pass  # the peers' view of this call; this rank's own error is the one to raise
             raise exc
@@ -129,7 +129,7 @@ def _allreduce(x, op, out, algorithm, async_):
                 return _finish(res, ob)
         return hdr, body
 
-    return _run(what, what, prepare, async_)
+    return _run(what, prepare, async_)
 
 
 def _maybe_shared(x):
@@ -221,7 +221,7 @@ def reduce(x, root=0, op="sum", out=None):
                 return _finish(res, ob)
         return hdr, body
 
-    return _run(what, what, prepare)
+    return _run(what, prepare)
 
 
 # --- broadcast ----------------------------------------------------------------------------------
@@ -249,7 +249,7 @@ def _broadcast(x, root, async_):
                 return _finish(x, xb)
         return hdr, body
 
-    return _run(what, what, prepare, async_)
+    return _run(what, prepare, async_)
 
 
 def broadcast(x, root=0):
@@ -287,7 +287,7 @@ def _allgather(x, out, async_):
                 return _finish(res, ob)
         return hdr, body
 
-    return _run(what, what, prepare, async_)
+    return _run(what, prepare, async_)
 
 
 def allgather(x, out=None):
@@ -341,7 +341,7 @@ def _reduce_scatter(x, op, out, async_):
                 return _finish(res, ob)
         return hdr, body
 
-    return _run(what, what, prepare, async_)
+    return _run(what, prepare, async_)
 
 
 def reduce_scatter(x, op="sum", out=None):
@@ -367,7 +367,7 @@ def barrier():
             _exchange_headers(ctx, what, hdr)
         return hdr, body
 
-    return _run(what, what, prepare)
+    return _run(what, prepare)
 
 
 _SEND_TAG_BASE = 0x4000  # user tags are offset so they never meet mlfabric's own traffic

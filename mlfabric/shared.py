@@ -45,7 +45,7 @@ def shared_empty(shape, dtype=np.float32):
             return np.frombuffer(mem, np_dtype, count=count).reshape(dims)
         return header.make(what, code, shape=dims), body
 
-    return _run(what, what, prepare)
+    return _run(what, prepare)
 
 
 def shared_zeros(shape, dtype=np.float32):
