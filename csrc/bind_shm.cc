@@ -93,10 +93,8 @@ void bind_shm(py::module_& m) {
       .def_property_readonly("cma_enabled", &ShmEngine::cma_enabled)
       .def_property_readonly("cma_calls", &ShmEngine::cma_calls)
       .def("headers", &ShmEngine::headers)
-      .def_property_readonly("rounds", &ShmEngine::rounds)
       .def_property_readonly("broken", &ShmEngine::broken)
-      .def_property_readonly("any_failed", &ShmEngine::any_failed)
-      .def("set_timeout", &ShmEngine::set_timeout);
+      .def_property_readonly("any_failed", &ShmEngine::any_failed);
 }
 
 }  // namespace mlf

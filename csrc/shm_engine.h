@@ -57,10 +57,8 @@ class ShmEngine {
   void reset_segment();   // local rank 0 only, before everyone's first call (then a barrier)
   CallResult run(const CallArgs& a);
   const std::vector<int64_t>& headers() const { return snapshot_; }  // nranks * kHdrWords
-  uint64_t rounds() const { return round_; }
   bool broken() const { return broken_; }
   bool any_failed() const;  // some rank's engine gave up (timeout or failure): peers may be gone
-  void set_timeout(double s) { timeout_s_ = s; }
 
   // Single-copy path (Linux cross-memory attach, process_vm_readv): ranks read their peers'
   // private buffers directly, as MPI's shared-memory transport does. probe_publish() and

@@ -105,3 +105,14 @@ def empty_like(buf, shape=None):
     else:
         out = np.empty(shape, dtype=_dtypes.storage_dtype(buf.code))
     return out, wrap(out, "out")
+
+
+def dtype_of(dtype):
+    """(numpy dtype or None, torch dtype or None, wire code) for a dtype argument (shared_empty);
+    TypeError for an unsupported one."""
+    if torch is not None and isinstance(dtype, torch.dtype):
+        if dtype not in _TORCH_CODES:
+            raise TypeError(f"unsupported dtype {dtype}; mlfabric supports "
+                            f"{', '.join(_dtypes.DTYPE_NAMES)}")
+        return None, dtype, _TORCH_CODES[dtype]
+    return np.dtype(dtype), None, _dtypes.numpy_dtype_code(dtype)

@@ -6,8 +6,8 @@ import math
 import numpy as np
 
 from . import _dtypes, context
+from ._buffers import dtype_of
 from .comm import header
-from .comm.shm import dtype_of
 
 
 def shared_empty(shape, dtype=np.float32):

@@ -103,60 +103,48 @@ def _scale_in_place(arr, code, scale):
 # ---------------------------------------------------------------------------------------------
 # steps: one exchange with up to two peers
 
-def _post_sends(x, peer, lo, hi, reqs, peers, kinds):
-    """Post the sends of elements [lo, hi) to peer, one message per segment."""
-    isz = x.isz
-    for s, e in segments((hi - lo) * isz):
-        reqs.append(isend(x.comm, x.b[lo * isz + s:lo * isz + e], peer))
-        peers.append(peer)
-        kinds.append(False)
+def _elements(x, lo, hi):
+    """uint8 view of elements [lo, hi) of the call's array."""
+    return x.b[lo * x.isz:hi * x.isz]
 
 
 def _exchange(x, send, recv, what):
     """Send elements send=(peer, lo, hi) and receive recv=(peer, lo, hi) into place (either may
     be None); the ranges must not overlap. The allgather/broadcast step."""
-    reqs, peers, kinds = [], [], []
-    isz = x.isz
+    batch = p2p.Batch(x.comm)
     if recv is not None:
         peer, lo, hi = recv
-        for s, e in segments((hi - lo) * isz):
-            reqs.append(irecv(x.comm, x.b[lo * isz + s:lo * isz + e], peer))
-            peers.append(peer)
-            kinds.append(True)
+        batch.recv_into(_elements(x, lo, hi), peer)
     if send is not None:
-        _post_sends(x, *send, reqs, peers, kinds)
-    if reqs:
-        wait(reqs, peers, what, kinds)
+        peer, lo, hi = send
+        batch.send(_elements(x, lo, hi), peer)
+    batch.wait(what)
 
 
 def _exchange_reduce(x, send, recv, scale, what):
     """Send elements send=(peer, lo, hi) while receiving recv=(peer, lo, hi) and reducing it into
     place: arr[lo:hi] = scale * op(arr[lo:hi], received). The reduce-scatter step."""
-    reqs, peers, kinds = [], [], []
+    batch = p2p.Batch(x.comm)
     peer, lo, hi = recv
     nbytes = (hi - lo) * x.isz
     if nbytes <= p2p.SEGMENT_BYTES:  # one message (or none): receive it all, then reduce
         if nbytes:
             scratch, sptr = _scratch(nbytes)
-            reqs.append(irecv(x.comm, scratch[:nbytes], peer))
-            peers.append(peer)
-            kinds.append(True)
+            batch.add(irecv(x.comm, scratch[:nbytes], peer), peer, True)
         if send is not None:
-            _post_sends(x, *send, reqs, peers, kinds)
-        if reqs:
-            wait(reqs, peers, what, kinds)
+            batch.send(_elements(x, send[1], send[2]), send[0])
+        batch.wait(what)
         if nbytes:
             dst = x.base + lo * x.isz
             _C.reduce(dst, [dst, sptr], hi - lo, x.code, x.op, scale)
         return
     if send is not None:
-        _post_sends(x, *send, reqs, peers, kinds)
+        batch.send(_elements(x, send[1], send[2]), send[0])
     isz = x.isz
     segs = segments(nbytes)
     _reduce_stream(x, [(peer, lo + s // isz, lo + e // isz, scale if k == len(segs) - 1 else 1.0)
                        for k, (s, e) in enumerate(segs)], what)
-    if reqs:
-        wait(reqs, peers, what, kinds)
+    batch.wait(what)
 
 
 def _reduce_stream(x, jobs, what, after=None):
@@ -443,18 +431,15 @@ def _tree_reduce(x, arr, root, scale):
     segs = [(s // isz, e // isz) for s, e in segments(nbytes)]
     jobs = [(c, lo, hi, last_scale if i == k - 1 else 1.0) for lo, hi in segs
             for i, c in enumerate(children)]
-    ups, peers, kinds = [], [], []
+    ups = p2p.Batch(x.comm)
 
     def forward(j):
         if parent is not None and j % k == k - 1:
             lo, hi = segs[j // k]
-            ups.append(isend(x.comm, x.b[lo * isz:hi * isz], parent))
-            peers.append(parent)
-            kinds.append(False)
+            ups.add(isend(x.comm, _elements(x, lo, hi), parent), parent, False)
 
     _reduce_stream(x, jobs, what, forward)
-    if ups:
-        wait(ups, peers, what, kinds)
+    ups.wait(what)
 
 
 def tree_broadcast(comm, arr, root=0):
@@ -478,24 +463,19 @@ def _tree_broadcast(x, root):
     what = ("{} (rank {}, root {})", x.name, r, root)
     comm, b = x.comm, x.b
     segs = segments(b.size)
-    reqs, peers, kinds = [], [], []
+    sends = p2p.Batch(comm)
     if vparent is None:
         for s, e in segs:
             for c in children:
-                reqs.append(isend(comm, b[s:e], c))
-                peers.append(c)
-                kinds.append(False)
+                sends.add(isend(comm, b[s:e], c), c, False)
     else:
         parent = (vparent + root) % n
         recvs = [irecv(comm, b[s:e], parent) for s, e in segs]
         for (s, e), req in zip(segs, recvs):
             wait([req], [parent], what, _RECV)
             for c in children:
-                reqs.append(isend(comm, b[s:e], c))
-                peers.append(c)
-                kinds.append(False)
-    if reqs:
-        wait(reqs, peers, what, kinds)
+                sends.add(isend(comm, b[s:e], c), c, False)
+    sends.wait(what)
 
 
 def tree_allreduce(comm, arr, code, op):

@@ -87,19 +87,20 @@ class Batch:
         self.comm = comm
         self.reqs, self.peers, self.recv = [], [], []
 
+    def add(self, req, peer, is_recv):
+        self.reqs.append(req)
+        self.peers.append(peer)
+        self.recv.append(is_recv)
+
     def send(self, buf, peer):
         """Post the segmented sends of the uint8 array buf (any size) to peer."""
         for s, e in segments(buf.size):
-            self.reqs.append(self.comm.Isend([buf[s:e], MPI.BYTE], peer, TAG))
-            self.peers.append(peer)
-            self.recv.append(False)
+            self.add(isend(self.comm, buf[s:e], peer), peer, False)
 
     def recv_into(self, buf, peer):
         """Post the segmented receives from peer into the uint8 array buf (matching send())."""
         for s, e in segments(buf.size):
-            self.reqs.append(self.comm.Irecv([buf[s:e], MPI.BYTE], peer, TAG))
-            self.peers.append(peer)
-            self.recv.append(True)
+            self.add(irecv(self.comm, buf[s:e], peer), peer, True)
 
     def wait(self, what):
         """Wait for every request posted so far (bounded, see wait()), then forget them."""

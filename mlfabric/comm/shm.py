@@ -6,10 +6,9 @@ user array lives at, and where each peer's copy is mapped), and turning the engi
 into exceptions. Used only when every rank of the communicator is on this host."""
 import itertools
 
-import numpy as np
 from mpi4py import MPI
 
-from .. import _C, _config, _dtypes
+from .. import _C, _config
 from ..errors import MlfabricError, PeerTimeoutError
 from . import header
 
@@ -117,18 +116,3 @@ class ShmTransport:
             a.win.Free()
         self.allocs = []
         self.win.Free()
-
-
-def dtype_of(dtype):
-    """(numpy dtype or None, torch dtype or None, wire code) for shared_empty's dtype argument."""
-    try:
-        import torch
-        if isinstance(dtype, torch.dtype):
-            from .._buffers import _TORCH_CODES
-            if dtype not in _TORCH_CODES:
-                raise TypeError(f"unsupported dtype {dtype}")
-            return None, dtype, _TORCH_CODES[dtype]
-    except ImportError:
-        pass
-    code = _dtypes.numpy_dtype_code(dtype)
-    return np.dtype(dtype), None, code
