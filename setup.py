@@ -98,8 +98,12 @@ setup(
     extras_require={
         "torch": ["torch"],
         "bench": ["matplotlib"],
-        # The build tests run setup.py directly, outside pip's isolated build environment.
-        "test": ["pytest", "matplotlib", "pybind11>=2.10", "setuptools>=61", "wheel"],
+        # The scheduler's exact oracle (mlfabric.sched.oracle) solves the paper's ILP with scipy.
+        "oracle": ["scipy>=1.9"],
+        # The build tests run setup.py directly, outside pip's isolated build environment;
+        # hypothesis drives the scheduler's property tests.
+        "test": ["pytest", "hypothesis", "scipy>=1.9", "matplotlib", "pybind11>=2.10",
+                 "setuptools>=61", "wheel"],
     },
     entry_points={"console_scripts": ["mlfabric-bench=mlfabric.bench.__main__:main"]},
 )

@@ -1,0 +1,105 @@
+"""In-network aggregation (paper §5.2, Alg. 3), as the paper's plain loops: for every n = 0..|U| the
+first n ordered updates go straight to the server (the same schedules Alg. 2 computed), and the rest
+stream, in order, through the aggregators, a group each; the case whose last arrival at the server is
+earliest wins. `mlfabric.sched.fast` computes the same choice in C++ (with pruning that cannot change
+the answer); tests hold the two to identical output.
+
+The constraint that keeps the server's NIC busy: a group must have finished arriving at its aggregator
+by t_max, the time the server has received all earlier groups; the next update that would arrive later
+closes the group, whose sum is then sent to the server, and opens the next aggregator's group. Where
+the paper leaves a choice open:
+- No earlier group (n = 0): the constraint is vacuous, so the first aggregator takes every update.
+- An aggregator whose first update already misses t_max takes nothing; the next one is tried.
+- Updates left when every aggregator is used: that case cannot keep the server busy, so it is
+  infeasible (n = |U|, everything direct, is always feasible).
+- An aggregate is as large as its largest member (the members are same-shaped gradients); it leaves
+  the aggregator when its last member has arrived.
+- Aggregators are pre-assigned to groups in a random order from `seed` (§5.2), once per batch.
+"""
+import random
+from dataclasses import dataclass
+from math import inf
+
+from .plan import Aggregate, Transfer
+
+
+@dataclass
+class Grouping:
+    n_direct: int     # size of group 1 (straight to the server)
+    direct: list      # Transfers of group 1, in order
+    aggregates: list  # Aggregate per later group, in order
+    network: object   # the network after all of it is reserved
+    makespan: float   # last arrival at the server
+    cases: list       # makespan of every case n = 0..|U| (inf: infeasible)
+
+
+def group_order(aggregators, seed):
+    """The random pre-assignment of aggregators to groups 2..k+1."""
+    aggs = list(aggregators)
+    random.Random(seed).shuffle(aggs)
+    return aggs
+
+
+def _transfer(src, dst, size, end, segs, what, ids):
+    return Transfer(src, dst, size, segs[0].t0 if segs else end, end, segs, what, ids)
+
+
+def det_agg(n, order, updates, network, server, aggs, start, record=False):
+    """DetAgg(n): makespan of case n, and with record=True the groups (direct, aggregates, network).
+    `network` is not modified."""
+    nw = network.copy()
+    t_max = start
+    direct, aggregates = [], []
+    for uid in order[:n]:
+        u = updates[uid]
+        end, segs = nw.send(u.worker, server, u.size, max(u.ready, start))
+        t_max = max(t_max, end)
+        if record:
+            direct.append(_transfer(u.worker, server, u.size, end, segs, "update", (uid,)))
+    i = n
+    constrained = n > 0
+    for agg in aggs:
+        if i >= len(order):
+            break
+        members, inbound = [], []
+        while i < len(order):
+            u = updates[order[i]]
+            end, segs = nw.t_en(u.worker, agg, u.size, max(u.ready, start))
+            if end == inf or (constrained and end > t_max):
+                break
+            if segs:
+                nw.reserve(u.worker, agg, segs)
+            members.append(u.id)
+            inbound.append(_transfer(u.worker, agg, u.size, end, segs, "update", (u.id,)))
+            i += 1
+        if not members:
+            continue
+        size = max(updates[m].size for m in members)
+        ready = max(t.end for t in inbound)
+        end, segs = nw.send(agg, server, size, ready)
+        if end == inf:
+            return inf, None
+        t_max = max(t_max, end)
+        constrained = True
+        if record:
+            aggregates.append(Aggregate(agg, server, members, inbound,
+                                        _transfer(agg, server, size, end, segs, "aggregate",
+                                                  tuple(members))))
+    if i < len(order):
+        return inf, None
+    if not record:
+        return t_max, None
+    return t_max, (direct, aggregates, nw)
+
+
+def aggregate(order, updates, network, server, aggs, *, start=0.0):
+    """Alg. 3: enumerate the |U|+1 cases and keep the first with the least makespan. `updates` maps
+    id -> Update; `aggs` is the pre-assigned aggregator order (see group_order)."""
+    if server in aggs:
+        raise ValueError("the server's host %d cannot be one of its aggregators" % server)
+    cases = [det_agg(n, order, updates, network, server, aggs, start)[0]
+             for n in range(len(order) + 1)]
+    best = min(range(len(cases)), key=lambda n: (cases[n], n))
+    makespan, (direct, aggregates, nw) = det_agg(best, order, updates, network, server, aggs,
+                                                 start, record=True)
+    return Grouping(best, direct, aggregates, nw, makespan, cases)

@@ -1,0 +1,204 @@
+"""Network model of the scheduler (paper §5.1, Fig. 4): links whose residual capacity is a piecewise
+constant function of time, paths made of links, t_en (when a transfer that always takes the whole
+residual bottleneck rate finishes) and NetUp (reserving that rate over time).
+
+Units: bytes, seconds, bytes per second. Hosts are numbered 0..H-1. Every host has an egress and an
+ingress link (its NIC, each direction on its own, as in the paper's emulation); the core is
+full-bisection unless explicit core links and paths are given, for shared bottlenecks. A path from a
+host to itself is empty: such a transfer (a worker handing its update to the aggregator on its own
+host) takes no network time.
+
+This module is the plain reference: Python lists, no cleverness. `mlfabric.sched.fast` runs the
+same arithmetic in C++; tests hold the two to identical results.
+"""
+from bisect import bisect_right
+from dataclasses import dataclass
+from math import inf
+
+GBPS = 1e9 / 8  # bytes per second in one Gbit/s
+
+
+def gbps(x):
+    """Bytes per second for x Gbit/s."""
+    return x * GBPS
+
+
+class Profile:
+    """A piecewise-constant function of time t >= 0: value v[k] on [t[k], t[k+1]), the last value
+    forever. t[0] is 0. Equal neighbours are merged, so a link saturated over a long stretch is one
+    segment (this is what keeps t_en walks short)."""
+
+    __slots__ = ("t", "v")
+
+    def __init__(self, steps):
+        if isinstance(steps, (int, float)):
+            steps = [(0.0, float(steps))]
+        steps = [(float(t), float(r)) for t, r in steps]
+        if not steps or steps[0][0] != 0.0:
+            raise ValueError("a capacity trace must start at time 0, got %r" % (steps[:1],))
+        for (t0, _), (t1, _) in zip(steps, steps[1:]):
+            if not t1 > t0:
+                raise ValueError("capacity trace times must increase, got %r then %r" % (t0, t1))
+        for _, r in steps:
+            if not r >= 0 or r == inf:
+                raise ValueError("capacities must be finite and >= 0, got %r" % (r,))
+        self.t = [t for t, _ in steps]
+        self.v = [r for _, r in steps]
+        self._merge()
+
+    def copy(self):
+        p = Profile.__new__(Profile)
+        p.t = list(self.t)
+        p.v = list(self.v)
+        return p
+
+    def at(self, t):
+        """Value at time t."""
+        return self.v[bisect_right(self.t, t) - 1]
+
+    def _split(self, t):
+        """Make t a breakpoint; return its index."""
+        k = bisect_right(self.t, t) - 1
+        if self.t[k] == t:
+            return k
+        self.t.insert(k + 1, t)
+        self.v.insert(k + 1, self.v[k])
+        return k + 1
+
+    def subtract(self, t0, t1, rate):
+        """Take `rate` off the value over [t0, t1)."""
+        if not t1 > t0 or rate == 0:
+            return
+        a = self._split(t0)
+        b = self._split(t1) if t1 < inf else len(self.t)
+        for k in range(a, b):
+            # the bottleneck link of a reservation hits exactly 0 (x - x); others stay >= rate
+            self.v[k] = self.v[k] - rate
+        self._merge()
+
+    def _merge(self):
+        t, v = [self.t[0]], [self.v[0]]
+        for tk, vk in zip(self.t[1:], self.v[1:]):
+            if vk != v[-1]:
+                t.append(tk)
+                v.append(vk)
+        self.t, self.v = t, v
+
+    def steps(self):
+        return list(zip(self.t, self.v))
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A transfer sends at `rate` bytes/s over [t0, t1)."""
+    t0: float
+    t1: float
+    rate: float
+
+
+def t_en(profiles, size, start):
+    """Completion time of `size` bytes starting at `start` over links with these residual profiles,
+    taking the whole residual bottleneck rate min_l r_l(t) at every instant (Fig. 4b). Returns
+    (end, segments); end is inf (segments None) when the path never has capacity again."""
+    if size <= 0 or not profiles:
+        return start, ()
+    idx = [bisect_right(p.t, start) - 1 for p in profiles]
+    t = start
+    left = size
+    segs = []
+    while True:
+        rate = inf
+        nxt = inf
+        for p, i in zip(profiles, idx):
+            if p.v[i] < rate:
+                rate = p.v[i]
+            if i + 1 < len(p.t) and p.t[i + 1] < nxt:
+                nxt = p.t[i + 1]
+        if rate > 0:
+            if nxt == inf or rate * (nxt - t) >= left:
+                end = t + left / rate
+                segs.append(Segment(t, end, rate))
+                return end, tuple(segs)
+            segs.append(Segment(t, nxt, rate))
+            left -= rate * (nxt - t)
+        elif nxt == inf:
+            return inf, None
+        t = nxt
+        for j, p in enumerate(profiles):
+            if idx[j] + 1 < len(p.t) and p.t[idx[j] + 1] == nxt:
+                idx[j] += 1
+
+
+class Network:
+    """Residual capacity of every link over time, and the path between any two hosts.
+
+    egress[h], ingress[h]: a number (constant bytes/s) or a trace [(t, rate), ...] starting at t=0.
+    core: optional list of core links (same forms); paths: optional {(src, dst): [core link index,
+    ...]} for host pairs whose traffic crosses those core links (others cross a full-bisection core).
+    """
+
+    def __init__(self, egress, ingress, core=(), paths=None):
+        if len(egress) != len(ingress):
+            raise ValueError("egress and ingress must list the same hosts (%d vs %d)"
+                             % (len(egress), len(ingress)))
+        self.hosts = len(egress)
+        self.links = ([Profile(e) for e in egress] + [Profile(i) for i in ingress]
+                      + [Profile(c) for c in core])
+        self._core_paths = {}
+        for (a, b), via in (paths or {}).items():
+            self._check_host(a)
+            self._check_host(b)
+            for c in via:
+                if not 0 <= c < len(core):
+                    raise ValueError("path %r uses core link %r; there are %d" % ((a, b), c, len(core)))
+            self._core_paths[(a, b)] = tuple(2 * self.hosts + c for c in via)
+
+    @classmethod
+    def uniform(cls, hosts, rate):
+        """`hosts` hosts whose NICs all run at `rate` bytes/s each way, full-bisection core."""
+        return cls([rate] * hosts, [rate] * hosts)
+
+    def _check_host(self, h):
+        if not (isinstance(h, int) and 0 <= h < self.hosts):
+            raise ValueError("host %r is not in this network (0..%d)" % (h, self.hosts - 1))
+
+    def copy(self):
+        n = Network.__new__(Network)
+        n.hosts = self.hosts
+        n.links = [p.copy() for p in self.links]
+        n._core_paths = self._core_paths
+        return n
+
+    def egress(self, h):
+        return h
+
+    def ingress(self, h):
+        return self.hosts + h
+
+    def path(self, src, dst):
+        """Link indices from src to dst: egress, core links if any, ingress; () on one host."""
+        self._check_host(src)
+        self._check_host(dst)
+        if src == dst:
+            return ()
+        return (src,) + self._core_paths.get((src, dst), ()) + (self.hosts + dst,)
+
+    def t_en(self, src, dst, size, start):
+        """(end, segments) of `size` bytes from src to dst starting at `start` (Fig. 4b)."""
+        return t_en([self.links[k] for k in self.path(src, dst)], size, start)
+
+    def reserve(self, src, dst, segments):
+        """NetUp (Fig. 4c): take each segment's rate off every link of the path over its interval."""
+        for k in self.path(src, dst):
+            for s in segments:
+                self.links[k].subtract(s.t0, s.t1, s.rate)
+
+    def send(self, src, dst, size, start):
+        """t_en then NetUp: the transfer's (end, segments), capacity reserved."""
+        end, segs = self.t_en(src, dst, size, start)
+        if segs:
+            self.reserve(src, dst, segs)
+        return end, segs
+
+    def residual(self, link, t):
+        return self.links[link].at(t)

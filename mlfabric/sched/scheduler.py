@@ -1,0 +1,51 @@
+"""One batch through the scheduler (paper §5, §6): ordering (Alg. 2), then aggregation (Alg. 3),
+assembled into a Plan with the server's commits. Replication (§5.3) runs after this on the Plan.
+
+Modes (§6): 'async' orders with deadlines from tau_max and may drop; 'ssp' and 'sync' order shortest
+first with no deadlines (their staleness is bounded by the workers' clocks, not by the network) and
+drop nothing that can arrive; all three aggregate. For 'sync' the objective Alg. 3 minimises — the
+last arrival at the server — is exactly obj_sync (eq. 16).
+
+The server applies in the order's sequence: a commit happens at max(arrival, previous commit), so
+an update that arrives before its predecessor waits (Plan.server_wait reports how long, in total).
+"""
+from math import inf
+
+from . import aggregation, ordering
+from .plan import Commit, Plan
+
+MODES = ("async", "ssp", "sync")
+
+
+def commits_of(direct, aggregates, start):
+    """The server's commits for group 1 (in order) then the aggregates (in order)."""
+    out, last = [], start
+    for t in direct:
+        last = max(last, t.end)
+        out.append(Commit(last, t.ids, t.src))
+    for a in aggregates:
+        last = max(last, a.transfer.end)
+        out.append(Commit(last, tuple(a.members), a.aggregator))
+    return out
+
+
+def schedule(updates, network, server, *, aggregators=(), tau_max=inf, v_init=0, start=0.0,
+             seed=0, mode="async"):
+    """Plan one batch of `updates` (a list of Update) to `server` on `network` (not modified).
+    `aggregators` are hosts that may aggregate for this server (in any order: they are pre-assigned
+    to groups at random from `seed`). Returns (plan, network after the plan's reservations)."""
+    if mode not in MODES:
+        raise ValueError("mode must be one of %s, got %r" % (", ".join(MODES), mode))
+    if not tau_max >= 0:
+        raise ValueError("tau_max must be >= 0, got %r" % (tau_max,))
+    if mode != "async":
+        tau_max = inf
+    o = ordering.order_updates(updates, network, server, v_init=v_init, tau_max=tau_max,
+                               start=start)
+    by_id = {u.id: u for u in updates}
+    aggs = aggregation.group_order([a for a in aggregators if a != server], seed)
+    g = aggregation.aggregate(o.order, by_id, network, server, aggs, start=start)
+    plan = Plan(server=server, v_init=v_init, tau_max=tau_max, updates=by_id, order=o.order,
+                dropped=o.dropped, direct=g.direct, aggregates=g.aggregates, start=start)
+    plan.commits = commits_of(g.direct, g.aggregates, start)
+    return plan, g.network
