@@ -1,0 +1,217 @@
+"""The scheduler's core (network model, Alg. 2 ordering, Alg. 3 aggregation, the batch plan): the
+paper's worked examples, and the invariants over random instances (hypothesis)."""
+from math import inf
+
+import pytest
+from hypothesis import given, settings
+
+from mlfabric.sched import (DROP_LOOKAHEAD, DROP_NO_PATH, DROP_REASONS, DROP_STALE, Network,
+                            Profile, Update, schedule, t_en)
+from mlfabric.sched.aggregation import det_agg
+from mlfabric.sched.ordering import order_updates
+from tests.sched_util import check_bytes, check_capacity, check_work_conserving, instances
+
+PROPS = settings(max_examples=60, deadline=None)
+
+
+# --- network model -------------------------------------------------------------------------------
+def test_t_en_follows_the_residual_bottleneck():
+    # Fig. 4b in numbers: 30 units starting at 0 over a residual of 2 on [0,3), 6 on [3,5),
+    # 0 on [5,6), 4 after: 6 + 12 by t=5, nothing until 6, then 12 more at 4/s -> t_en = 9.
+    p = Profile([(0, 2), (3, 6), (5, 0), (6, 4)])
+    end, segs = t_en([p], 30.0, 0.0)
+    assert end == 9.0
+    assert [(s.t0, s.t1, s.rate) for s in segs] == [(0, 3, 2), (3, 5, 6), (6, 9, 4)]
+    # the bottleneck is the minimum over the path, at every instant
+    q = Profile([(0, 10), (4, 1)])
+    end2, segs2 = t_en([p, q], 30.0, 0.0)
+    # 6 by t=3, 12 by t=4, 13 by t=5, nothing on [5,6), the other 17 at 1/s
+    assert [(s.t0, s.t1, s.rate) for s in segs2] == [(0, 3, 2), (3, 4, 6), (4, 5, 1), (6, 23, 1)]
+    assert end2 == 23.0
+
+
+def test_netup_leaves_the_bottleneck_empty_and_merges_segments():
+    nw = Network([10.0, 4.0], [10.0, 10.0])
+    end, segs = nw.send(1, 0, 8.0, 1.0)  # host 1 egress (4/s) is the bottleneck
+    assert end == 3.0
+    assert nw.links[nw.egress(1)].steps() == [(0, 4.0), (1.0, 0.0), (3.0, 4.0)]
+    assert nw.links[nw.ingress(0)].steps() == [(0, 10.0), (1.0, 6.0), (3.0, 10.0)]
+    nw.send(1, 0, 8.0, 3.0)  # back to back: the two saturated stretches become one segment
+    assert nw.links[nw.egress(1)].steps() == [(0, 4.0), (1.0, 0.0), (5.0, 4.0)]
+
+
+def test_a_path_without_capacity_never_ends():
+    nw = Network([[(0, 5.0), (2, 0.0)], 5.0], [5.0, 5.0])
+    assert nw.t_en(0, 1, 10.0, 0.0)[0] == 2.0
+    assert nw.t_en(0, 1, 11.0, 0.0) == (inf, None)
+    assert nw.t_en(1, 1, 11.0, 3.0) == (3.0, ())  # same host: no network time
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(egress=[[(1.0, 5.0)]], ingress=[5.0]), "start at time 0"),
+    (dict(egress=[[(0.0, 5.0), (0.0, 1.0)]], ingress=[5.0]), "must increase"),
+    (dict(egress=[-1.0], ingress=[5.0]), ">= 0"),
+    (dict(egress=[5.0, 5.0], ingress=[5.0]), "same hosts"),
+    (dict(egress=[5.0], ingress=[5.0], core=[1.0], paths={(0, 0): [3]}), "core link 3"),
+])
+def test_bad_networks_are_rejected(bad, match):
+    with pytest.raises(ValueError, match=match):
+        Network(**bad)
+
+
+def test_bad_batches_are_rejected():
+    nw = Network.uniform(3, 10.0)
+    us = [Update(0, 1, 1.0, 0)]
+    with pytest.raises(ValueError, match="mode"):
+        schedule(us, nw, 0, mode="bogus")
+    with pytest.raises(ValueError, match="tau_max"):
+        schedule(us, nw, 0, tau_max=-1)
+    with pytest.raises(ValueError, match="unique"):
+        schedule(us + us, nw, 0)
+    with pytest.raises(ValueError, match="host 7"):
+        schedule([Update(0, 7, 1.0, 0)], nw, 0)
+
+
+# --- the paper's examples --------------------------------------------------------------------------
+def test_shortest_transfer_first():
+    # Alg. 1: three updates to a 10/s server from hosts of different egress: smallest t_en first
+    nw = Network([10.0, 1.0, 5.0, 10.0], [10.0] * 4)
+    us = [Update(0, 1, 2.0, 0), Update(1, 2, 2.0, 0), Update(2, 3, 2.0, 0)]
+    o = order_updates(us, nw, 0)
+    assert o.order == [2, 1, 0] and not o.dropped
+    ends = [o.transfers[g].end for g in o.order]
+    assert ends == sorted(ends)
+
+
+def test_deadline_forces_an_update_forward():
+    # the slow update is due at position 1, so it goes first although it is not the shortest
+    nw = Network([10.0, 5.0, 10.0], [10.0] * 3)
+    us = [Update(0, 1, 10.0, version=0), Update(1, 2, 10.0, version=5)]
+    o = order_updates(us, nw, 0, v_init=5, tau_max=1)  # dl(u0) = 0 + 1 - 5 < 1: already stale
+    assert o.dropped == {0: DROP_STALE} and o.order == [1]
+    o = order_updates(us, nw, 0, v_init=5, tau_max=6)  # dl(u0) = 1, dl(u1) = 6
+    assert o.order == [0, 1]
+
+
+def test_fig5_lookahead_drops_the_slow_due_update():
+    # Fig. 5: g1 (dl 1) behind a 10 Mbps link would take 10 s; g2 (dl 5) then finishes in 1.1 s
+    # on the 90 Mbps left, before g1: g1 is dropped at the worker and g2 is sent at once.
+    mbps = 1e6 / 8
+    nw = Network([100 * mbps, 10 * mbps, 100 * mbps], [100 * mbps] * 3)
+    size = 100 * mbps  # 100 Mbit: 10 s at 10 Mbps, 1.11 s at 90 Mbps
+    us = [Update(1, 1, size, version=0), Update(2, 2, size, version=4)]
+    o = order_updates(us, nw, 0, v_init=0, tau_max=1)
+    assert o.dropped == {1: DROP_LOOKAHEAD}
+    assert o.order == [2] and o.transfers[2].start == 0.0 and o.transfers[2].end == 1.0
+    assert set(DROP_REASONS) == {DROP_STALE, DROP_LOOKAHEAD, DROP_NO_PATH}
+
+
+def test_fig2_aggregation_shortens_the_batch_and_unloads_the_server():
+    # Fig. 2: four equal updates, full bisection, one aggregator. Direct: 4 transfer times at the
+    # server. With aggregation g1, g2 go direct while g3, g4 stream to the aggregator; its sum
+    # reaches the server at 3 transfer times, with 3 updates' bytes instead of 4.
+    nw = Network.uniform(6, 10.0)
+    us = [Update(i, i + 1, 10.0, version=0) for i in range(4)]
+    direct, _ = schedule(us, nw, 0)
+    agg, _ = schedule(us, nw, 0, aggregators=[5])
+    assert direct.makespan == 4.0 and direct.server_bytes == 40.0
+    assert agg.makespan == 3.0 and agg.server_bytes == 30.0
+    assert [c.ids for c in agg.commits] == [(0,), (1,), (2, 3)]
+    assert agg.next_hop(2) == 5 and agg.next_hop(0) == 0
+    # the chosen case is the best of all |U|+1 cases
+    cases = [det_agg(n, [0, 1, 2, 3], {u.id: u for u in us}, nw, 0, [5], 0.0)[0]
+             for n in range(5)]
+    assert agg.makespan == min(cases)
+
+
+def test_local_member_costs_no_network():
+    nw = Network.uniform(3, 10.0)
+    us = [Update(0, 1, 10.0, 0), Update(1, 2, 10.0, 0), Update(2, 2, 10.0, 0)]
+    plan, _ = schedule(us, nw, 0, aggregators=[2])
+    for a in plan.aggregates:
+        for t in a.inbound:
+            if t.src == a.aggregator:
+                assert t.segments == () and t.start == t.end
+
+
+def test_no_capacity_drops_with_a_reason():
+    nw = Network([5.0, [(0, 5.0), (1, 0.0)]], [5.0, 5.0])
+    us = [Update(0, 1, 50.0, 0), Update(1, 1, 1.0, 0)]
+    plan, _ = schedule(us, nw, 0)
+    assert plan.order == [1] and plan.dropped == {0: DROP_NO_PATH}
+
+
+# --- invariants over random instances --------------------------------------------------------------
+@PROPS
+@given(instances(allow_dead=True))
+def test_plan_invariants(inst):
+    nw, updates, server, aggs, tau, v_init = inst
+    plan, after = schedule(updates, nw, server, aggregators=aggs, tau_max=tau, v_init=v_init)
+    ids = {u.id for u in updates}
+    # every update applied exactly once or dropped with a known reason
+    assert len(plan.order) == len(set(plan.order))
+    assert set(plan.order) | set(plan.dropped) == ids
+    assert not set(plan.order) & set(plan.dropped)
+    assert set(plan.dropped.values()) <= set(DROP_REASONS)
+    # no applied update violates tau_max
+    for uid in plan.order:
+        assert plan.delay(uid) <= tau
+    # commits: the order's sequence, non-decreasing in time, each update once
+    assert [g for c in plan.commits for g in c.ids] == plan.order
+    times = [c.time for c in plan.commits]
+    assert times == sorted(times)
+    # aggregation preserves the commit order of the no-aggregation plan
+    plain, _ = schedule(updates, nw, server, tau_max=tau, v_init=v_init)
+    assert plain.order == plan.order and plain.dropped == plan.dropped
+    assert not plain.aggregates
+    # ... and never ends later than it (case n = |U| is the plain plan)
+    assert plan.makespan <= plain.makespan
+    # an aggregate's members are consecutive positions
+    for a in plan.aggregates:
+        pos = [plan.position(g) for g in a.members]
+        assert pos == list(range(pos[0], pos[0] + len(pos)))
+        assert a.transfer.start >= a.ready
+    # bytes, capacity, work conservation
+    transfers = plan.transfers()
+    check_bytes(transfers)
+    check_capacity(nw, transfers)
+    ready = {}
+    for t in plan.direct:
+        ready[id(t)] = max(plan.updates[t.ids[0]].ready, plan.start)
+    for a in plan.aggregates:
+        for t in a.inbound:
+            ready[id(t)] = max(plan.updates[t.ids[0]].ready, plan.start)
+        ready[id(a.transfer)] = a.ready
+    check_work_conserving(nw, after, transfers, lambda t: ready[id(t)])
+    # the input network is untouched
+    fresh = schedule(updates, nw, server, aggregators=aggs, tau_max=tau, v_init=v_init)[0]
+    assert fresh.commits == plan.commits
+    str(plan)
+
+
+@PROPS
+@given(instances())
+def test_aggregation_keeps_the_server_busy(inst):
+    """§5.2's constraint: once some group has reached the server, every later group has finished
+    arriving at its aggregator by the time the server has received the groups before it."""
+    nw, updates, server, aggs, tau, v_init = inst
+    plan, _ = schedule(updates, nw, server, aggregators=aggs, tau_max=tau, v_init=v_init)
+    t_max = max([t.end for t in plan.direct], default=None)
+    for a in plan.aggregates:
+        if t_max is not None:
+            assert a.ready <= t_max
+        t_max = a.transfer.end if t_max is None else max(t_max, a.transfer.end)
+
+
+@PROPS
+@given(instances())
+def test_shortest_first_arrivals_never_decrease(inst):
+    """Without deadlines (Alg. 1) t_en only grows as capacity is reserved, so arrivals come in
+    order and the server never waits for an earlier position; sync and SSP drop nothing."""
+    nw, updates, server, aggs, _, v_init = inst
+    for mode in ("sync", "ssp"):
+        plan, _ = schedule(updates, nw, server, mode=mode, v_init=v_init)
+        assert not plan.dropped and len(plan.order) == len(updates)
+        arrivals = [t.end for t in plan.direct]
+        assert arrivals == sorted(arrivals)
+        assert [c.time for c in plan.commits] == arrivals
