@@ -12,8 +12,11 @@ the paper leaves a choice open:
 - An aggregator whose first update already misses t_max takes nothing; the next one is tried.
 - Updates left when every aggregator is used: that case cannot keep the server busy, so it is
   infeasible (n = |U|, everything direct, is always feasible).
-- An aggregate is as large as its largest member (the members are same-shaped gradients); it leaves
-  the aggregator when its last member has arrived.
+- An aggregate is as large as its largest member (the members are same-shaped gradients) times
+  `agg_scale` when it has two members or more: 2 when the server applies momentum, because then the
+  aggregator must send two weighted sums for the server to end exactly where applying the members
+  one by one would (see docs/sched/replication.md); 1 for plain sums. It leaves the aggregator when
+  its last member has arrived.
 - Aggregators are pre-assigned to groups in a random order from `seed` (§5.2), once per batch.
 """
 import random
@@ -44,7 +47,7 @@ def _transfer(src, dst, size, end, segs, what, ids):
     return Transfer(src, dst, size, segs[0].t0 if segs else end, end, segs, what, ids)
 
 
-def det_agg(n, order, updates, network, server, aggs, start, record=False):
+def det_agg(n, order, updates, network, server, aggs, start, record=False, agg_scale=1.0):
     """DetAgg(n): makespan of case n, and with record=True the groups (direct, aggregates, network).
     `network` is not modified."""
     nw = network.copy()
@@ -74,7 +77,7 @@ def det_agg(n, order, updates, network, server, aggs, start, record=False):
             i += 1
         if not members:
             continue
-        size = max(updates[m].size for m in members)
+        size = max(updates[m].size for m in members) * (agg_scale if len(members) > 1 else 1.0)
         ready = max(t.end for t in inbound)
         end, segs = nw.send(agg, server, size, ready)
         if end == inf:
@@ -92,14 +95,19 @@ def det_agg(n, order, updates, network, server, aggs, start, record=False):
     return t_max, (direct, aggregates, nw)
 
 
-def aggregate(order, updates, network, server, aggs, *, start=0.0):
+def aggregate(order, updates, network, server, aggs, *, start=0.0, agg_scale=1.0):
     """Alg. 3: enumerate the |U|+1 cases and keep the first with the least makespan. `updates` maps
     id -> Update; `aggs` is the pre-assigned aggregator order (see group_order)."""
     if server in aggs:
         raise ValueError("the server's host %d cannot be one of its aggregators" % server)
-    cases = [det_agg(n, order, updates, network, server, aggs, start)[0]
+    if not agg_scale >= 1.0:
+        raise ValueError("agg_scale must be >= 1, got %r" % (agg_scale,))
+    cases = [det_agg(n, order, updates, network, server, aggs, start, agg_scale=agg_scale)[0]
              for n in range(len(order) + 1)]
     best = min(range(len(cases)), key=lambda n: (cases[n], n))
+    if cases[best] == inf:
+        raise ValueError("some of updates %r can never reach host %d: no capacity on the path"
+                         % (order, server))
     makespan, (direct, aggregates, nw) = det_agg(best, order, updates, network, server, aggs,
-                                                 start, record=True)
+                                                 start, record=True, agg_scale=agg_scale)
     return Grouping(best, direct, aggregates, nw, makespan, cases)

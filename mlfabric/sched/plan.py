@@ -27,13 +27,14 @@ DROP_REASONS = {
 @dataclass(frozen=True)
 class Update:
     """A ready gradient update: `worker` host, `size` bytes, computed from model `version`, ready to
-    send at time `ready`, with L2 norm `norm` (for the divergence bound; 0 if unknown)."""
+    send at time `ready`, with L2 norm `norm` (for the divergence bound: inf when unknown, which
+    makes replication assume the worst and catch the replica up fully)."""
     id: int
     worker: int
     size: float
     version: int
     ready: float = 0.0
-    norm: float = 0.0
+    norm: float = inf
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,14 @@ class Plan:
         """obj_async (eq. 17): mean commit time over applied updates."""
         n = sum(len(c.ids) for c in self.commits)
         return sum(c.time * len(c.ids) for c in self.commits) / n if n else 0.0
+
+    @property
+    def server_wait(self):
+        """Total time arrived updates waited at the server for an earlier position to commit."""
+        arrival = {t.ids: t.end for t in self.direct}
+        arrival.update({tuple(a.members): a.transfer.end for a in self.aggregates})
+        return sum((c.time - arrival[c.ids]) * len(c.ids) for c in self.commits
+                   if c.ids in arrival)
 
     @property
     def server_bytes(self):

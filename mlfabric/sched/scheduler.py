@@ -17,9 +17,10 @@ from .plan import Commit, Plan
 MODES = ("async", "ssp", "sync")
 
 
-def commits_of(direct, aggregates, start):
-    """The server's commits for group 1 (in order) then the aggregates (in order)."""
-    out, last = [], start
+def commits_of(direct, aggregates, after):
+    """The server's commits for group 1 (in order) then the aggregates (in order), none before
+    `after` (the previous batch's last commit: the server applies batches in order too)."""
+    out, last = [], after
     for t in direct:
         last = max(last, t.end)
         out.append(Commit(last, t.ids, t.src))
@@ -30,10 +31,13 @@ def commits_of(direct, aggregates, start):
 
 
 def schedule(updates, network, server, *, aggregators=(), tau_max=inf, v_init=0, start=0.0,
-             seed=0, mode="async"):
+             seed=0, mode="async", momentum=False, after=None):
     """Plan one batch of `updates` (a list of Update) to `server` on `network` (not modified).
     `aggregators` are hosts that may aggregate for this server (in any order: they are pre-assigned
-    to groups at random from `seed`). Returns (plan, network after the plan's reservations)."""
+    to groups at random from `seed`). `momentum`: the server applies momentum (eq. 2), so an
+    aggregate of several updates carries two weighted sums (twice the bytes) to be applied exactly
+    as its members in order. `after`: the previous batch's last commit (default `start`).
+    Returns (plan, network after the plan's reservations)."""
     if mode not in MODES:
         raise ValueError("mode must be one of %s, got %r" % (", ".join(MODES), mode))
     if not tau_max >= 0:
@@ -44,8 +48,9 @@ def schedule(updates, network, server, *, aggregators=(), tau_max=inf, v_init=0,
                                start=start)
     by_id = {u.id: u for u in updates}
     aggs = aggregation.group_order([a for a in aggregators if a != server], seed)
-    g = aggregation.aggregate(o.order, by_id, network, server, aggs, start=start)
+    g = aggregation.aggregate(o.order, by_id, network, server, aggs, start=start,
+                              agg_scale=2.0 if momentum else 1.0)
     plan = Plan(server=server, v_init=v_init, tau_max=tau_max, updates=by_id, order=o.order,
                 dropped=o.dropped, direct=g.direct, aggregates=g.aggregates, start=start)
-    plan.commits = commits_of(g.direct, g.aggregates, start)
+    plan.commits = commits_of(g.direct, g.aggregates, start if after is None else max(after, start))
     return plan, g.network
