@@ -1,0 +1,298 @@
+"""Model distribution (paper §10.3): a batch of pull requests answered with one model version.
+Sending the model to every requester straight from the server makes the server's egress the
+bottleneck, so the server sends it to a few distributors, which forward it to the requesters;
+the first group of requesters is served directly by the server. The grouping is a variant of
+Alg. 3 (mlfabric.sched.aggregation) in which t_en is the time of server -> distributor and
+distributor -> worker transfers: for every size n of the direct group, distributors are filled
+greedily, and the case where the last requester has the model earliest is kept.
+
+The schedule of one case n, as the paper orders it (the model goes to the distributors first, then
+the server serves its own group last):
+  1. Requesters are ranked shortest transfer first from the server (Alg. 1 on the server's
+     transfers); the first n form the direct group, the others are to be relayed.
+  2. Distributors, in their random pre-assignment (§5.2), are sent the model one after the other.
+     When one is sent the model, its horizon is when the server would finish its direct group
+     sent after it; the distributor forwards the model to the next requesters in rank order as
+     long as each would have it by that horizon, and the first that would not opens the next
+     distributor (Alg. 3's constraint mirrored: a distributor never makes the batch end later
+     than the server's own last send; each new distributor moves that end, and with it the next
+     horizon, later, as t_max grows in Alg. 3). Requesters left when the distributors are used
+     up make the case infeasible (n = all, everyone direct, is always feasible).
+  3. The server sends the model to the direct group, in rank order.
+The paper numbers the distributors so that "the k°-th" is served first and the others
+"backwards"; here they are simply listed in the order the server sends to them.
+
+Where the paper leaves a choice open, this is what we do, and why:
+- n = 0 (no direct group): the horizon is vacuous, so the first distributor serves everyone, as
+  the first aggregator takes every update in Alg. 3's case n = 0.
+- A distributor that is itself a requester is served by its own inbound transfer, and forwards to
+  the others; it opens only if it forwards to at least one other requester. A requester that
+  already has its copy when its turn as distributor comes (from an earlier distributor) is
+  skipped, as is one in the direct group (the server serves that group last, too late to relay):
+  the tree stays two levels deep, server -> distributor -> worker, as in the paper, and nobody
+  receives the model twice.
+- Ties between cases go to the one that sends the fewest bytes out of the server, then to the one
+  with the most direct transfers (no relay hop that does not help).
+- Requesters no path can ever reach (no capacity left on the way, for the rest of time) are
+  listed as unserved rather than failing the whole batch.
+- The server is never its own distributor (it is dropped from the list, as schedule() drops it
+  from the aggregators).
+"""
+from dataclasses import dataclass, field
+from math import inf, isfinite
+
+from .aggregation import group_order
+from .network import t_en as path_t_en
+from .plan import Transfer
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """How `worker` gets the model: from `source` (the server, or a distributor) by `transfer`."""
+    worker: int
+    source: int
+    transfer: Transfer
+
+
+@dataclass
+class Distributor:
+    """A distributor used by the schedule: `inbound` brings it the model from the server; it then
+    serves `workers` (itself first if it requested the model too) through `outbound`."""
+    host: int
+    inbound: Transfer
+    workers: list
+    outbound: list
+
+    @property
+    def ready(self):
+        """When it has the model and may start forwarding it."""
+        return self.inbound.end
+
+
+@dataclass
+class Distribution:
+    """The schedule answering one batch of pull requests with one model version."""
+    server: int
+    model_size: float
+    version: object
+    start: float
+    order: list                # requesters, shortest transfer from the server first
+    n_direct: int              # size of the direct group (the case kept)
+    direct: list               # Transfers server -> worker of the direct group, in order
+    distributors: list         # Distributor, in the order the server sends to them
+    deliveries: dict           # worker -> Delivery, every served requester exactly once
+    unserved: list = field(default_factory=list)
+    cases: list = field(default_factory=list)   # makespan of every case n = 0..|order| (inf: none)
+
+    @property
+    def makespan(self):
+        """When the last requester has the model."""
+        return max((d.transfer.end for d in self.deliveries.values()), default=self.start)
+
+    @property
+    def server_bytes(self):
+        """Bytes that leave the server's NIC (distribution lowers this)."""
+        return self.model_size * (len(self.direct) + len(self.distributors))
+
+    def transfers(self):
+        """Every transfer: server -> distributor and its forwards, then the direct group."""
+        out = []
+        for d in self.distributors:
+            out.append(d.inbound)
+            out.extend(d.outbound)
+        out.extend(self.direct)
+        return out
+
+    def __str__(self):
+        v = "" if self.version is None else " v%s" % (self.version,)
+        lines = ["distribution of model%s (%.6g bytes) from S%d to %d requesters: makespan %.6g s, "
+                 "server bytes %.6g, %d direct, %d distributors"
+                 % (v, self.model_size, self.server, len(self.deliveries) + len(self.unserved),
+                    self.makespan, self.server_bytes, len(self.direct), len(self.distributors))]
+        for d in self.distributors:
+            lines.append("  S%-4d -> d%-4d [%.6g, %.6g]  distributor for %s"
+                         % (self.server, d.host, d.inbound.start, d.inbound.end,
+                            ", ".join(("w%d (itself)" if w == d.host else "w%d") % w
+                                      for w in d.workers)))
+            for t in d.outbound:
+                lines.append("      d%-4d -> w%-4d [%.6g, %.6g]" % (t.src, t.dst, t.start, t.end))
+        for t in self.direct:
+            lines.append("  S%-4d -> w%-4d [%.6g, %.6g]  direct" % (t.src, t.dst, t.start, t.end))
+        if self.unserved:
+            lines.append("  unserved (no capacity on any path, ever): %s"
+                         % ", ".join("w%d" % w for w in self.unserved))
+        return "\n".join(lines)
+
+
+def _transfer(src, dst, size, end, segs):
+    return Transfer(src, dst, size, segs[0].t0 if segs else end, end, segs, "model", ())
+
+
+def _check_host(network, h, what):
+    if not (isinstance(h, int) and 0 <= h < network.hosts):
+        raise ValueError("%s %r is not a host of this network (0..%d)"
+                         % (what, h, network.hosts - 1))
+
+
+def _last_end(network, src, dsts, size, start):
+    """When `src` would have sent `size` bytes to each of `dsts`, one after the other (each
+    reserved before the next), from `start`; `network` is not modified. Only links two of the
+    paths share (src's egress, shared core links) are copied."""
+    paths = [network.path(src, d) for d in dsts]
+    seen, shared = set(), set()
+    for p in paths:
+        shared.update(k for k in p if k in seen)
+        seen.update(p)
+    copies = {k: network.links[k].copy() for k in shared}
+    last = start
+    for path in paths:
+        end, segs = path_t_en([copies[k] if k in copies else network.links[k] for k in path],
+                              size, start)
+        if end == inf:
+            return inf
+        for k in path:
+            if k in copies:
+                for s in segs:
+                    copies[k].subtract(s.t0, s.t1, s.rate)
+        last = max(last, end)
+    return last
+
+
+def rank_direct(requests, network, server, size, start):
+    """Alg. 1 on the server's transfers: requesters by shortest transfer from the server, each
+    reserved before the next is picked; ties by request order. Requesters the server cannot reach
+    directly come last, in request order."""
+    nw = network.copy()
+    left = list(requests)
+    out = []
+    while left:
+        best = None
+        for w in left:
+            end, segs = nw.t_en(server, w, size, start)
+            if best is None or end < best[1]:
+                best = (w, end, segs)
+        if best[1] == inf:
+            return out + left
+        w, _, segs = best
+        if segs:
+            nw.reserve(server, w, segs)
+        out.append(w)
+        left.remove(w)
+    return out
+
+
+def _case(n, order, network, server, dists, size, start):
+    """Case n: (makespan, direct transfers, Distributors, network after). makespan is inf (and
+    the rest None) when the case cannot serve everyone. `network` is not modified."""
+    direct_group = order[:n]
+    requested = set(order)
+    pending = list(order[n:])
+    nw = network.copy()
+    relays = []
+    constrained = n > 0
+    for d in dists:
+        if not pending:
+            break
+        if d in requested and d not in pending:
+            continue    # in the direct group (served last) or already served by a distributor
+        trial = nw.copy()
+        arr, segs = trial.send(server, d, size, start)
+        if arr == inf:
+            continue
+        # The horizon: when the server would finish its direct group, sent after this distributor.
+        horizon = _last_end(trial, server, direct_group, size, start) if constrained else inf
+        members, outbound = [], []
+        queue = pending
+        if d in pending:
+            members.append(d)   # served by its own inbound transfer
+            queue = [w for w in pending if w != d]
+        taken = 0
+        for w in queue:
+            end, wsegs = trial.t_en(d, w, size, arr)
+            if end == inf or end > horizon:
+                break
+            if wsegs:
+                trial.reserve(d, w, wsegs)
+            members.append(w)
+            outbound.append(_transfer(d, w, size, end, wsegs))
+            taken += 1
+        if not taken:
+            continue
+        nw = trial
+        pending = queue[taken:]
+        constrained = True
+        relays.append(Distributor(d, _transfer(server, d, size, arr, segs), members, outbound))
+    if pending:
+        return inf, None, None, None
+    direct = []
+    for w in direct_group:
+        end, segs = nw.send(server, w, size, start)
+        if end == inf:
+            return inf, None, None, None
+        direct.append(_transfer(server, w, size, end, segs))
+    makespan = max([t.end for t in direct] + [t.end for r in relays for t in r.outbound]
+                   + [r.inbound.end for r in relays if r.host in r.workers] + [start])
+    return makespan, direct, relays, nw
+
+
+def distribute(requests, network, server, model_size, *, distributors=(), start=0.0, seed=0,
+               version=None):
+    """Answer pull `requests` (requesting hosts) with one model of `model_size` bytes, ready at
+    the server at `start`, through `distributors` (hosts; pre-assigned in a random order from
+    `seed`) on `network` (not modified). `version` is only recorded. Returns (Distribution,
+    network after its reservations)."""
+    _check_host(network, server, "server")
+    if not (isinstance(model_size, (int, float)) and model_size > 0 and isfinite(model_size)):
+        raise ValueError("model_size must be a finite number of bytes > 0, got %r" % (model_size,))
+    requests = list(requests)
+    for w in requests:
+        _check_host(network, w, "requester")
+        if w == server:
+            raise ValueError("the server %d cannot request its own model" % server)
+    if len(set(requests)) != len(requests):
+        raise ValueError("each host requests the model once per batch, got %r" % (requests,))
+    dists = list(distributors)
+    for d in dists:
+        _check_host(network, d, "distributor")
+    if len(set(dists)) != len(dists):
+        raise ValueError("distributors must be distinct hosts, got %r" % (dists,))
+    dists = group_order([d for d in dists if d != server], seed)
+
+    # Reservations end, so a path with capacity at some time after `start` keeps it: what the
+    # empty network cannot reach, no schedule reaches.
+    def reachable(w):
+        if network.t_en(server, w, model_size, start)[0] < inf:
+            return True
+        return any(network.t_en(server, d, model_size, start)[0] < inf
+                   and network.t_en(d, w, model_size, start)[0] < inf for d in dists)
+    unserved = [w for w in requests if not reachable(w)]
+    order = rank_direct([w for w in requests if w not in unserved], network, server, model_size,
+                        start)
+
+    def best_case(order):
+        runs = [_case(n, order, network, server, dists, model_size, start)
+                for n in range(len(order) + 1)]
+        # least makespan, then fewest sends out of the server, then the most direct transfers
+        best = min(range(len(runs)), key=lambda n: (runs[n][0], n + len(runs[n][2] or ()), -n))
+        return best, runs
+    best, runs = best_case(order)
+    if runs[best][0] == inf:
+        # Only when some requester is reachable through a distributor alone and no case relays
+        # it: serve the others and report those as unserved.
+        direct_only = [w for w in order if network.t_en(server, w, model_size, start)[0] < inf]
+        unserved += [w for w in order if w not in direct_only]
+        order = direct_only
+        best, runs = best_case(order)
+    _, direct, relays, nw = runs[best]
+    deliveries = {}
+    for r in relays:
+        for w in r.workers:
+            if w == r.host:
+                deliveries[w] = Delivery(w, server, r.inbound)
+        for t in r.outbound:
+            deliveries[t.dst] = Delivery(t.dst, r.host, t)
+    for t in direct:
+        deliveries[t.dst] = Delivery(t.dst, server, t)
+    dist = Distribution(server, float(model_size), version, start, order, best, direct, relays,
+                        deliveries, sorted(unserved), [r[0] for r in runs])
+    return dist, nw
