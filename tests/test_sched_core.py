@@ -103,7 +103,7 @@ def test_fig5_lookahead_drops_the_slow_due_update():
     o = order_updates(us, nw, 0, v_init=0, tau_max=1)
     assert o.dropped == {1: DROP_LOOKAHEAD}
     assert o.order == [2] and o.transfers[2].start == 0.0 and o.transfers[2].end == 1.0
-    assert set(DROP_REASONS) == {DROP_STALE, DROP_LOOKAHEAD, DROP_NO_PATH}
+    assert {DROP_STALE, DROP_LOOKAHEAD, DROP_NO_PATH} <= set(DROP_REASONS)
 
 
 def test_fig2_aggregation_shortens_the_batch_and_unloads_the_server():
