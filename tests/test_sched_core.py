@@ -4,6 +4,7 @@ from math import inf
 
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mlfabric.sched import (DROP_LOOKAHEAD, DROP_NO_PATH, DROP_REASONS, DROP_STALE, Network,
                             Profile, Update, schedule, t_en)
@@ -134,19 +135,25 @@ def test_local_member_costs_no_network():
                 assert t.segments == () and t.start == t.end
 
 
-def test_no_capacity_drops_with_a_reason():
-    nw = Network([5.0, [(0, 5.0), (1, 0.0)]], [5.0, 5.0])
+@pytest.mark.parametrize("engine", ["reference", "fast"])
+def test_no_capacity_drops_with_a_reason(engine):
+    nw = Network([5.0, [(0, 5.0), (1, 0.0)], 5.0], [5.0, 5.0, 5.0])
     us = [Update(0, 1, 50.0, 0), Update(1, 1, 1.0, 0)]
-    plan, _ = schedule(us, nw, 0)
+    plan, _ = schedule(us, nw, 0, engine=engine)
     assert plan.order == [1] and plan.dropped == {0: DROP_NO_PATH}
+    # an update due first that can never arrive is dropped alone: the others still go
+    us = [Update(0, 1, 50.0, version=0), Update(1, 2, 1.0, version=5)]
+    plan, _ = schedule(us, nw, 0, tau_max=1, engine=engine)
+    assert plan.dropped == {0: DROP_NO_PATH} and plan.order == [1]
 
 
 # --- invariants over random instances --------------------------------------------------------------
 @PROPS
-@given(instances(allow_dead=True))
-def test_plan_invariants(inst):
+@given(instances(allow_dead=True), st.sampled_from(["reference", "fast"]))
+def test_plan_invariants(inst, engine):
     nw, updates, server, aggs, tau, v_init = inst
-    plan, after = schedule(updates, nw, server, aggregators=aggs, tau_max=tau, v_init=v_init)
+    plan, after = schedule(updates, nw, server, aggregators=aggs, tau_max=tau, v_init=v_init,
+                           engine=engine)
     ids = {u.id for u in updates}
     # every update applied exactly once or dropped with a known reason
     assert len(plan.order) == len(set(plan.order))

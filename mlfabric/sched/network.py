@@ -185,6 +185,8 @@ class Network:
 
     def t_en(self, src, dst, size, start):
         """(end, segments) of `size` bytes from src to dst starting at `start` (Fig. 4b)."""
+        if not start >= 0:  # capacity traces start at 0; before that there is nothing to read
+            raise ValueError("a transfer cannot start before time 0, got %r" % (start,))
         return t_en([self.links[k] for k in self.path(src, dst)], size, start)
 
     def reserve(self, src, dst, segments):

@@ -66,7 +66,11 @@ def order_updates(updates, network, server, *, v_init=0, tau_max=inf, start=0.0)
         if not remaining:
             break
         cur, forced, end, segs = pick(pos, remaining, nw)
-        if end == inf:  # the best has no capacity, so none has: nothing left can arrive
+        if end == inf and forced:  # the due update can never arrive; the others still may
+            dropped[cur] = DROP_NO_PATH
+            remaining = [g for g in remaining if g != cur]
+            continue
+        if end == inf:  # the shortest has no capacity, so none has: nothing left can arrive
             for g in remaining:
                 dropped[g] = DROP_NO_PATH
             break

@@ -6,15 +6,21 @@ first with no deadlines (their staleness is bounded by the workers' clocks, not 
 drop nothing that can arrive; all three aggregate. For 'sync' the objective Alg. 3 minimises — the
 last arrival at the server — is exactly obj_sync (eq. 16).
 
+Engines: the same algorithms computed two ways. 'reference' runs the paper's plain loops in Python
+(ordering.py, aggregation.py); 'fast' runs them in C++ (fast.py, csrc/sched_fast.cc) with shortcuts
+that provably cannot change the answer, 'plain' the C++ without those shortcuts (the benchmark's
+side-by-side). Tests hold all three to bit-identical plans. 'auto' takes 'fast' when it is built.
+
 The server applies in the order's sequence: a commit happens at max(arrival, previous commit), so
 an update that arrives before its predecessor waits (Plan.server_wait reports how long, in total).
 """
 from math import inf
 
-from . import aggregation, ordering
+from . import aggregation, fast, ordering
 from .plan import Commit, Plan
 
 MODES = ("async", "ssp", "sync")
+ENGINES = ("auto", "fast", "plain", "reference")
 
 
 def commits_of(direct, aggregates, after):
@@ -31,26 +37,40 @@ def commits_of(direct, aggregates, after):
 
 
 def schedule(updates, network, server, *, aggregators=(), tau_max=inf, v_init=0, start=0.0,
-             seed=0, mode="async", momentum=False, after=None):
+             seed=0, mode="async", momentum=False, after=None, engine="auto", timings=None):
     """Plan one batch of `updates` (a list of Update) to `server` on `network` (not modified).
     `aggregators` are hosts that may aggregate for this server (in any order: they are pre-assigned
     to groups at random from `seed`). `momentum`: the server applies momentum (eq. 2), so an
     aggregate of several updates carries two weighted sums (twice the bytes) to be applied exactly
     as its members in order. `after`: the previous batch's last commit (default `start`).
+    `engine`: see the module header; `timings` (a dict) receives the fast path's time split.
     Returns (plan, network after the plan's reservations)."""
     if mode not in MODES:
         raise ValueError("mode must be one of %s, got %r" % (", ".join(MODES), mode))
+    if engine not in ENGINES:
+        raise ValueError("engine must be one of %s, got %r" % (", ".join(ENGINES), engine))
     if not tau_max >= 0:
         raise ValueError("tau_max must be >= 0, got %r" % (tau_max,))
     if mode != "async":
         tau_max = inf
-    o = ordering.order_updates(updates, network, server, v_init=v_init, tau_max=tau_max,
-                               start=start)
-    by_id = {u.id: u for u in updates}
     aggs = aggregation.group_order([a for a in aggregators if a != server], seed)
-    g = aggregation.aggregate(o.order, by_id, network, server, aggs, start=start,
-                              agg_scale=2.0 if momentum else 1.0)
-    plan = Plan(server=server, v_init=v_init, tau_max=tau_max, updates=by_id, order=o.order,
-                dropped=o.dropped, direct=g.direct, aggregates=g.aggregates, start=start)
-    plan.commits = commits_of(g.direct, g.aggregates, start if after is None else max(after, start))
-    return plan, g.network
+    agg_scale = 2.0 if momentum else 1.0
+    if engine == "auto":
+        engine = "fast" if fast.available() else "reference"
+    if engine == "reference":
+        by_id = {u.id: u for u in updates}
+        o = ordering.order_updates(updates, network, server, v_init=v_init, tau_max=tau_max,
+                                   start=start)
+        g = aggregation.aggregate(o.order, by_id, network, server, aggs, start=start,
+                                  agg_scale=agg_scale)
+        order, dropped, direct, aggregates, after_nw = (o.order, o.dropped, g.direct,
+                                                        g.aggregates, g.network)
+    else:
+        order, dropped, direct, aggregates, after_nw = fast.plan_parts(
+            updates, network, server, aggs, tau_max=tau_max, v_init=v_init, start=start,
+            agg_scale=agg_scale, plain=engine == "plain", timings=timings)
+        by_id = {u.id: u for u in updates}
+    plan = Plan(server=server, v_init=v_init, tau_max=tau_max, updates=by_id, order=order,
+                dropped=dropped, direct=direct, aggregates=aggregates, start=start)
+    plan.commits = commits_of(direct, aggregates, start if after is None else max(after, start))
+    return plan, after_nw

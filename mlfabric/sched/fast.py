@@ -1,0 +1,264 @@
+"""The scheduler's fast path (paper §5.1 Alg. 2, §5.2 Alg. 3; §7.4 measures the scheduler's
+cost): ordering and aggregation in C++ (csrc/sched_fast.cc), computing exactly what
+ordering.order_updates and aggregation.aggregate compute — same order, drops, groups and
+segments, bit-identical floats.
+
+Owns: reading a batch and a Network once, one native call with the GIL released, and building
+the result objects once at the end. It never changes the algorithms: each shortcut in C++ only
+skips work that provably cannot change the answer (docs/sched/fast.md says why), and
+plain=True runs the paper's loops for the side-by-side benchmark (`python -m mlfabric.bench
+sched`).
+
+Differences a caller can see, all deliberate:
+- Grouping.cases: a case the fast path stopped early (its t_max reached the best makespan found
+  so far, so it can never be chosen) holds inf, as an infeasible case does. The chosen case,
+  n_direct, makespan and the groups are always the reference's; plain=True fills every case.
+- Grouping.direct holds the very Transfer objects of Ordering.transfers: group 1 keeps the
+  ordering's schedules (§5.2). Equal to the reference's, just not copies (Transfer is frozen).
+- Bad input is refused up front with a ValueError, including what the reference would only trip
+  over later or not at all: a send time max(ready, start) that is negative or NaN, a NaN size or
+  deadline.
+"""
+import dataclasses
+import time
+from math import inf, isnan
+
+from .aggregation import Grouping, group_order
+from .network import Network, Profile, Segment
+from .ordering import Ordering, deadline
+from .plan import DROP_LOOKAHEAD, DROP_NO_PATH, DROP_STALE, Aggregate, Transfer
+
+try:
+    from .._C import sched_run as _run
+except ImportError:  # a build without the scheduler's native part
+    _run = None
+
+_DROPS = (DROP_STALE, DROP_LOOKAHEAD, DROP_NO_PATH)  # codes of enum Drop in csrc/sched_fast.h
+
+
+def available():
+    """True when the native fast path is built into mlfabric._C."""
+    return _run is not None
+
+
+def schedule_fast(updates, network, server, aggs, *, tau_max=inf, v_init=0, start=0.0,
+                  agg_scale=1.0, plain=False):
+    """Alg. 2 then Alg. 3 for `updates` (a list of Update) to `server` on `network` (not
+    modified); `aggs` is the aggregators' pre-assigned group order (aggregation.group_order's
+    output). Returns (ordering.Ordering, aggregation.Grouping), equal to
+    order_updates(updates, network, server, v_init=, tau_max=, start=) and
+    aggregate(order, {id: update}, network, server, aggs, start=, agg_scale=) (see the module
+    header for Grouping.cases). plain=True: the paper's loops, without the exact shortcuts.
+    Raises RuntimeError when the native part is not built (see available())."""
+    res, batch = _native(updates, network, server, aggs, tau_max, v_init, start, agg_scale,
+                         plain, True)
+    o = res.ordering(every_transfer=True)
+    return o, res.grouping(o.transfers)
+
+
+def plan_parts(updates, network, server, aggs, *, tau_max=inf, v_init=0, start=0.0,
+               agg_scale=1.0, plain=False, timings=None):
+    """What scheduler.schedule needs for a Plan, on the fast path: (order, dropped, group 1's
+    transfers, aggregates, network after the plan's reservations), built without the parts a Plan
+    does not hold (the network after ordering alone, the tentative transfers of updates that end
+    up aggregated). `timings`: a dict that receives the seconds spent reading the input, in Alg. 2
+    and Alg. 3 (C++), in the rest of the native call (copies, export) and building the result."""
+    res, batch = _native(updates, network, server, aggs, tau_max, v_init, start, agg_scale,
+                         plain, False)
+    t0 = time.perf_counter()
+    o = res.ordering(every_transfer=False)
+    g = res.grouping(o.transfers)
+    if timings is not None:
+        timings.update(input=res.seconds_input, order=res.seconds_order,
+                       aggregate=res.seconds_aggregate,
+                       native_rest=res.seconds_call - res.seconds_order - res.seconds_aggregate,
+                       build=time.perf_counter() - t0)
+    return o.order, o.dropped, g.direct, g.aggregates, g.network
+
+
+# --- input ----------------------------------------------------------------------------------------
+
+class _Batch:
+    """The batch as per-update lists in ascending id order (the reference's tie-break order)."""
+
+    def __init__(self, updates, network, server, aggs, tau_max, v_init, start):
+        if not isinstance(network, Network):
+            raise ValueError("network must be a mlfabric.sched.Network, got %s"
+                             % type(network).__name__)
+        if not tau_max >= 0:
+            raise ValueError("tau_max must be >= 0, got %r" % (tau_max,))
+        hosts = network.hosts
+        for h in [server, *aggs]:
+            if not (isinstance(h, int) and 0 <= h < hosts):
+                network._check_host(h)  # raises the reference's error
+        if server in aggs:
+            raise ValueError("the server's host %d cannot be one of its aggregators" % server)
+        by_id = {u.id: u for u in updates}
+        if len(by_id) != len(updates):
+            raise ValueError("update ids must be unique within a batch")
+        self.by_id = by_id
+        self.ids = sorted(by_id)
+        ups = [by_id[i] for i in self.ids]
+        self.worker = [u.worker for u in ups]
+        for w in self.worker:
+            if not (isinstance(w, int) and 0 <= w < hosts):
+                network._check_host(w)
+        self.size = [u.size for u in ups]
+        self.send_at = [max(u.ready, start) for u in ups]  # Python's max, as the reference's
+        self.deadline = [deadline(u, tau_max, v_init) for u in ups]
+        for u, s, d in zip(ups, self.send_at, self.deadline):
+            if not s >= 0:
+                raise ValueError("update %r: its send time max(ready, start) must be >= 0, got %r"
+                                 % (u.id, s))
+            if isnan(u.size) or isnan(d):
+                raise ValueError("update %r: size %r and deadline %r must not be NaN"
+                                 % (u.id, u.size, d))
+
+
+def _native(updates, network, server, aggs, tau_max, v_init, start, agg_scale, plain,
+            order_network):
+    if _run is None:
+        raise RuntimeError("mlfabric was built without the scheduler's fast path "
+                           "(mlfabric._C.sched_run); use mlfabric.sched.schedule")
+    if not agg_scale >= 1.0:
+        raise ValueError("agg_scale must be >= 1, got %r" % (agg_scale,))
+    t0 = time.perf_counter()
+    aggs = list(aggs)
+    batch = _Batch(updates, network, server, aggs, tau_max, v_init, start)
+    links = network.links
+    link_t, link_v = [p.t for p in links], [p.v for p in links]
+    t1 = time.perf_counter()
+    # Network keeps its core paths as {(src, dst): link indices}; there is no public accessor.
+    raw = _run(network.hosts, link_t, link_v, network._core_paths, server, float(start),
+               batch.worker, batch.size, batch.send_at, batch.deadline, aggs, float(agg_scale),
+               bool(plain), order_network)
+    res = _Results(raw, batch, network, server, agg_scale)
+    res.seconds_input, res.seconds_call = t1 - t0, time.perf_counter() - t1
+    return res, batch
+
+
+# --- output ---------------------------------------------------------------------------------------
+
+def _plain_frozen(cls, names):
+    """Whether `cls` is still a plain frozen dataclass with exactly these fields, whose __init__
+    only stores them: then an instance can be made by filling its dict, as copy and pickle do."""
+    return (dataclasses.is_dataclass(cls) and "__slots__" not in vars(cls)
+            and not hasattr(cls, "__post_init__")
+            and tuple(f.name for f in dataclasses.fields(cls)) == names)
+
+
+# Segment and Transfer are built by filling the instance dict: 1.5-2x cheaper than their
+# __init__, which pays an object.__setattr__ per field, and building objects is most of the fast
+# path's time at small batches. Should either class change shape, its own constructor is used.
+_new, _setdict = object.__new__, object.__setattr__
+
+
+def _segment(t0, t1, rate):
+    s = _new(Segment)
+    _setdict(s, "__dict__", {"t0": t0, "t1": t1, "rate": rate})
+    return s
+
+
+def _xfer(src, dst, size, start, end, segments, what, ids):
+    t = _new(Transfer)
+    _setdict(t, "__dict__", {"src": src, "dst": dst, "size": size, "start": start, "end": end,
+                             "segments": segments, "what": what, "ids": ids})
+    return t
+
+
+if not _plain_frozen(Segment, ("t0", "t1", "rate")):
+    _segment = Segment  # noqa: F811
+if not _plain_frozen(Transfer, ("src", "dst", "size", "start", "end", "segments", "what", "ids")):
+    _xfer = Transfer  # noqa: F811
+
+
+def _transfer(src, dst, size, end, segs, what, ids):
+    return _xfer(src, dst, size, segs[0].t0 if segs else end, end, segs, what, ids)
+
+
+class _Table:
+    """A transfer table of the native result: transfer j ends at end[j]; its segments are the
+    (t0, t1, rate) triples flat[3 * off[j] : 3 * off[j + 1]]."""
+
+    def __init__(self, raw, name):
+        self.end = raw[name + "_end"]
+        self.off = raw[name + "_off"]
+        self.flat = raw[name + "_segs"]
+
+    def segments(self, j):
+        f, a, b = self.flat, 3 * self.off[j], 3 * self.off[j + 1]
+        if b - a == 3:  # the common case: one segment
+            return (_segment(f[a], f[a + 1], f[a + 2]),)
+        return tuple([_segment(f[i], f[i + 1], f[i + 2]) for i in range(a, b, 3)])
+
+
+def _network(template, ts, vs):
+    """A Network like `template` (hosts, core paths) holding these links (as Network.copy)."""
+    links = []
+    for t, v in zip(ts, vs):
+        p = Profile.__new__(Profile)
+        p.t = t
+        p.v = v
+        links.append(p)
+    nw = Network.__new__(Network)
+    nw.hosts = template.hosts
+    nw.links = links
+    nw._core_paths = template._core_paths
+    return nw
+
+
+class _Results:
+    """Builds ordering.Ordering and aggregation.Grouping from the native call's flat lists."""
+
+    def __init__(self, raw, batch, network, server, agg_scale):
+        self.raw, self.batch, self.network, self.server = raw, batch, network, server
+        self.agg_scale = agg_scale
+        self.seconds_order = raw["seconds_order"]
+        self.seconds_aggregate = raw["seconds_aggregate"]
+
+    def ordering(self, every_transfer):
+        """every_transfer=False: only group 1's transfers and no network (what a Plan holds)."""
+        raw, ids, by_id = self.raw, self.batch.ids, self.batch.by_id
+        order = [ids[i] for i in raw["order"]]
+        dropped = {ids[i]: _DROPS[w] for i, w in zip(raw["drop_idx"], raw["drop_why"])}
+        table = _Table(raw, "o")
+        count = len(order) if every_transfer else raw["n_direct"]
+        transfers = {}
+        for j in range(count):
+            u = by_id[order[j]]
+            transfers[u.id] = _transfer(u.worker, self.server, u.size, table.end[j],
+                                        table.segments(j), "update", (u.id,))
+        network = (_network(self.network, raw["o_net_t"], raw["o_net_v"]) if every_transfer
+                   else None)
+        return Ordering(order, dropped, transfers, network)
+
+    def grouping(self, transfers):
+        raw, by_id, server = self.raw, self.batch.by_id, self.server
+        order = [self.batch.ids[i] for i in raw["order"]]
+        if raw["makespan"] == inf:  # as aggregation.aggregate: no case is feasible
+            raise ValueError("some of updates %r can never reach host %d: no capacity on the path"
+                             % (order, server))
+        n_direct = raw["n_direct"]
+        inbound, out = _Table(raw, "in"), _Table(raw, "at")
+        aggregates = []
+        i = n_direct  # members are consecutive positions after group 1
+        k = 0         # their inbound transfers, in the same order
+        for j, (agg, count) in enumerate(zip(raw["agg_host"], raw["agg_count"])):
+            members = order[i:i + count]
+            into = []
+            for uid in members:  # (the hot loop at small batches: _transfer inlined)
+                u, end, segs = by_id[uid], inbound.end[k], inbound.segments(k)
+                into.append(_xfer(u.worker, agg, u.size, segs[0].t0 if segs else end, end, segs,
+                                  "update", (uid,)))
+                k += 1
+            i += count
+            # as aggregation.det_agg computes it, from the same objects (first maximum)
+            size = (max(by_id[m].size for m in members)
+                    * (self.agg_scale if len(members) > 1 else 1.0))
+            aggregates.append(Aggregate(agg, server, members, into,
+                                        _transfer(agg, server, size, out.end[j], out.segments(j),
+                                                  "aggregate", tuple(members))))
+        direct = [transfers[uid] for uid in order[:n_direct]]
+        return Grouping(n_direct, direct, aggregates,
+                        _network(self.network, raw["g_net_t"], raw["g_net_v"]),
+                        raw["makespan"], raw["cases"])
