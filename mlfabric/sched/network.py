@@ -74,15 +74,25 @@ class Profile:
         for k in range(a, b):
             # the bottleneck link of a reservation hits exactly 0 (x - x); others stay >= rate
             self.v[k] = self.v[k] - rate
-        self._merge()
+        self._merge(a, b)
 
-    def _merge(self):
-        t, v = [self.t[0]], [self.v[0]]
-        for tk, vk in zip(self.t[1:], self.v[1:]):
-            if vk != v[-1]:
-                t.append(tk)
-                v.append(vk)
-        self.t, self.v = t, v
+    def _merge(self, lo=1, hi=None):
+        """Merge equal neighbours among indices lo-1..hi. The profile was merged before values in
+        [lo, hi) changed, so only those pairs can have become equal: merging just them gives the
+        same profile as merging everything, in time proportional to the change."""
+        t, v = self.t, self.v
+        lo = max(lo, 1)
+        hi = len(t) - 1 if hi is None else min(hi, len(t) - 1)
+        if lo > hi:
+            return
+        keep_t, keep_v, last = [], [], v[lo - 1]
+        for k in range(lo, hi + 1):
+            if v[k] != last:
+                keep_t.append(t[k])
+                keep_v.append(v[k])
+                last = v[k]
+        t[lo:hi + 1] = keep_t
+        v[lo:hi + 1] = keep_v
 
     def steps(self):
         return list(zip(self.t, self.v))
