@@ -14,14 +14,35 @@ import os as _os
 # it has no effect if MPI is already initialised or the user chose osc components.
 _os.environ.setdefault("OMPI_MCA_osc", "^ucx")
 
+import importlib as _importlib  # noqa: E402
+
 from . import _C  # noqa: E402
-from .collectives import (Handle, allgather, allgather_async, allreduce, allreduce_async,
-                          barrier, broadcast, broadcast_async, recv, reduce, reduce_scatter,
-                          reduce_scatter_async, send)
-from .context import finalize, init, initialized
-from .context import get as _get
-from .errors import MismatchError, MlfabricError, NotInitializedError, PeerTimeoutError
-from .shared import is_shared, shared_empty, shared_zeros
+from .errors import MismatchError, MlfabricError, NotInitializedError, PeerTimeoutError  # noqa
+
+# The communication API is imported on first use (PEP 562), not with the package: importing MPI
+# (and torch, for tensor support) takes seconds, and mlfabric.sched / mlfabric.sim are pure
+# computation that must not pay for it or start MPI.
+_LAZY = {name: ".collectives" for name in (
+    "Handle", "allgather", "allgather_async", "allreduce", "allreduce_async", "barrier",
+    "broadcast", "broadcast_async", "recv", "reduce", "reduce_scatter", "reduce_scatter_async",
+    "send")}
+_LAZY.update({name: ".context" for name in ("finalize", "init", "initialized")})
+_LAZY.update({name: ".shared" for name in ("is_shared", "shared_empty", "shared_zeros")})
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError("module 'mlfabric' has no attribute %r" % name)
+    value = getattr(_importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def _get():
+    from .context import get
+    return get()
+
 
 __version__ = "0.1.0"
 

@@ -222,3 +222,13 @@ def test_shortest_first_arrivals_never_decrease(inst):
         arrivals = [t.end for t in plan.direct]
         assert arrivals == sorted(arrivals)
         assert [c.time for c in plan.commits] == arrivals
+
+
+def test_the_scheduler_and_simulator_start_no_mpi():
+    """mlfabric.sched is pure computation: importing it (and the simulator) must neither start
+    MPI nor pay for importing it."""
+    import subprocess
+    import sys
+    code = ("import sys, mlfabric.sched, mlfabric.sim; "
+            "sys.exit(1 if 'mpi4py.MPI' in sys.modules or 'torch' in sys.modules else 0)")
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
