@@ -343,7 +343,8 @@ def drive(run, div_max, *, mode="async", iteration_ends=None):
         vec.update(vecs)
         end = True if iteration_ends is None else iteration_ends[b]
         plan, after = schedule(us, nw, 0, aggregators=run.server_aggs, tau_max=run.tau_max,
-                               v_init=v_init, start=start, seed=b, mode=mode)
+                               v_init=v_init, start=start, seed=b, mode=mode,
+                               momentum=run.gamma > 0)
         before_ids = [u.id for u in state.punted]
         new, nw, state = replicate(plan, after, 1, run.replica_aggs, state, div_max=div_max,
                                    gamma=run.gamma, seed=b, sync=sync, iteration_end=end)
@@ -568,3 +569,19 @@ def test_a_plan_is_replicated_once():
         replicate(new, nw2, 1, [], ReplicaState(), div_max=1.0, gamma=0.5)
     assert isinstance(new.replica, ReplicaPlan)
     assert new.transfers()[-len(new.replica.frozen):] == new.replica.frozen
+
+
+def test_momentum_needs_a_server_plan_whose_aggregates_carry_both_sums():
+    nw = Network.uniform(6, 10.0)
+    us = [Update(i, 2 + i % 3, 10.0, version=0, norm=1.0) for i in range(4)]
+    plan, after = schedule(us, nw, 0, aggregators=[5])
+    assert any(len(a.members) > 1 for a in plan.aggregates)
+    with pytest.raises(ValueError, match="momentum=True"):
+        replicate(plan, after, 1, [], ReplicaState(), div_max=1.0, gamma=0.9)
+    plan, after = schedule(us, nw, 0, aggregators=[5], momentum=True)
+    assert plan.momentum
+    replicate(plan, after, 1, [], ReplicaState(), div_max=1.0, gamma=0.9)
+    # sync: an iteration is one step, plain sums are right
+    plan, after = schedule(us, nw, 0, aggregators=[5], mode="sync", momentum=True)
+    assert not plan.momentum
+    replicate(plan, after, 1, [], ReplicaState(), div_max=1.0, gamma=0.9, sync=True)

@@ -99,6 +99,7 @@ class Plan:
     commits: list = field(default_factory=list)
     replica: object = None
     start: float = 0.0
+    momentum: bool = False             # aggregates carry two weighted sums (server momentum)
 
     # --- derived facts -------------------------------------------------------------------------
     def position(self, uid):

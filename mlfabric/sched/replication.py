@@ -159,6 +159,12 @@ def replicate(plan, network, replica, aggregators, state, *, div_max, gamma, see
     after everything; the next ReplicaState."""
     gamma = check_gamma(gamma)
     div_max = _check_div_max(div_max)
+    if gamma > 0 and not sync and not plan.momentum and any(len(a.members) > 1
+                                                            for a in plan.aggregates):
+        # the server would apply plain sums: its model would not be the sequential one that the
+        # divergence bound (and the replica, applying other groupings) assumes
+        raise ValueError("gamma=%r: the server plan must be made with schedule(momentum=True), "
+                         "so its aggregates apply exactly as their members in order" % (gamma,))
     aggs = _check_hosts(plan, network, replica, aggregators)
     seq, ends, h0, p0, open_after = _sequence(plan, state, sync, iteration_end, gamma)
     walk = lead_bounds([u.norm for u in seq], gamma, h0, ends=ends, partial_norm=p0)

@@ -42,7 +42,7 @@ def schedule(updates, network, server, *, aggregators=(), tau_max=inf, v_init=0,
     `aggregators` are hosts that may aggregate for this server (in any order: they are pre-assigned
     to groups at random from `seed`). `momentum`: the server applies momentum (eq. 2), so an
     aggregate of several updates carries two weighted sums (twice the bytes) to be applied exactly
-    as its members in order. `after`: the previous batch's last commit (default `start`).
+    as its members in order (ignored in sync mode, where an iteration is one step). `after`: the previous batch's last commit (default `start`).
     `engine`: see the module header; `timings` (a dict) receives the fast path's time split.
     Returns (plan, network after the plan's reservations)."""
     if mode not in MODES:
@@ -54,6 +54,8 @@ def schedule(updates, network, server, *, aggregators=(), tau_max=inf, v_init=0,
     if mode != "async":
         tau_max = inf
     aggs = aggregation.group_order([a for a in aggregators if a != server], seed)
+    # a sync iteration is one momentum step whatever the grouping, so its sums stay plain
+    momentum = bool(momentum) and mode != "sync"
     agg_scale = 2.0 if momentum else 1.0
     if engine == "auto":
         engine = "fast" if fast.available() else "reference"
@@ -71,6 +73,7 @@ def schedule(updates, network, server, *, aggregators=(), tau_max=inf, v_init=0,
             agg_scale=agg_scale, plain=engine == "plain", timings=timings)
         by_id = {u.id: u for u in updates}
     plan = Plan(server=server, v_init=v_init, tau_max=tau_max, updates=by_id, order=order,
-                dropped=dropped, direct=direct, aggregates=aggregates, start=start)
+                dropped=dropped, direct=direct, aggregates=aggregates, start=start,
+                momentum=momentum)
     plan.commits = commits_of(direct, aggregates, start if after is None else max(after, start))
     return plan, after_nw
