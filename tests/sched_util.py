@@ -52,18 +52,24 @@ def breakpoints(network, transfers):
     return sorted(ts)
 
 
+def link_load(network, transfers, t):
+    """Each link's load at time t, recomputed from the transfers' segments alone."""
+    load = [0.0] * len(network.links)
+    for x in transfers:
+        for s in x.segments:
+            if s.t0 <= t < s.t1:
+                for k in network.path(x.src, x.dst):
+                    load[k] += s.rate
+    return load
+
+
 def check_capacity(original, transfers, rel=1e-9):
     """Recompute each link's load from the transfers alone; it never exceeds the original
-    capacity. Returns the largest load/capacity ratio seen (for information)."""
+    capacity."""
     ts = breakpoints(original, transfers)
     for a, b in zip(ts, ts[1:] + [ts[-1] + 1.0]):
         mid = (a + b) / 2
-        load = [0.0] * len(original.links)
-        for t in transfers:
-            for s in t.segments:
-                if s.t0 <= mid < s.t1:
-                    for k in original.path(t.src, t.dst):
-                        load[k] += s.rate
+        load = link_load(original, transfers, mid)
         for k, used in enumerate(load):
             cap = original.links[k].at(mid)
             assert used <= cap * (1 + rel) + 1e-12, (

@@ -16,7 +16,7 @@ from mlfabric.sched.divergence import (Momentum, aggregate_weights, chunk_effect
                                        eq11, eq11_coefficients, exact_divergence, lead_bounds,
                                        lead_coefficients, next_history_bound)
 from mlfabric.sched.replication import ReplicaPlan, ReplicaState, replicate
-from tests.sched_util import breakpoints, check_bytes, check_capacity, traces
+from tests.sched_util import breakpoints, check_bytes, check_capacity, link_load, traces
 
 PROPS = settings(max_examples=40, deadline=None)
 REL = 1e-9
@@ -307,12 +307,7 @@ def check_residual(original, final, transfers):
     ts = sorted(set(ts) | {t for p in final.links for t in p.t})
     for a, b in zip(ts, ts[1:] + [ts[-1] + 1.0]):
         mid = (a + b) / 2
-        load = [0.0] * len(original.links)
-        for t in transfers:
-            for s in t.segments:
-                if s.t0 <= mid < s.t1:
-                    for k in original.path(t.src, t.dst):
-                        load[k] += s.rate
+        load = link_load(original, transfers, mid)
         for k in range(len(original.links)):
             cap = original.links[k].at(mid)
             assert abs(final.links[k].at(mid) - (cap - load[k])) <= 1e-9 * max(cap, 1.0), (k, mid)

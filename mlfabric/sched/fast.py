@@ -23,7 +23,7 @@ import dataclasses
 import time
 from math import inf, isnan
 
-from .aggregation import Grouping, group_order
+from .aggregation import Grouping
 from .network import Network, Profile, Segment
 from .ordering import Ordering, deadline
 from .plan import DROP_LOOKAHEAD, DROP_NO_PATH, DROP_STALE, Aggregate, Transfer

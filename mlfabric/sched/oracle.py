@@ -570,7 +570,6 @@ class OracleModel:
         if len(plan.order) != self.m:
             raise ValueError("the plan applies %d updates, the model %d"
                              % (len(plan.order), self.m))
-        D = range(len(self.hops))
         hop_of, slot_of = {}, {}
         free = list(range(1, len(self.hops)))
         for agg in plan.aggregates:

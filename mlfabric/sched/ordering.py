@@ -33,29 +33,24 @@ def deadline(u, tau_max, v_init):
     return u.version + tau_max - v_init
 
 
-def order_updates(updates, network, server, *, v_init=0, tau_max=inf, start=0.0):
-    """Alg. 2 (Alg. 1 when tau_max is inf) over `updates` to `server`. `network` is not modified."""
+def alg2(ids, dl, network, t_en, reserve):
+    """Alg. 2's loop over update ids (ascending: the tie-break) with deadlines `dl` (id -> last
+    position). `t_en(id, net)` -> (end, parts) measures an update on a network (parts: whatever
+    `reserve(id, net, parts)` needs to take its capacity); `network` is not modified. Shared by the
+    single server (below) and sharded servers (sharded.py, eq. 18). Returns (order, dropped,
+    {id: (end, parts)} of the applied, network after their reservations)."""
     nw = network.copy()
-    by_id = {u.id: u for u in updates}
-    if len(by_id) != len(updates):
-        raise ValueError("update ids must be unique within a batch")
-    remaining = sorted(by_id)
-    dl = {u.id: deadline(u, tau_max, v_init) for u in updates}
-    order, dropped, transfers = [], {}, {}
-
-    def t_en(uid, net):
-        u = by_id[uid]
-        return net.t_en(u.worker, server, u.size, max(u.ready, start))
+    remaining = sorted(ids)
+    order, dropped, applied = [], {}, {}
 
     def pick(pos, cands, net):
-        """ShrtDline: the update due at `pos` if any, else the shortest; (id, forced, end, segs)."""
+        """ShrtDline: the update due at `pos` if any, else the shortest; (id, forced, end, parts)."""
         due = [g for g in cands if dl[g] <= pos]
-        pool = due or cands
         best = None
-        for g in pool:
-            end, segs = t_en(g, net)
+        for g in due or cands:
+            end, parts = t_en(g, net)
             if best is None or end < best[2]:
-                best = (g, bool(due), end, segs)
+                best = (g, bool(due), end, parts)
         return best
 
     while remaining:
@@ -65,7 +60,7 @@ def order_updates(updates, network, server, *, v_init=0, tau_max=inf, start=0.0)
         remaining = [g for g in remaining if dl[g] >= pos]
         if not remaining:
             break
-        cur, forced, end, segs = pick(pos, remaining, nw)
+        cur, forced, end, parts = pick(pos, remaining, nw)
         if end == inf and forced:  # the due update can never arrive; the others still may
             dropped[cur] = DROP_NO_PATH
             remaining = [g for g in remaining if g != cur]
@@ -76,8 +71,7 @@ def order_updates(updates, network, server, *, v_init=0, tau_max=inf, start=0.0)
             break
         rest = [g for g in remaining if g != cur]
         after = nw.copy()
-        u = by_id[cur]
-        after.reserve(u.worker, server, segs)
+        reserve(cur, after, parts)
         live = [g for g in rest if dl[g] >= pos + 1]  # the others are stale at the next position
         if forced and live:
             # look ahead: would the next pick finish before this one?
@@ -87,8 +81,30 @@ def order_updates(updates, network, server, *, v_init=0, tau_max=inf, start=0.0)
                 remaining = rest
                 continue
         order.append(cur)
-        transfers[cur] = Transfer(u.worker, server, u.size, segs[0].t0 if segs else end, end,
-                                  segs, "update", (cur,))
+        applied[cur] = (end, parts)
         nw = after
         remaining = rest
+    return order, dropped, applied, nw
+
+
+def order_updates(updates, network, server, *, v_init=0, tau_max=inf, start=0.0):
+    """Alg. 2 (Alg. 1 when tau_max is inf) over `updates` to `server`. `network` is not modified."""
+    by_id = {u.id: u for u in updates}
+    if len(by_id) != len(updates):
+        raise ValueError("update ids must be unique within a batch")
+    dl = {u.id: deadline(u, tau_max, v_init) for u in updates}
+
+    def t_en(uid, net):
+        u = by_id[uid]
+        return net.t_en(u.worker, server, u.size, max(u.ready, start))
+
+    def reserve(uid, net, segs):
+        net.reserve(by_id[uid].worker, server, segs)
+
+    order, dropped, applied, nw = alg2(by_id, dl, network, t_en, reserve)
+    transfers = {}
+    for g in order:
+        u, (end, segs) = by_id[g], applied[g]
+        transfers[g] = Transfer(u.worker, server, u.size, segs[0].t0 if segs else end, end,
+                                segs, "update", (g,))
     return Ordering(order, dropped, transfers, nw)

@@ -28,10 +28,10 @@ Where the paper leaves a choice open, this is what we do, and why:
 from dataclasses import dataclass
 from math import inf, isfinite
 
-from . import aggregation
+from . import aggregation, ordering
 from .network import t_en as path_t_en
 from .ordering import deadline
-from .plan import DROP_LOOKAHEAD, DROP_NO_PATH, DROP_REASONS, DROP_STALE, Plan, Transfer, Update
+from .plan import DROP_REASONS, Plan, Transfer, Update
 from .scheduler import MODES, commits_of
 
 
@@ -149,55 +149,25 @@ def order_sharded(updates, network, servers, *, v_init=0, tau_max=inf, start=0.0
     are reserved together. `network` is not modified."""
     servers = _check_servers(servers, network)
     by_id = _check_updates(updates, network, servers)
-    nw = network.copy()
-    remaining = sorted(by_id)
     dl = {u.id: deadline(u, tau_max, v_init) for u in by_id.values()}
-    order, dropped, transfers, ends = [], {}, {}, {}
 
-    def pick(pos, cands, net):
-        """ShrtDline with eq. 18: (id, forced, end, parts) of the update due at `pos` if any,
-        else of the shortest."""
-        due = [g for g in cands if dl[g] <= pos]
-        best = None
-        for g in due or cands:
-            end, parts = components_t_en(net, by_id[g], servers, start)
-            if best is None or end < best[2]:
-                best = (g, bool(due), end, parts)
-        return best
+    def t_en(uid, net):
+        return components_t_en(net, by_id[uid], servers, start)
 
-    while remaining:
-        pos = len(order) + 1
-        for g in [g for g in remaining if dl[g] < pos]:
-            dropped[g] = DROP_STALE
-        remaining = [g for g in remaining if dl[g] >= pos]
-        if not remaining:
-            break
-        cur, forced, end, parts = pick(pos, remaining, nw)
-        if end == inf:  # the best has no capacity, so none has: nothing left can arrive
-            for g in remaining:
-                dropped[g] = DROP_NO_PATH
-            break
-        rest = [g for g in remaining if g != cur]
-        u = by_id[cur]
-        after = nw.copy()
+    def reserve(uid, net, parts):
         for s, (_, segs) in zip(servers, parts):
             if segs:
-                after.reserve(u.worker, s, segs)
-        live = [g for g in rest if dl[g] >= pos + 1]
-        if forced and live:
-            nxt = pick(pos + 1, live, after)
-            if end > nxt[2]:
-                dropped[cur] = DROP_LOOKAHEAD
-                remaining = rest
-                continue
-        order.append(cur)
+                net.reserve(by_id[uid].worker, s, segs)
+
+    order, dropped, applied, nw = ordering.alg2(by_id, dl, network, t_en, reserve)
+    transfers, ends = {}, {}
+    for cur in order:
+        u, (end, parts) = by_id[cur], applied[cur]
         transfers[cur] = tuple(
             Transfer(u.worker, s, u.sizes[j], segs[0].t0 if segs else end_j, end_j, segs,
                      "update", (cur,))
             for j, (s, (end_j, segs)) in enumerate(zip(servers, parts)))
         ends[cur] = end
-        nw = after
-        remaining = rest
     return ShardedOrdering(order, dropped, transfers, ends, nw)
 
 
