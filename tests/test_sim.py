@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from scipy.optimize import linprog
 
 import mlfabric.sim.scheduled as scheduled
-from mlfabric.sched import DROP_REASONS, DROP_STALE, Segment
+from mlfabric.sched import (DROP_REASONS, DROP_STALE, Network, Profile, Segment, Update,
+                            schedule)
 from mlfabric.sim import (COMPUTE_PRESETS, NET_PRESETS, POLICIES, ComputeTrace, NicTrace, SimConfig,
                           compare, network_traces, simulate)
 from mlfabric.sim.accounts import DROPPED, PENDING, Gate
@@ -464,3 +465,118 @@ def test_seeded_layout_is_stable():
     a, b = cfg.aggregator_hosts()
     assert a == SimConfig(**{**cfg.as_dict()}).aggregator_hosts()[0]
     assert len(a) == len(b) == 4 and not set(a) & set(b) and cfg.server not in a + b
+
+
+# --- the simulator's fast paths: each gives exactly what the plain computation gives ------------
+@pytest.mark.parametrize("kw", [
+    dict(),
+    dict(compute="C2", net="N3", period=1.0, replica=True, div_max=4.0, vectors=8),
+    dict(distribution=True, t_lag=0.0),
+    dict(policy="mlfabric-sync", net="N2"),
+])
+def test_pruning_past_breakpoints_never_changes_a_run(monkeypatch, kw):
+    kw = dict(kw)
+    policy = kw.pop("policy", "mlfabric")
+    reports = []
+    for every in (math.inf, 0.0, 1.0):  # never, every batch, the default
+        monkeypatch.setattr(scheduled, "_PRUNE_EVERY", every)
+        reports.append(_stable(run(policy, **kw)[1]))
+    assert reports[0] == reports[1] == reports[2]
+
+
+def _profile_steps(p):
+    return list(zip(p.t, p.v))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_true_network_send_is_network_send_and_extension_is_the_trace(data):
+    """TrueNetwork.send (t_en and NetUp called per link, the trace extended in numpy) against a
+    plain mlfabric.sched.Network built from the whole trace up front, sending the same transfers."""
+    seed = data.draw(st.integers(0, 50))
+    tr = NicTrace(data.draw(st.sampled_from(["N1", "N2", "N3"])), 6, 100.0, period=1.0, seed=seed)
+    truth = TrueNetwork(tr, 3, 1, 100.0)
+    sends = data.draw(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3),
+                                         st.floats(1.0, 3000.0), st.floats(0.0, 5.0)),
+                               min_size=1, max_size=25))
+    t = 0.0
+    plan = []
+    for src, dst, size, gap in sends:
+        t += gap
+        plan.append((src, dst, size, t))
+    done = [truth.send(*x) for x in plan]
+    until = truth.horizon
+    egress = [tr.steps(h, until - 0.5) for h in range(3)] + [[(0.0, 100.0)]]
+    ingress = [tr.steps(3 + h, until - 0.5) for h in range(3)] + [[(0.0, 100.0)]]
+    ref = Network(egress, ingress)
+    assert done == [ref.send(*x) for x in plan]
+    assert ([_profile_steps(p) for p in truth.net.links] == [_profile_steps(p) for p in ref.links])
+    for link in range(8):
+        assert truth.capacities(t)[link] == truth.capacity(link, t)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_monitor_view_is_its_steps_as_a_profile_cached_or_not(data):
+    tr = NicTrace("N3", 6, 100.0, period=1.0, seed=data.draw(st.integers(0, 20)))
+    view = SchedulerView(TrueNetwork(tr, 3, 1, 100.0), data.draw(st.sampled_from([0.0, 0.7])))
+    now = 0.0
+    for _ in range(data.draw(st.integers(1, 12))):
+        now += data.draw(st.sampled_from([0.0, 0.05, 0.4, 1.3]))
+        src, dst = data.draw(st.integers(0, 3)), data.draw(st.integers(0, 3))
+        t0 = now + data.draw(st.floats(0.0, 2.0))
+        segs, at = [], t0
+        for _ in range(data.draw(st.integers(0, 3))):
+            d = data.draw(st.sampled_from([0.25, 0.5, 1.0, math.inf]))
+            segs.append(Segment(at, at + d, data.draw(st.sampled_from([10.0, 25.0, 60.0]))))
+            if d == math.inf:
+                break
+            at += d
+        view.book(src, dst, segs)
+        if data.draw(st.booleans()):
+            view.prune(now)
+        hosts = data.draw(st.permutations([0, 1, 2, 3]))
+        nw = view.network(hosts, now)
+        for i, h in enumerate(hosts):
+            for link, mine in ((h, nw.egress(i)), (view.hosts + h, nw.ingress(i))):
+                assert _profile_steps(nw.links[mine]) == Profile(view.steps(link, now)).steps()
+                res = view.residual(link, now)
+                assert res.t[0] == 0.0 and list(zip(res.t, res.v)) == view.steps(link, now)
+        # schedule() plans on the view without touching it (the view hands out its cached links)
+        before = [_profile_steps(p) for p in nw.links]
+        ups = [Update(1, 1, 500.0, 0, now), Update(2, 2, 800.0, 0, now)]
+        schedule(ups, nw, 0, aggregators=[3], tau_max=5, start=now)
+        assert [_profile_steps(p) for p in nw.links] == before
+
+
+def test_fast_update_constructor_is_update():
+    u = scheduled._update(7, 2, 1e6, 3, 0.5, 1.25)
+    assert u == Update(7, 2, 1e6, 3, 0.5, 1.25) and hash(u) == hash(Update(7, 2, 1e6, 3, 0.5, 1.25))
+    with pytest.raises(Exception):
+        u.size = 1.0  # still frozen
+
+
+def test_engine_without_sources_runs_events_in_the_same_order():
+    from mlfabric.sim.engine import Engine
+
+    class Never:  # a source that never fires: forces the general loop
+        def next_time(self):
+            return math.inf
+
+    def trace(with_source):
+        eng, seen = Engine(), []
+        if with_source:
+            eng.sources = [Never()]
+
+        def ev(t, name, more):
+            seen.append((t, name))
+            for dt, nm in more:
+                eng.at(t + dt, ev, nm, ())
+
+        rnd = random.Random(3)
+        for i in range(40):
+            eng.at(rnd.choice([0.0, 0.5, 1.0]), ev, i, [(rnd.choice([0.0, 0.25]), -i)])
+        eng.run()
+        return seen, eng.events, eng.now
+
+    assert trace(False) == trace(True)

@@ -331,7 +331,7 @@ class StarShare:
     def _rebalance(self):
         """Move classes between hub- and leaf-limited until every hub-limited class could take more
         than lambda on its leaf and every leaf-limited one is held below lambda by its leaf."""
-        h, x, mode, push, pop = self.hmin, self.lmax, self.mode, heapq.heappush, heapq.heappop
+        h, x, mode, pop = self.hmin, self.lmax, self.mode, heapq.heappop
         for _ in range(4 * self._active + 8):
             lam = self._level()
             moved = False

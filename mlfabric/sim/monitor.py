@@ -13,6 +13,12 @@ Choices where the paper is silent:
   aggregators, the replica and its aggregators), renumbered 0..m-1. With a full-bisection core a
   transfer's path is its two endpoints' NICs, so this is the same problem schedule() would see on
   the whole network, at a cost that does not grow with the number of idle hosts.
+
+Cost (the view is built for every batch, ~13 links): each link's view Profile is cached and rebuilt
+only when its book, its book entry at "now" or its report changed; the network handed to
+schedule() holds the cached Profiles themselves, not copies (schedule, replicate and distribute
+never modify the network they are given; tests/test_sim.py checks it), and reports are read once
+per NIC-rate period (TrueNetwork.capacities).
 """
 from bisect import bisect_right
 from math import inf
@@ -30,28 +36,32 @@ class Book:
         self.v = [0.0]
         self.version = 0
 
-    def _split(self, x):
-        k = bisect_right(self.t, x) - 1
-        if self.t[k] == x:
-            return k
-        self.t.insert(k + 1, x)
-        self.v.insert(k + 1, self.v[k])
-        return k + 1
-
     def add(self, t0, t1, rate):
         """Book `rate` more over [t0, t1)."""
         if not t1 > t0 or rate == 0:
             return
-        a = self._split(t0)
-        b = self._split(t1) if t1 < inf else len(self.t)
-        v = self.v
+        t, v = self.t, self.v
+        # make t0 and t1 breakpoints (t1 searched from t0 on: it lies after)
+        a = bisect_right(t, t0) - 1
+        if t[a] != t0:
+            a += 1
+            t.insert(a, t0)
+            v.insert(a, v[a - 1])
+        if t1 < inf:
+            b = bisect_right(t, t1, a) - 1
+            if t[b] != t1:
+                b += 1
+                t.insert(b, t1)
+                v.insert(b, v[b - 1])
+        else:
+            b = len(t)
         for k in range(a, b):
             v[k] += rate
         # only the two ends can have become equal to their outer neighbour
         if b < len(v) and v[b] == v[b - 1]:
-            del self.t[b], v[b]
+            del t[b], v[b]
         if a > 0 and v[a] == v[a - 1]:
-            del self.t[a], v[a]
+            del t[a], v[a]
         self.version += 1
 
     def prune(self, now):
@@ -67,7 +77,10 @@ class _Residual:
     __slots__ = ("t", "v")
 
 
-_ZERO = Profile(0.0)  # copied, then given its t and v lists: a Profile without re-validation
+# Profiles and Networks the view builds from lists it knows are valid (times increasing from 0,
+# values finite and >= 0, equal neighbours merged), without the constructors' re-validation
+_Profile, _new_profile = Profile, Profile.__new__
+_new_network = Network.__new__
 
 
 class SchedulerView:
@@ -79,8 +92,9 @@ class SchedulerView:
         self.hosts = truth.hosts
         self.booked = [Book() for _ in range(2 * truth.hosts)]
         self.touched = set()  # links booked since the last prune
-        self._cache = {}      # link -> (book version, book index at now, report, Profile)
-        self._templates = {}  # m -> an m-host Network whose links are replaced per batch
+        # link -> (book version, book index at now, report, Profile) of its last view
+        self._cache = [None] * (2 * truth.hosts)
+        self._templates = {}  # m -> an m-host Network, shallow-copied per batch
 
     def reported(self, link, now):
         """The capacity the monitor reports for `link` at time `now`: the true one t_lag ago."""
@@ -100,58 +114,97 @@ class SchedulerView:
         return out
 
     def profile(self, link, now):
-        """steps() as a Profile, reused while neither the book nor the report has changed."""
-        r = self.truth.capacity(link, now - self.t_lag)
+        """steps() as a Profile (shared with later calls: read it, do not modify it)."""
+        return self._profile(link, now, self.truth.capacities(now - self.t_lag)[link])
+
+    def _profile(self, link, now, r):
+        """profile() given the report r; rebuilt only when the book, the book's entry at `now` or
+        the report has changed since the last call for this link."""
         b = self.booked[link]
-        bt, bv = b.t, b.v
-        k = bisect_right(bt, now) - 1
-        got = self._cache.get(link)
+        k = bisect_right(b.t, now) - 1
+        got = self._cache[link]
         if got is not None and got[0] == b.version and got[1] == k and got[2] == r:
-            return got[3].copy()
-        x = r - bv[k]
-        t, v = [0.0], [x if x > 0.0 else 0.0]
+            return got[3]
+        return self._build(link, b, k, r)
+
+    def _build(self, link, b, k, r):
+        """The view of `link` from book entry k on, given the report r, cached: r - booked,
+        clipped at 0 (a link booked past what the monitor now reports has nothing left), with
+        equal neighbours merged as a Profile keeps them."""
+        bt, bv = b.t, b.v
+        x = bv[k]
+        last = r - x if r > x else 0.0
+        t, v = [0.0], [last]
         for j in range(k + 1, len(bt)):
-            x = r - bv[j]
-            if x < 0.0:
-                x = 0.0
-            if x != v[-1]:  # keep Profile's form: equal neighbours merged
+            x = bv[j]
+            x = r - x if r > x else 0.0
+            if x != last:
                 t.append(bt[j])
                 v.append(x)
-        p = _ZERO.copy()
-        p.t, p.v = t, v
+                last = x
+        p = _new_profile(_Profile)
+        p.t = t
+        p.v = v
         self._cache[link] = (b.version, k, r, p)
-        return p.copy()
+        return p
 
     def residual(self, link, now):
         """steps() as an object t_en can walk (lists t and v; equal neighbours not merged)."""
-        r = self.reported(link, now)
-        b = self.booked[link]
-        k = bisect_right(b.t, now) - 1
-        out = _Residual()
-        out.t = [0.0] + b.t[k + 1:]
-        out.v = [max(0.0, r - v) for v in b.v[k:]]
+        return self.residuals((link,), now)[0]
+
+    def residuals(self, links, now):
+        """residual() of each of `links`, as a list (the report read once)."""
+        caps = self.truth.capacities(now - self.t_lag)
+        out = []
+        for link in links:
+            r = caps[link]
+            b = self.booked[link]
+            bt = b.t
+            k = bisect_right(bt, now) - 1
+            x = _Residual()
+            x.t = [0.0] + bt[k + 1:]
+            x.v = [r - v if r > v else 0.0 for v in b.v[k:]]
+            out.append(x)
         return out
 
     def network(self, hosts, now):
-        """The scheduler's view of `hosts` (global ids), renumbered in the order given."""
+        """The scheduler's view of `hosts` (global ids), renumbered in the order given.
+
+        Its links are the cached Profiles of profile(), not copies: schedule(), replicate() and
+        distribute() take a network they do not modify (they plan on copies), and the view never
+        changes a Profile it has handed out (it builds a new one when the link changes)."""
         n, m = self.hosts, len(hosts)
         template = self._templates.get(m)
         if template is None:
             template = self._templates[m] = Network([0.0] * m, [0.0] * m)
-        net = template.copy()
-        net.links = ([self.profile(h, now) for h in hosts]
-                     + [self.profile(n + h, now) for h in hosts])
+        caps = self.truth.capacities(now - self.t_lag)
+        booked, cache = self.booked, self._cache
+        links = []
+        for link in [*hosts, *[n + h for h in hosts]]:
+            # _profile's cache check inlined (this loop runs for every link of every batch)
+            r = caps[link]
+            b = booked[link]
+            k = bisect_right(b.t, now) - 1
+            got = cache[link]
+            if got is not None and got[0] == b.version and got[1] == k and got[2] == r:
+                links.append(got[3])
+            else:
+                links.append(self._build(link, b, k, r))
+        net = _new_network(Network)
+        net.__dict__.update(template.__dict__)  # hosts and (no) core paths: a shallow copy
+        net.links = links
         return net
 
     def book(self, src, dst, segments):
         """Record a planned transfer's reservation (global host ids)."""
         if src == dst or not segments:
             return
+        booked, touched = self.booked, self.touched
         for link in (src, self.hosts + dst):
-            b = self.booked[link]
+            add = booked[link].add
             for s in segments:
-                b.add(s.t0, s.t1, s.rate)
-            self.touched.add(link)
+                add(s.t0, s.t1, s.rate)
+            touched.add(link)
 
     def prune(self, now):
         """Forget the book's entries before `now` (on links booked since the last prune)."""

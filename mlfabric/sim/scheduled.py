@@ -23,6 +23,7 @@ Choices where the paper is silent:
 - The replica's copies leave the worker's daemon on the replica's schedule; the worker does not wait
   for them. Updates still punted when the run ends stay unreplicated (reported as the final lag).
 """
+import dataclasses
 import time
 from dataclasses import replace
 from math import ceil, inf
@@ -42,6 +43,25 @@ except ImportError:  # a tree without §5.3: fine unless a replica is asked for
     _replication = None
 
 _PRUNE_EVERY = 1.0  # simulated seconds between prunes of past breakpoints
+
+_UPDATE_FIELDS = ("id", "worker", "size", "version", "ready", "norm")
+_new, _setattr = object.__new__, object.__setattr__
+
+
+def _update(uid, worker, size, version, ready, norm):
+    """Update(uid, worker, size, version, ready, norm), built by filling the instance dict as
+    copy and pickle do: a frozen dataclass's __init__ pays an object.__setattr__ per field, which
+    adds up at a million updates. Used only while Update is still that plain frozen dataclass."""
+    u = _new(Update)
+    _setattr(u, "__dict__", {"id": uid, "worker": worker, "size": size, "version": version,
+                             "ready": ready, "norm": norm})
+    return u
+
+
+if not (dataclasses.is_dataclass(Update) and "__slots__" not in vars(Update)
+        and not hasattr(Update, "__post_init__")
+        and tuple(f.name for f in dataclasses.fields(Update)) == _UPDATE_FIELDS):
+    _update = Update  # noqa: F811
 
 
 class ScheduledRun(Run):
@@ -77,6 +97,12 @@ class ScheduledRun(Run):
         self.iter_last = None      # sync: last applied update of the open iteration
         self.step_end = set()      # sync: updates that close a server step
         self.last_prune = 0.0
+        self._fixed_hosts, self._fixed_idx = [], {}  # the server and its aggregators, numbered
+        for h in [self.server, *self.aggs]:
+            if h not in self._fixed_idx:
+                self._fixed_idx[h] = len(self._fixed_hosts)
+                self._fixed_hosts.append(h)
+        self._agg_idx = [self._fixed_idx[a] for a in self.aggs]
         self.rstate = None
         self.replica_lag = None
         if cfg.replica:
@@ -127,8 +153,7 @@ class ScheduledRun(Run):
             return
         h, s = self.host[w], self.server
         view = self.view
-        links = [view.residual(s, t), view.residual(self.truth.hosts + h, t)]
-        end, segs = path_t_en(links, self.size, t)
+        end, segs = path_t_en(view.residuals((s, self.truth.hosts + h), t), self.size, t)
         view.book(s, h, segs)
         got, _ = self.truth.send(s, h, self.size, segs[0].t0 if segs else end)
         self.server_out_bytes += self.size
@@ -154,35 +179,32 @@ class ScheduledRun(Run):
 
     def _batch(self, t, ids):
         cfg, log = self.cfg, self.log
-        hosts, idx = [], {}
-
-        def put(h):
-            if h not in idx:
-                idx[h] = len(hosts)
-                hosts.append(h)
-
-        put(self.server)
-        for a in self.aggs:
-            put(a)
+        # the batch's hosts: the server and its aggregators first (the same every batch), then
+        # the replica's, then the workers' machines in the order their updates are listed
+        hosts, idx = list(self._fixed_hosts), dict(self._fixed_idx)
         state = self.rstate
+        hostof, N = self.host, self.N
         if state is not None:
-            put(cfg.replica_host)
-            for a in self.raggs:
-                put(a)
-            for u in state.punted:
-                put(self.host[log.worker(u.id)])
-        for uid in ids:
-            put(self.host[log.worker(uid)])
-        net = self.view.network(hosts, t)
+            for h in [cfg.replica_host, *self.raggs,
+                      *(hostof[log.worker(u.id)] for u in state.punted)]:
+                if h not in idx:
+                    idx[h] = len(hosts)
+                    hosts.append(h)
         ups = []
+        size, version, ready, norm = self.size, log.version, log.ready, self.compute.norm
         for uid in ids:
-            w, i = divmod(uid, self.N)
-            ups.append(Update(uid, idx[self.host[w]], self.size, log.version[uid], log.ready[uid],
-                              self.compute.norm(w, i)))
+            w, i = divmod(uid, N)
+            h = hostof[w]
+            x = idx.get(h)
+            if x is None:
+                x = idx[h] = len(hosts)
+                hosts.append(h)
+            ups.append(_update(uid, x, size, version[uid], ready[uid], norm(w, i)))
+        net = self.view.network(hosts, t)
         iteration_end = self.sync and self.iter_left == len(ids)
         seed = cfg.seed * 1000003 + self.batches
         t0 = time.perf_counter()
-        plan, net = schedule(ups, net, idx[self.server], aggregators=[idx[a] for a in self.aggs],
+        plan, net = schedule(ups, net, idx[self.server], aggregators=self._agg_idx,
                              tau_max=self.tau_max, v_init=self.v_init, start=t, seed=seed,
                              mode=self.mode, momentum=self.momentum, after=self.planned_last)
         if state is not None:
@@ -244,6 +266,7 @@ class ScheduledRun(Run):
         the replica's frozen ones, and last the server transfer replication delayed (it was
         re-reserved after the replica's, §5.3); then apply, drop and tell the workers."""
         log, engine = self.log, self.engine
+        send = self._send
         rp = plan.replica
         delayed = rp.delayed if rp is not None else None
         first_hop, ends = {}, []
@@ -251,27 +274,29 @@ class ScheduledRun(Run):
             if tr is delayed:
                 ends.append(None)
                 continue
-            e = self._send(tr, hosts, tr.start)
+            e = send(tr, hosts, tr.start)
             first_hop[tr.ids[0]] = e
             ends.append(e)
         held = None  # (index in ends, start no earlier than) of the delayed aggregate
         for a in plan.aggregates:
             last = t
             for x in a.inbound:
-                e = self._send(x, hosts, x.start)
+                e = send(x, hosts, x.start)
                 first_hop[x.ids[0]] = e
-                last = max(last, e)
-            if a.transfer is delayed:
+                if e > last:  # max(last, e), keeping the first of equals
+                    last = e
+            tr = a.transfer
+            if tr is delayed:
                 held = (len(ends), last)
                 ends.append(None)
             else:
-                ends.append(self._send(a.transfer, hosts, max(a.transfer.start, last)))
+                ends.append(send(tr, hosts, max(tr.start, last)))
         self.server_bytes += plan.server_bytes
         if rp is not None:
             self._send_replica(t, rp, hosts)
         if delayed is not None:
             k, last = held if held is not None else (len(ends) - 1, t)
-            ends[k] = self._send(delayed, hosts, max(delayed.start, last))
+            ends[k] = send(delayed, hosts, max(delayed.start, last))
             if held is None:
                 first_hop[delayed.ids[0]] = ends[k]
         pos = {uid: p for p, uid in enumerate(plan.order, 1)}

@@ -11,11 +11,19 @@ The capacity trace is generated ahead in chunks of periods. A transfer's t_en is
 against trace that exists: if it would end past the generated horizon, the trace is extended and
 t_en recomputed before anything is reserved, so no reservation ever rests on an assumed rate.
 Breakpoints in the past are pruned (nothing is sent before "now"), which keeps t_en walks short.
+
+Fast paths (each gives bit-identical results; tests/test_sim.py holds them to the plain versions):
+send calls t_en and Profile.subtract of mlfabric.sched.network directly on the two links of the
+path; capacities(t) reads every link's capacity once per NIC-rate period for the monitor; trace
+extension finds the new breakpoints with numpy.
 """
 from bisect import bisect_right
 from math import inf
 
+import numpy as np
+
 from mlfabric.sched import Network
+from mlfabric.sched.network import t_en as path_t_en
 
 _CHUNK_PERIODS = 64
 
@@ -37,6 +45,8 @@ class TrueNetwork:
         self.net = Network(egress, ingress)
         self.touched = set()  # hosts whose links got reservations since the last prune
         self._trace_of = [self.trace_link(link) for link in range(2 * self.hosts)]
+        self._cap_period, self._cap_list = None, None  # capacities(): the period cached
+        self._varying = [(link, k) for link, k in enumerate(self._trace_of) if k is not None]
 
     # --- capacity (what the monitor measures) -----------------------------------------------------
     def trace_link(self, link):
@@ -53,10 +63,20 @@ class TrueNetwork:
 
     # --- transfers --------------------------------------------------------------------------------
     def send(self, src, dst, size, start):
-        """Execute a transfer: (end, segments), its capacity reserved on the true network."""
-        net = self.net
+        """Execute a transfer: (end, segments), its capacity reserved on the true network.
+
+        Network.send's arithmetic, called one level down: t_en over the path's two links, then
+        NetUp on each (Network.reserve's loop). The core is full-bisection here (no core links),
+        so a path is exactly (egress(src), ingress(dst)); this skips Network.path's per-call host
+        checks on hosts this module numbered itself. Same arithmetic, same order, same floats."""
+        if src == dst:  # Network.send: an empty path takes no network time
+            return start, ()
+        if not start >= 0:
+            raise ValueError("a transfer cannot start before time 0, got %r" % (start,))
+        links = self.net.links
+        path = (links[src], links[self.hosts + dst])
         while True:
-            end, segs = net.t_en(src, dst, size, start)
+            end, segs = path_t_en(path, size, start)
             if end == inf:
                 raise RuntimeError("no capacity from host %d to %d after t=%r: capacities must "
                                    "stay > 0" % (src, dst, start))
@@ -64,30 +84,56 @@ class TrueNetwork:
                 break
             self._extend(end)
         if segs:
-            net.reserve(src, dst, segs)
+            for p in path:
+                for s in segs:
+                    p.subtract(s.t0, s.t1, s.rate)
             self.touched.add(src)
             self.touched.add(dst)
         return end, segs
 
+    def capacities(self, t):
+        """Every link's true capacity at time t, as a list by link id (shared: do not modify).
+        The same numbers as capacity(link, t), read once per NIC-rate period."""
+        k = int(t // self.period) if t > 0 else 0
+        if k != self._cap_period:
+            # link ids: worker egress, fixed egress, worker ingress, fixed ingress (trace_link)
+            rates = self.trace.period_rates(k).tolist()
+            w, fixed = self.worker_hosts, [self.base_rate] * (self.hosts - self.worker_hosts)
+            self._cap_list = rates[:w] + fixed + rates[w:2 * w] + fixed
+            self._cap_period = k
+        return self._cap_list
+
     def _extend(self, until):
-        """Generate trace periods until the horizon passes `until` (plus a chunk)."""
+        """Generate trace periods until the horizon passes `until` (plus a chunk).
+
+        Per link, the first new period is added one link at a time (the link's last breakpoint
+        may sit exactly at the old horizon, where a reservation ended). Past it nothing is
+        reserved, so each later period adds a breakpoint exactly where its rate differs from the
+        period before: those are found for all links at once with numpy, and appended."""
         old = self._periods
         new = max(old + _CHUNK_PERIODS, int(until // self.period) + 1 + _CHUNK_PERIODS)
-        varying = [(link, self.trace_link(link)) for link in range(2 * self.hosts)
-                   if self.trace_link(link) is not None]
-        for j in range(old, new):
-            t0, rates = j * self.period, self.trace.period_rates(j).tolist()
-            for link, k in varying:
-                p, r = self.net.links[link], rates[k]
-                # past the horizon nothing is reserved: the residual there is the trace's last rate
-                if p.t[-1] == t0:
-                    p.v[-1] = r
-                    if len(p.v) > 1 and p.v[-2] == r:
-                        p.t.pop()
-                        p.v.pop()
-                elif p.v[-1] != r:
-                    p.t.append(t0)
-                    p.v.append(r)
+        links = self.net.links
+        rates = np.array([self.trace.period_rates(j) for j in range(old, new)])
+        first = rates[0].tolist()
+        t0 = old * self.period
+        for link, k in self._varying:
+            p, r = links[link], first[k]
+            if p.t[-1] == t0:
+                p.v[-1] = r
+                if len(p.v) > 1 and p.v[-2] == r:
+                    p.t.pop()
+                    p.v.pop()
+            elif p.v[-1] != r:
+                p.t.append(t0)
+                p.v.append(r)
+        if new - old > 1:
+            times = np.arange(old + 1, new, dtype=np.float64) * self.period
+            changed = rates[1:] != rates[:-1]
+            for link, k in self._varying:
+                at = changed[:, k]
+                if at.any():
+                    links[link].t.extend(times[at].tolist())
+                    links[link].v.extend(rates[1:, k][at].tolist())
         self._periods = new
         self.horizon = new * self.period
 
