@@ -23,13 +23,13 @@ Choices where the paper is silent:
 - The replica's copies leave the worker's daemon on the replica's schedule; the worker does not wait
   for them. Updates still punted when the run ends stay unreplicated (reported as the final lag).
 """
-import dataclasses
 import time
 from dataclasses import replace
 from math import ceil, inf
 
 from mlfabric.sched import Update, distribute, schedule
 from mlfabric.sched.network import t_en as path_t_en
+from mlfabric.sched.plan import is_plain_frozen
 
 from .accounts import Gate
 from .config import SCHEDULED
@@ -58,9 +58,7 @@ def _update(uid, worker, size, version, ready, norm):
     return u
 
 
-if not (dataclasses.is_dataclass(Update) and "__slots__" not in vars(Update)
-        and not hasattr(Update, "__post_init__")
-        and tuple(f.name for f in dataclasses.fields(Update)) == _UPDATE_FIELDS):
+if not is_plain_frozen(Update, _UPDATE_FIELDS):
     _update = Update  # noqa: F811
 
 
