@@ -232,3 +232,33 @@ def test_the_scheduler_and_simulator_start_no_mpi():
     code = ("import sys, mlfabric.sched, mlfabric.sim; "
             "sys.exit(1 if 'mpi4py.MPI' in sys.modules or 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(v_init=float("nan")), "v_init"),
+    (dict(tau_max=float("nan")), "tau_max"),
+    (dict(start=-1.0), "start"),
+    (dict(start=float("inf")), "start"),
+    (dict(after=float("nan")), "after"),
+    (dict(aggregators=[2, 2]), "distinct"),
+    (dict(aggregators=[True]), "host True"),
+    (dict(updates=[Update(0, 1, -1.0, 0)]), "size"),
+    (dict(updates=[Update(0, 1, float("nan"), 0)]), "size"),
+    (dict(updates=[Update(0, 1, 1.0, float("nan"))]), "version"),
+    (dict(updates=[Update(0, 1, 1.0, 0, ready=float("inf"))]), "ready"),
+])
+@pytest.mark.parametrize("engine", ["reference", "fast"])
+def test_bad_values_are_refused_by_every_engine(change, match, engine):
+    kw = dict(updates=[Update(0, 1, 1.0, 0)], network=Network.uniform(3, 1.0), server=0)
+    kw.update(change)
+    with pytest.raises(ValueError, match=match):
+        schedule(kw.pop("updates"), kw.pop("network"), kw.pop("server"), engine=engine, **kw)
+
+
+def test_numpy_hosts_are_hosts():
+    import numpy as np
+    nw = Network.uniform(3, 1.0)
+    plan, _ = schedule([Update(0, np.int64(1), 1.0, 0)], nw, np.int64(0), aggregators=[np.int64(2)])
+    assert plan.order == [0]
+    with pytest.raises(ValueError, match="twice"):
+        Network([1.0, 1.0], [1.0, 1.0], core=[1.0], paths={(1, 0): [0, 0]})

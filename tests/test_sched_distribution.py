@@ -174,3 +174,12 @@ def test_bad_arguments(args, kwargs, match):
     requests, server, size = args
     with pytest.raises(ValueError, match=match):
         distribute(requests, Network.uniform(4, gbps(10)), server, size, **kwargs)
+
+
+def test_a_server_link_that_dies_mid_batch_serves_whom_it_can():
+    # 1 B/s for one second, then dead: one of the two 1-byte models gets through
+    nw = Network([[(0.0, 1.0), (1.0, 0.0)], 1.0, 1.0], [1.0, 1.0, 1.0])
+    dist, after = distribute([1, 2], nw, 0, 1.0)
+    assert len(dist.deliveries) == 1 and len(dist.unserved) == 1
+    assert set(dist.deliveries) | set(dist.unserved) == {1, 2}
+    assert dist.makespan == 1.0

@@ -275,3 +275,14 @@ def test_duplicate_ids():
     ups = [ShardedUpdate(0, 2, (1e6, 1e6), 0), ShardedUpdate(0, 3, (1e6, 1e6), 0)]
     with pytest.raises(ValueError, match="unique"):
         schedule_sharded(ups, net, [0, 1])
+
+
+def test_a_server_link_that_dies_mid_batch_falls_back_to_the_orderings_transfers():
+    """Aggregating S2 first takes the worker's egress until S1's ingress has died; the batch then
+    keeps the ordering's transfers (feasible together) instead of failing."""
+    nw = Network([1.0, 1.0, 1.0], [1.0, [(0.0, 1.0), (1.0, 0.0)], 1.0])
+    sp, after = schedule_sharded([ShardedUpdate(0, 0, (1.0, 2.0), version=0)], nw, [1, 2])
+    assert sp.order == [0] and not sp.dropped
+    assert [p.direct[0].end for p in sp.plans] == [1.0, 3.0]
+    check_capacity(nw, sp.transfers())
+    assert ShardedUpdate(1, 0, (1.0,), version=0).norms == (inf,)

@@ -283,6 +283,16 @@ def distribute(requests, network, server, model_size, *, distributors=(), start=
         unserved += [w for w in order if w not in direct_only]
         order = direct_only
         best, runs = best_case(order)
+    if runs[best][0] == inf:
+        # A link with capacity for a while only (a NIC that dies mid-batch) can serve some of the
+        # requesters, not all: serve directly, in order, those it still can (a requester that gets
+        # no capacity reserves none, so the others' sends are unchanged) and list the rest.
+        trial, served = network.copy(), []
+        for w in order:
+            end, _ = trial.send(server, w, model_size, start)
+            (served if end < inf else unserved).append(w)
+        order = served
+        best, runs = best_case(order)
     _, direct, relays, nw = runs[best]
     deliveries = {}
     for r in relays:

@@ -14,6 +14,7 @@ same arithmetic in C++; tests hold the two to identical results.
 from bisect import bisect_right
 from dataclasses import dataclass
 from math import inf
+from numbers import Integral
 
 GBPS = 1e9 / 8  # bytes per second in one Gbit/s
 
@@ -161,6 +162,8 @@ class Network:
             for c in via:
                 if not 0 <= c < len(core):
                     raise ValueError("path %r uses core link %r; there are %d" % ((a, b), c, len(core)))
+            if len(set(via)) != len(via):  # it would be reserved twice for one transfer
+                raise ValueError("path %r lists a core link twice: %r" % ((a, b), list(via)))
             self._core_paths[(a, b)] = tuple(2 * self.hosts + c for c in via)
 
     @classmethod
@@ -169,7 +172,7 @@ class Network:
         return cls([rate] * hosts, [rate] * hosts)
 
     def _check_host(self, h):
-        if not (isinstance(h, int) and 0 <= h < self.hosts):
+        if isinstance(h, bool) or not (isinstance(h, Integral) and 0 <= h < self.hosts):
             raise ValueError("host %r is not in this network (0..%d)" % (h, self.hosts - 1))
 
     def copy(self):

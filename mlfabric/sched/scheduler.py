@@ -14,7 +14,7 @@ side-by-side). Tests hold all three to bit-identical plans. 'auto' takes 'fast' 
 The server applies in the order's sequence: a commit happens at max(arrival, previous commit), so
 an update that arrives before its predecessor waits (Plan.server_wait reports how long, in total).
 """
-from math import inf
+from math import inf, isfinite
 
 from . import aggregation, fast, ordering
 from .plan import Commit, Plan
@@ -36,6 +36,34 @@ def commits_of(direct, aggregates, after):
     return out
 
 
+def _check_batch(updates, network, server, aggregators, tau_max, v_init, start, after):
+    """Refuse, with the value named, what would make a plan silently wrong: an update that is
+    neither applied nor dropped (a NaN deadline), a negative delay, transfers at NaN times."""
+    if not tau_max >= 0:
+        raise ValueError("tau_max must be >= 0, got %r" % (tau_max,))
+    if not isfinite(v_init):
+        raise ValueError("v_init must be a finite model version, got %r" % (v_init,))
+    if not (isfinite(start) and start >= 0):
+        raise ValueError("start must be a finite time >= 0, got %r" % (start,))
+    if after is not None and not (isfinite(after) and after >= 0):
+        raise ValueError("after must be a finite time >= 0, got %r" % (after,))
+    network._check_host(server)
+    for a in aggregators:
+        network._check_host(a)
+    if len(set(aggregators)) != len(aggregators):
+        raise ValueError("aggregators must be distinct hosts, got %r" % (list(aggregators),))
+    for u in updates:
+        network._check_host(u.worker)
+        if not (isfinite(u.size) and u.size >= 0):
+            raise ValueError("update %r: size must be finite and >= 0, got %r" % (u.id, u.size))
+        if not (isfinite(u.ready) and u.ready >= 0):
+            raise ValueError("update %r: ready must be a finite time >= 0, got %r"
+                             % (u.id, u.ready))
+        if not isfinite(u.version):  # a NaN deadline would leave it neither applied nor dropped
+            raise ValueError("update %r: version must be a finite model version, got %r"
+                             % (u.id, u.version))
+
+
 def schedule(updates, network, server, *, aggregators=(), tau_max=inf, v_init=0, start=0.0,
              seed=0, mode="async", momentum=False, after=None, engine="auto", timings=None):
     """Plan one batch of `updates` (a list of Update) to `server` on `network` (not modified).
@@ -49,8 +77,7 @@ def schedule(updates, network, server, *, aggregators=(), tau_max=inf, v_init=0,
         raise ValueError("mode must be one of %s, got %r" % (", ".join(MODES), mode))
     if engine not in ENGINES:
         raise ValueError("engine must be one of %s, got %r" % (", ".join(ENGINES), engine))
-    if not tau_max >= 0:
-        raise ValueError("tau_max must be >= 0, got %r" % (tau_max,))
+    _check_batch(updates, network, server, aggregators, tau_max, v_init, start, after)
     if mode != "async":
         tau_max = inf
     aggs = aggregation.group_order([a for a in aggregators if a != server], seed)

@@ -39,7 +39,8 @@ from .scheduler import MODES, commits_of
 class ShardedUpdate:
     """A worker's update to a sharded model: `sizes[j]` bytes for the j-th server (in the order the
     servers are given to the scheduler), computed from model `version`, ready at `ready`; `norms[j]`
-    is the L2 norm of the j-th component (None: unknown, taken as 0)."""
+    is the L2 norm of the j-th component (None: unknown, taken as inf like Update.norm, so a
+    divergence bound assumes the worst)."""
     id: int
     worker: int
     sizes: tuple
@@ -59,7 +60,7 @@ class ShardedUpdate:
             if not (s >= 0 and isfinite(s)):
                 raise ValueError("update %r: component sizes must be finite and >= 0, got %r"
                                  % (self.id, s))
-        norms = (0.0,) * len(sizes) if self.norms is None else tuple(float(n) for n in self.norms)
+        norms = (inf,) * len(sizes) if self.norms is None else tuple(float(n) for n in self.norms)
         if len(norms) != len(sizes):
             raise ValueError("update %r: %d norms for %d components"
                              % (self.id, len(norms), len(sizes)))
@@ -279,6 +280,13 @@ class ShardedPlan:
         return "\n".join(lines)
 
 
+def _server_plan(server, v_init, tau_max, comps, o, direct, aggregates, start):
+    plan = Plan(server=server, v_init=v_init, tau_max=tau_max, updates=comps, order=list(o.order),
+                dropped=dict(o.dropped), direct=direct, aggregates=aggregates, start=start)
+    plan.commits = commits_of(direct, aggregates, start)
+    return plan
+
+
 def schedule_sharded(updates, network, servers, *, aggregators=(), tau_max=inf, v_init=0,
                      start=0.0, seed=0, mode="async"):
     """Plan one batch of ShardedUpdates to `servers` (S_1..S_m; update j-th sizes go to the j-th)
@@ -308,17 +316,23 @@ def schedule_sharded(updates, network, servers, *, aggregators=(), tau_max=inf, 
 
     nw = network
     plans = [None] * len(servers)
-    for j in agg_order:
-        s = servers[j]
-        aggs = aggregation.group_order(per_aggs[s], seed + j)
-        g = aggregation.aggregate(o.order, comps[j], nw, s, aggs, start=start)
-        plan = Plan(server=s, v_init=v_init, tau_max=tau_max, updates=comps[j],
-                    order=list(o.order),
-                    dropped=dict(o.dropped), direct=g.direct, aggregates=g.aggregates,
-                    start=start)
-        plan.commits = commits_of(g.direct, g.aggregates, start)
-        plans[j] = plan
-        nw = g.network
+    try:
+        for j in agg_order:
+            s = servers[j]
+            aggs = aggregation.group_order(per_aggs[s], seed + j)
+            g = aggregation.aggregate(o.order, comps[j], nw, s, aggs, start=start)
+            plans[j] = _server_plan(s, v_init, tau_max, comps[j], o, g.direct, g.aggregates, start)
+            nw = g.network
+    except ValueError:
+        # Aggregating one server after another can leave a later server's components no capacity
+        # that the ordering, reserving each update's components together, still had (a link that
+        # dies mid-batch). Then the batch keeps the ordering's own transfers, with no aggregation:
+        # they are feasible together by construction.
+        agg_order = list(range(len(servers)))
+        for j, s in enumerate(servers):
+            direct = [o.transfers[uid][j] for uid in o.order]
+            plans[j] = _server_plan(s, v_init, tau_max, comps[j], o, direct, [], start)
+        nw = o.network
     sp = ShardedPlan(servers, v_init, tau_max, by_id, list(o.order), dict(o.dropped), plans,
                      tuple(servers[j] for j in agg_order), start)
     return sp, nw
