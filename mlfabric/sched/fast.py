@@ -63,7 +63,7 @@ def plan_parts(updates, network, server, aggs, *, tau_max=inf, v_init=0, start=0
     up aggregated). `timings`: a dict that receives the seconds spent reading the input, in Alg. 2
     and Alg. 3 (C++), in the rest of the native call (copies, export) and building the result."""
     res, batch = _native(updates, network, server, aggs, tau_max, v_init, start, agg_scale,
-                         plain, False)
+                         plain, False, checked=True)  # only scheduler.schedule calls this
     t0 = time.perf_counter()
     o = res.ordering(every_transfer=False)
     g = res.grouping(o.transfers)
@@ -80,14 +80,16 @@ def plan_parts(updates, network, server, aggs, *, tau_max=inf, v_init=0, start=0
 class _Batch:
     """The batch as per-update lists in ascending id order (the reference's tie-break order)."""
 
-    def __init__(self, updates, network, server, aggs, tau_max, v_init, start):
+    def __init__(self, updates, network, server, aggs, tau_max, v_init, start, checked=False):
+        """checked: scheduler.schedule has already refused bad values (its _check_batch), so
+        only what this class computes is left to do."""
         if not isinstance(network, Network):
             raise ValueError("network must be a mlfabric.sched.Network, got %s"
                              % type(network).__name__)
         if not tau_max >= 0:
             raise ValueError("tau_max must be >= 0, got %r" % (tau_max,))
         hosts = network.hosts
-        for h in [server, *aggs]:
+        for h in [] if checked else [server, *aggs]:
             if not (isinstance(h, int) and 0 <= h < hosts):
                 network._check_host(h)  # raises the reference's error
         if server in aggs:
@@ -99,13 +101,13 @@ class _Batch:
         self.ids = sorted(by_id)
         ups = [by_id[i] for i in self.ids]
         self.worker = [u.worker for u in ups]
-        for w in self.worker:
+        for w in () if checked else self.worker:
             if not (isinstance(w, int) and 0 <= w < hosts):
                 network._check_host(w)
         self.size = [u.size for u in ups]
         self.send_at = [max(u.ready, start) for u in ups]  # Python's max, as the reference's
         self.deadline = [deadline(u, tau_max, v_init) for u in ups]
-        for u, s, d in zip(ups, self.send_at, self.deadline):
+        for u, s, d in () if checked else zip(ups, self.send_at, self.deadline):
             if not s >= 0:
                 raise ValueError("update %r: its send time max(ready, start) must be >= 0, got %r"
                                  % (u.id, s))
@@ -115,7 +117,7 @@ class _Batch:
 
 
 def _native(updates, network, server, aggs, tau_max, v_init, start, agg_scale, plain,
-            order_network):
+            order_network, checked=False):
     if _run is None:
         raise RuntimeError("mlfabric was built without the scheduler's fast path "
                            "(mlfabric._C.sched_run); use mlfabric.sched.schedule")
@@ -123,7 +125,7 @@ def _native(updates, network, server, aggs, tau_max, v_init, start, agg_scale, p
         raise ValueError("agg_scale must be >= 1, got %r" % (agg_scale,))
     t0 = time.perf_counter()
     aggs = list(aggs)
-    batch = _Batch(updates, network, server, aggs, tau_max, v_init, start)
+    batch = _Batch(updates, network, server, aggs, tau_max, v_init, start, checked)
     links = network.links
     link_t, link_v = [p.t for p in links], [p.v for p in links]
     t1 = time.perf_counter()

@@ -52,16 +52,23 @@ def _check_batch(updates, network, server, aggregators, tau_max, v_init, start, 
         network._check_host(a)
     if len(set(aggregators)) != len(aggregators):
         raise ValueError("aggregators must be distinct hosts, got %r" % (list(aggregators),))
-    for u in updates:
-        network._check_host(u.worker)
-        if not (isfinite(u.size) and u.size >= 0):
-            raise ValueError("update %r: size must be finite and >= 0, got %r" % (u.id, u.size))
-        if not (isfinite(u.ready) and u.ready >= 0):
-            raise ValueError("update %r: ready must be a finite time >= 0, got %r"
-                             % (u.id, u.ready))
-        if not isfinite(u.version):  # a NaN deadline would leave it neither applied nor dropped
-            raise ValueError("update %r: version must be a finite model version, got %r"
-                             % (u.id, u.version))
+    hosts = network.hosts
+    for u in updates:  # one cheap test per update; the detail only when it fails
+        w = u.worker
+        if not (type(w) is int and 0 <= w < hosts and 0 <= u.size < inf and 0 <= u.ready < inf
+                and -inf < u.version < inf):
+            _refuse_update(u, network)
+
+
+def _refuse_update(u, network):
+    network._check_host(u.worker)
+    if not (isfinite(u.size) and u.size >= 0):
+        raise ValueError("update %r: size must be finite and >= 0, got %r" % (u.id, u.size))
+    if not (isfinite(u.ready) and u.ready >= 0):
+        raise ValueError("update %r: ready must be a finite time >= 0, got %r" % (u.id, u.ready))
+    if not isfinite(u.version):  # a NaN deadline would leave it neither applied nor dropped
+        raise ValueError("update %r: version must be a finite model version, got %r"
+                         % (u.id, u.version))
 
 
 def schedule(updates, network, server, *, aggregators=(), tau_max=inf, v_init=0, start=0.0,
