@@ -1,5 +1,6 @@
 // bind_sched.cc — Python binding of the scheduler's fast path (sched_fast.h) as
-// mlfabric._C.sched_run.
+// mlfabric._C.sched_run, and of the one-transfer sends of sched_send.cc (send_t_en, send_path,
+// send_subtract).
 // mlfabric/sched/fast.py hands over the network's links and the batch as plain Python lists;
 // they are read into C++ structures with the GIL held, Alg. 2 and Alg. 3 run with the GIL
 // released, and the results come back as flat lists that fast.py turns into the Python objects.
@@ -172,7 +173,12 @@ py::dict sched_run(int hosts, const py::list& link_t, const py::list& link_v,
   out["agg_count"] = to_int_list(g.agg_count);
   export_table(out, "in", g.inbound);
   export_table(out, "at", g.agg_transfer);
-  export_network(out, "g_net", g.network);
+  // The network after the plan stays in C++ until asked for (sched_network_lists): a caller
+  // that never reads it (the simulator without a replica) never pays for ~2 lists per link.
+  auto* after = new std::vector<sched::Profile>(std::move(g.network.links));
+  out["g_net"] = py::capsule(after, [](void* p) {
+    delete static_cast<std::vector<sched::Profile>*>(p);
+  });
   out["seconds_order"] = s_order;
   out["seconds_aggregate"] = s_aggregate;
   return out;
@@ -180,7 +186,24 @@ py::dict sched_run(int hosts, const py::list& link_t, const py::list& link_v,
 
 }  // namespace
 
+// sched_run's g_net: the links' (times, values) lists of the network after the plan.
+py::tuple sched_network_lists(const py::capsule& links) {
+  const auto* v = links.get_pointer<std::vector<sched::Profile>>();
+  py::list t(v->size()), r(v->size());
+  for (size_t k = 0; k < v->size(); ++k) {
+    t[k] = to_list((*v)[k].t);
+    r[k] = to_list((*v)[k].v);
+  }
+  return py::make_tuple(t, r);
+}
+
+void bind_sched_send(py::module_& m);  // sched_send.cc: t_en and NetUp on Profiles' lists
+
 void bind_sched(py::module_& m) {
+  bind_sched_send(m);
+  m.def("sched_network_lists", &sched_network_lists, py::arg("g_net"),
+        "The (times, values) lists of every link of sched_run's g_net (the network after the "
+        "plan), built on request.");
   m.def("sched_run", &sched_run, py::arg("hosts"), py::arg("link_t"), py::arg("link_v"),
         py::arg("core_paths"), py::arg("server"), py::arg("start"), py::arg("worker"),
         py::arg("size"), py::arg("send_at"), py::arg("deadline"), py::arg("aggs"),

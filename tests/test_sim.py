@@ -24,6 +24,8 @@ from mlfabric.sim.baselines import FairShareRun
 from mlfabric.sim.buffering import BufferingServer
 from mlfabric.sim.cli import main as cli_main
 from mlfabric.sim.fairshare import StarShare, max_min_rates
+from mlfabric.sched.network import t_en as path_t_en
+from mlfabric.sim import monitor
 from mlfabric.sim.monitor import SchedulerView
 from mlfabric.sim.presets import RATES_GBPS
 from mlfabric.sim.scheduled import ScheduledRun
@@ -505,6 +507,10 @@ def test_true_network_send_is_network_send_and_extension_is_the_trace(data):
         t += gap
         plan.append((src, dst, size, t))
     done = [truth.send(*x) for x in plan]
+    other = TrueNetwork(tr, 3, 1, 100.0)  # send_end: the same ends, the same links
+    assert [other.send_end(*x) for x in plan] == [e for e, _ in done]
+    assert ([_profile_steps(p) for p in other.net.links]
+            == [_profile_steps(p) for p in truth.net.links])
     until = truth.horizon
     egress = [tr.steps(h, until - 0.5) for h in range(3)] + [[(0.0, 100.0)]]
     ingress = [tr.steps(3 + h, until - 0.5) for h in range(3)] + [[(0.0, 100.0)]]
@@ -580,3 +586,72 @@ def test_engine_without_sources_runs_events_in_the_same_order():
         return seen, eng.events, eng.now
 
     assert trace(False) == trace(True)
+
+
+@pytest.mark.skipif(monitor._book_add is None, reason="mlfabric._C without book_add")
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.sampled_from([0.0, 0.25, 0.5, 1.0, 2.0, 3.5]),
+                                   st.sampled_from([0.0, 0.25, 1.0, 2.0, math.inf]),
+                                   st.sampled_from([0.0, 10.0, 25.0, 0.1, 60.0])),
+                         max_size=4), min_size=1, max_size=10),
+       st.sampled_from([0.0, 30.0, 100.0]))
+def test_native_book_and_view_are_the_python_bit_for_bit(bookings, r):
+    """The view's booking (Book.add per segment) and its residual Profile, in C++ on the book's
+    lists, against the Python: the same lists, float for float."""
+    fast, slow = monitor.Book(), monitor.Book()
+    for segs in bookings:
+        segs = [Segment(t0, t0 + d, rate) for t0, d, rate in segs]
+        assert monitor._book_add(fast.t, fast.v, segs) == len(segs)
+        for s in segs:
+            slow.add(s.t0, s.t1, s.rate)
+        assert [x.hex() for x in fast.t] == [x.hex() for x in slow.t]
+        assert [x.hex() for x in fast.v] == [x.hex() for x in slow.v]
+    for k in range(len(slow.t)):
+        t, v = monitor._view_residual(slow.t, slow.v, k, r)
+        ref = Profile([(0.0, max(0.0, r - slow.v[k]))]
+                      + [(slow.t[j], max(0.0, r - slow.v[j])) for j in range(k + 1, len(slow.t))])
+        assert [x.hex() for x in t] == [x.hex() for x in ref.t]
+        assert [x.hex() for x in v] == [x.hex() for x in ref.v]
+
+
+@pytest.mark.skipif(monitor._view_links is None, reason="mlfabric._C without view_links")
+@settings(max_examples=30, deadline=None)
+@given(st.data())
+def test_native_view_network_is_the_python_loop(data):
+    """SchedulerView.network's per-link loop in C++ against the Python loop: the same Profiles
+    (float for float) and the same cache reuse, batch after batch."""
+    seed = data.draw(st.integers(0, 20))
+    views = [SchedulerView(TrueNetwork(NicTrace("N3", 6, 100.0, period=1.0, seed=seed), 3, 1,
+                                       100.0), 0.3) for _ in range(2)]
+    now, seen = 0.0, [[], []]
+    for _ in range(data.draw(st.integers(1, 10))):
+        now += data.draw(st.sampled_from([0.0, 0.05, 0.4, 1.3]))
+        src, dst = data.draw(st.integers(0, 3)), data.draw(st.integers(0, 3))
+        t0 = now + data.draw(st.floats(0.0, 2.0))
+        segs = [Segment(t0, t0 + d, 25.0) for d in data.draw(st.lists(
+            st.sampled_from([0.25, 1.0]), max_size=2))]
+        hosts = data.draw(st.permutations([0, 1, 2, 3]))
+        prune = data.draw(st.booleans())
+        for i, view in enumerate(views):
+            view.book(src, dst, segs)
+            if prune:
+                view.prune(now)
+            if i == 1:
+                mp = pytest.MonkeyPatch()
+                mp.setattr(monitor, "_view_links", None)
+            try:
+                nw = view.network(hosts, now)
+            finally:
+                if i == 1:
+                    mp.undo()
+            seen[i].append([([x.hex() for x in p.t], [x.hex() for x in p.v]) for p in nw.links])
+            # a pull's walk on the view's residuals, in C++ on the books, against the Python
+            size = data.draw(st.sampled_from([0.0, 10.0, 60.0, 400.0]))
+            at = now + data.draw(st.sampled_from([0.0, 0.3, 2.0]))
+            end, walked = view.t_en((src, 4 + dst), now, size, at)
+            ref = path_t_en(view.residuals((src, 4 + dst), now), size, at)
+            assert (end.hex(), walked) == (ref[0].hex(), ref[1])
+            seen[i].append([id(p) for p in nw.links] == [id(c[3]) for c in
+                                                          (view._cache[k] for k in
+                                                           [*hosts, *[4 + h for h in hosts]])])
+    assert seen[0] == seen[1]

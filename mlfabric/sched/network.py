@@ -10,11 +10,24 @@ host) takes no network time.
 
 This module is the plain reference: Python lists, no cleverness. `mlfabric.sched.fast` runs the
 same arithmetic in C++; tests hold the two to identical results.
+
+One-transfer accelerator: when mlfabric._C is built, t_en, Profile.subtract and send_path run in
+C++ (csrc/sched_send.cc) directly on the Profiles' lists: the same operations in the same order,
+so the same floats and the same lists (tests/test_sched_send.py holds them bit for bit to the
+Python below, which is what runs without the native part, or with MLFABRIC_SCHED_PYTHON=1).
 """
+import os
 from bisect import bisect_right
 from dataclasses import dataclass
 from math import inf
 from numbers import Integral
+
+try:
+    from .._C import send_path as _send_path, send_subtract as _subtract, send_t_en as _t_en
+except ImportError:  # a build without the native part: the Python below does it all
+    _send_path = _subtract = _t_en = None
+if os.environ.get("MLFABRIC_SCHED_PYTHON"):
+    _send_path = _subtract = _t_en = None
 
 GBPS = 1e9 / 8  # bytes per second in one Gbit/s
 
@@ -70,6 +83,13 @@ class Profile:
         """Take `rate` off the value over [t0, t1)."""
         if not t1 > t0 or rate == 0:
             return
+        if _subtract is not None and t0 >= 0:
+            _subtract(self.t, self.v, t0, t1, rate)
+            return
+        self._subtract(t0, t1, rate)
+
+    def _subtract(self, t0, t1, rate):
+        """subtract() in Python (the reference of csrc/sched_send.cc)."""
         a = self._split(t0)
         b = self._split(t1) if t1 < inf else len(self.t)
         for k in range(a, b):
@@ -107,12 +127,38 @@ class Segment:
     rate: float
 
 
+_new, _setattr = object.__new__, object.__setattr__
+
+
+def segments_from_flat(flat):
+    """Segments from a flat [t0, t1, rate, ...] (the native part's form), built by filling the instance
+    dict (Segment is the plain frozen dataclass above: its __init__ costs an object.__setattr__
+    per field, and the simulator builds millions)."""
+    out = []
+    for i in range(0, len(flat), 3):
+        s = _new(Segment)
+        _setattr(s, "__dict__", {"t0": flat[i], "t1": flat[i + 1], "rate": flat[i + 2]})
+        out.append(s)
+    return tuple(out)
+
+
 def t_en(profiles, size, start):
     """Completion time of `size` bytes starting at `start` over links with these residual profiles,
     taking the whole residual bottleneck rate min_l r_l(t) at every instant (Fig. 4b). Returns
     (end, segments); end is inf (segments None) when the path never has capacity again."""
     if size <= 0 or not profiles:
         return start, ()
+    if _t_en is not None and start >= 0 and len(profiles) <= 16:
+        try:
+            end, flat = _t_en(profiles, size, start)
+        except (TypeError, ValueError):  # not Profile-like lists: the Python walk says what
+            return _t_en_python(profiles, size, start)
+        return end, (None if flat is None else segments_from_flat(flat))
+    return _t_en_python(profiles, size, start)
+
+
+def _t_en_python(profiles, size, start):
+    """t_en in Python (the reference of csrc/sched_send.cc)."""
     idx = [bisect_right(p.t, start) - 1 for p in profiles]
     t = start
     left = size
@@ -138,6 +184,30 @@ def t_en(profiles, size, start):
         for j, p in enumerate(profiles):
             if idx[j] + 1 < len(p.t) and p.t[idx[j] + 1] == nxt:
                 idx[j] += 1
+
+
+def send_path(profiles, size, start, limit=inf, segments=True):
+    """t_en over these links, then NetUp on each of them (per link, per segment, as
+    Network.reserve), unless the transfer would end after `limit`: then nothing is reserved.
+    Returns (end, segments); segments is None when nothing was reserved (end > limit, or end is
+    inf: the path never has capacity again). segments=False: (end, None) always, the Segment
+    objects not built (a caller that only needs the end). start must be >= 0."""
+    if not start >= 0:
+        raise ValueError("a transfer cannot start before time 0, got %r" % (start,))
+    if size <= 0 or not profiles:
+        return start, (() if segments else None)
+    if _send_path is not None and len(profiles) <= 16:
+        end, flat = _send_path(profiles, size, start, limit)
+        if flat is None or not segments:
+            return end, None
+        return end, segments_from_flat(flat)
+    end, segs = _t_en_python(profiles, size, start)
+    if end == inf or end > limit:
+        return end, None
+    for p in profiles:
+        for s in segs:
+            p.subtract(s.t0, s.t1, s.rate)
+    return end, (segs if segments else None)
 
 
 class Network:

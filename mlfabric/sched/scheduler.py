@@ -17,10 +17,30 @@ an update that arrives before its predecessor waits (Plan.server_wait reports ho
 from math import inf, isfinite
 
 from . import aggregation, fast, ordering
-from .plan import Commit, Plan
+from .plan import Commit, Plan, is_plain_frozen
+
+try:
+    from .._C import shuffle_seeded as _shuffle_seeded
+except ImportError:  # a build without the native part
+    _shuffle_seeded = None
 
 MODES = ("async", "ssp", "sync")
 ENGINES = ("auto", "fast", "plain", "reference")
+
+
+_new, _setattr = object.__new__, object.__setattr__
+
+
+def _commit(time, ids, via):
+    """Commit(time, ids, via), built by filling the instance dict (plan.is_plain_frozen): a frozen
+    dataclass's __init__ pays an object.__setattr__ per field, and small batches are common."""
+    c = _new(Commit)
+    _setattr(c, "__dict__", {"time": time, "ids": ids, "via": via})
+    return c
+
+
+if not is_plain_frozen(Commit, ("time", "ids", "via")):
+    _commit = Commit  # noqa: F811
 
 
 def commits_of(direct, aggregates, after):
@@ -29,11 +49,38 @@ def commits_of(direct, aggregates, after):
     out, last = [], after
     for t in direct:
         last = max(last, t.end)
-        out.append(Commit(last, t.ids, t.src))
+        out.append(_commit(last, t.ids, t.src))
     for a in aggregates:
         last = max(last, a.transfer.end)
-        out.append(Commit(last, tuple(a.members), a.aggregator))
+        out.append(_commit(last, tuple(a.members), a.aggregator))
     return out
+
+
+def _group_order(aggregators, seed):
+    """aggregation.group_order(aggregators, seed) — random.Random(seed).shuffle's permutation —
+    computed in C++ (csrc/sched_send.cc) for int seeds below 2**64: the same Mersenne Twister and
+    the same draws, without a Random object and a Python loop per batch (~5 us, as much as Alg. 2
+    and Alg. 3 take on a typical small batch)."""
+    if _shuffle_seeded is not None and type(seed) is int and -_SEED_LIMIT < seed < _SEED_LIMIT:
+        return _shuffle_seeded(aggregators, -seed if seed < 0 else seed)
+    return aggregation.group_order(aggregators, seed)
+
+
+_SEED_LIMIT = 2 ** 64
+
+
+def _native_shuffle_agrees():
+    """The native permutation assumes CPython's random (Mersenne Twister, shuffle through
+    _randbelow_with_getrandbits); checked once against this interpreter's random module."""
+    for n, seed in ((2, 0), (4, 1), (5, 12345), (9, 2 ** 32 - 1), (7, 2 ** 32 + 5),
+                    (16, 2 ** 64 - 1), (33, 1000003 * 7 + 11)):
+        if _shuffle_seeded(range(n), seed) != aggregation.group_order(range(n), seed):
+            return False
+    return True
+
+
+if _shuffle_seeded is not None and not _native_shuffle_agrees():
+    _shuffle_seeded = None
 
 
 def _check_batch(updates, network, server, aggregators, tau_max, v_init, start, after):
@@ -47,12 +94,12 @@ def _check_batch(updates, network, server, aggregators, tau_max, v_init, start, 
         raise ValueError("start must be a finite time >= 0, got %r" % (start,))
     if after is not None and not (isfinite(after) and after >= 0):
         raise ValueError("after must be a finite time >= 0, got %r" % (after,))
-    network._check_host(server)
-    for a in aggregators:
-        network._check_host(a)
+    hosts = network.hosts
+    for h in (server, *aggregators):  # a plain int in range passes; the rest gets the detail
+        if not (type(h) is int and 0 <= h < hosts):
+            network._check_host(h)
     if len(set(aggregators)) != len(aggregators):
         raise ValueError("aggregators must be distinct hosts, got %r" % (list(aggregators),))
-    hosts = network.hosts
     for u in updates:  # one cheap test per update; the detail only when it fails
         w = u.worker
         if not (type(w) is int and 0 <= w < hosts and 0 <= u.size < inf and 0 <= u.ready < inf
@@ -87,7 +134,7 @@ def schedule(updates, network, server, *, aggregators=(), tau_max=inf, v_init=0,
     _check_batch(updates, network, server, aggregators, tau_max, v_init, start, after)
     if mode != "async":
         tau_max = inf
-    aggs = aggregation.group_order([a for a in aggregators if a != server], seed)
+    aggs = _group_order([a for a in aggregators if a != server], seed)
     # a sync iteration is one momentum step whatever the grouping, so its sums stay plain
     momentum = bool(momentum) and mode != "sync"
     agg_scale = 2.0 if momentum else 1.0

@@ -14,7 +14,8 @@ Choices where the paper is silent:
   transfer's path is its two endpoints' NICs, so this is the same problem schedule() would see on
   the whole network, at a cost that does not grow with the number of idle hosts.
 
-Cost (the view is built for every batch, ~13 links): each link's view Profile is cached and rebuilt
+Cost (the view is built for every batch, ~13 links; booking and rebuilding a link's view run in
+C++ on the same lists when mlfabric._C has them, csrc/sched_send.cc, else in the Python below): each link's view Profile is cached and rebuilt
 only when its book, its book entry at "now" or its report changed; the network handed to
 schedule() holds the cached Profiles themselves, not copies (schedule, replicate and distribute
 never modify the network they are given; tests/test_sim.py checks it), and reports are read once
@@ -24,6 +25,13 @@ from bisect import bisect_right
 from math import inf
 
 from mlfabric.sched import Network, Profile
+from mlfabric.sched.network import segments_from_flat, t_en as path_t_en
+
+try:  # the book's and the view's hot loops on the same lists, in C++ (csrc/sched_send.cc)
+    from mlfabric._C import (book_add as _book_add, book_t_en as _book_t_en,
+                             view_links as _view_links, view_residual as _view_residual)
+except ImportError:  # a build without them: the Python below
+    _book_add = _book_t_en = _view_links = _view_residual = None
 
 
 class Book:
@@ -132,16 +140,19 @@ class SchedulerView:
         clipped at 0 (a link booked past what the monitor now reports has nothing left), with
         equal neighbours merged as a Profile keeps them."""
         bt, bv = b.t, b.v
-        x = bv[k]
-        last = r - x if r > x else 0.0
-        t, v = [0.0], [last]
-        for j in range(k + 1, len(bt)):
-            x = bv[j]
-            x = r - x if r > x else 0.0
-            if x != last:
-                t.append(bt[j])
-                v.append(x)
-                last = x
+        if _view_residual is not None:
+            t, v = _view_residual(bt, bv, k, r)
+        else:
+            x = bv[k]
+            last = r - x if r > x else 0.0
+            t, v = [0.0], [last]
+            for j in range(k + 1, len(bt)):
+                x = bv[j]
+                x = r - x if r > x else 0.0
+                if x != last:
+                    t.append(bt[j])
+                    v.append(x)
+                    last = x
         p = _new_profile(_Profile)
         p.t = t
         p.v = v
@@ -167,6 +178,16 @@ class SchedulerView:
             out.append(x)
         return out
 
+    def t_en(self, links, now, size, start):
+        """mlfabric.sched.network.t_en(residuals(links, now), size, start): (end, segments), in
+        C++ on the books' lists when built (the residual lists are never made)."""
+        if _book_t_en is None or not start >= 0:
+            return path_t_en(self.residuals(links, now), size, start)
+        caps, booked = self.truth.capacities(now - self.t_lag), self.booked
+        end, flat = _book_t_en([(booked[k].t, booked[k].v, caps[k]) for k in links], now, size,
+                               start)
+        return end, (None if flat is None else segments_from_flat(flat))
+
     def network(self, hosts, now):
         """The scheduler's view of `hosts` (global ids), renumbered in the order given.
 
@@ -179,17 +200,21 @@ class SchedulerView:
             template = self._templates[m] = Network([0.0] * m, [0.0] * m)
         caps = self.truth.capacities(now - self.t_lag)
         booked, cache = self.booked, self._cache
-        links = []
-        for link in [*hosts, *[n + h for h in hosts]]:
-            # _profile's cache check inlined (this loop runs for every link of every batch)
-            r = caps[link]
-            b = booked[link]
-            k = bisect_right(b.t, now) - 1
-            got = cache[link]
-            if got is not None and got[0] == b.version and got[1] == k and got[2] == r:
-                links.append(got[3])
-            else:
-                links.append(self._build(link, b, k, r))
+        ids = [*hosts, *[n + h for h in hosts]]
+        if _view_links is not None:  # the loop below, in C++
+            links = _view_links(ids, caps, booked, cache, now, _Profile)
+        else:
+            links = []
+            for link in ids:
+                # _profile's cache check inlined (this loop runs for every link of every batch)
+                r = caps[link]
+                b = booked[link]
+                k = bisect_right(b.t, now) - 1
+                got = cache[link]
+                if got is not None and got[0] == b.version and got[1] == k and got[2] == r:
+                    links.append(got[3])
+                else:
+                    links.append(self._build(link, b, k, r))
         net = _new_network(Network)
         net.__dict__.update(template.__dict__)  # hosts and (no) core paths: a shallow copy
         net.links = links
@@ -201,9 +226,14 @@ class SchedulerView:
             return
         booked, touched = self.booked, self.touched
         for link in (src, self.hosts + dst):
-            add = booked[link].add
-            for s in segments:
-                add(s.t0, s.t1, s.rate)
+            b = booked[link]
+            # natively: Book.add per segment on the same lists; the version moves once (it only
+            # has to differ from every cached one when the content may have changed)
+            if _book_add is not None and _book_add(b.t, b.v, segments) >= 0:
+                b.version += 1
+            else:
+                for s in segments:
+                    b.add(s.t0, s.t1, s.rate)
             touched.add(link)
 
     def prune(self, now):

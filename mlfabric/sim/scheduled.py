@@ -28,7 +28,6 @@ from dataclasses import replace
 from math import ceil, inf
 
 from mlfabric.sched import Update, distribute, schedule
-from mlfabric.sched.network import t_en as path_t_en
 from mlfabric.sched.plan import is_plain_frozen
 
 from .accounts import Gate
@@ -151,9 +150,9 @@ class ScheduledRun(Run):
             return
         h, s = self.host[w], self.server
         view = self.view
-        end, segs = path_t_en(view.residuals((s, self.truth.hosts + h), t), self.size, t)
+        end, segs = view.t_en((s, self.truth.hosts + h), t, self.size, t)
         view.book(s, h, segs)
-        got, _ = self.truth.send(s, h, self.size, segs[0].t0 if segs else end)
+        got = self.truth.send_end(s, h, self.size, segs[0].t0 if segs else end)
         self.server_out_bytes += self.size
         self.wver[w] = self.versions.at(t)
         self.start_compute(got, w)
@@ -257,7 +256,7 @@ class ScheduledRun(Run):
         """Book a planned transfer and execute it on the true network; its true end."""
         src, dst = hosts[tr.src], hosts[tr.dst]
         self.view.book(src, dst, tr.segments)
-        return self.truth.send(src, dst, tr.size, start)[0]
+        return self.truth.send_end(src, dst, tr.size, start)
 
     def _execute(self, t, plan, hosts, iteration_end):
         """Run the plan on the true network, in the order it was reserved: the server's transfers,

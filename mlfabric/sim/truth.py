@@ -13,8 +13,8 @@ t_en recomputed before anything is reserved, so no reservation ever rests on an 
 Breakpoints in the past are pruned (nothing is sent before "now"), which keeps t_en walks short.
 
 Fast paths (each gives bit-identical results; tests/test_sim.py holds them to the plain versions):
-send calls t_en and Profile.subtract of mlfabric.sched.network directly on the two links of the
-path; capacities(t) reads every link's capacity once per NIC-rate period for the monitor; trace
+send calls mlfabric.sched.network.send_path (t_en + NetUp, native when built) directly on the
+two links of the path; capacities(t) reads every link's capacity once per NIC-rate period for the monitor; trace
 extension finds the new breakpoints with numpy.
 """
 from bisect import bisect_right
@@ -23,7 +23,10 @@ from math import inf
 import numpy as np
 
 from mlfabric.sched import Network
-from mlfabric.sched.network import t_en as path_t_en
+from mlfabric.sched import network as _network
+from mlfabric.sched.network import send_path
+
+_native_send = _network._send_path  # None without the native part (then send_path's Python)
 
 _CHUNK_PERIODS = 64
 
@@ -62,13 +65,17 @@ class TrueNetwork:
         return self.base_rate if k is None else self.trace.rate(k, t)
 
     # --- transfers --------------------------------------------------------------------------------
-    def send(self, src, dst, size, start):
-        """Execute a transfer: (end, segments), its capacity reserved on the true network.
+    def send(self, src, dst, size, start, segments=True):
+        """Execute a transfer: (end, segments), its capacity reserved on the true network;
+        segments=False: (end, None), the Segment objects not built (the simulator needs the end).
 
-        Network.send's arithmetic, called one level down: t_en over the path's two links, then
-        NetUp on each (Network.reserve's loop). The core is full-bisection here (no core links),
-        so a path is exactly (egress(src), ingress(dst)); this skips Network.path's per-call host
-        checks on hosts this module numbered itself. Same arithmetic, same order, same floats."""
+        Network.send's arithmetic, called one level down: mlfabric.sched.network.send_path (t_en
+        over the path's two links, then NetUp on each, as Network.reserve; in C++ on the
+        Profiles' lists when built). The core is full-bisection here (no core links), so a path
+        is exactly (egress(src), ingress(dst)); this skips Network.path's per-call host checks on
+        hosts this module numbered itself. Same arithmetic, same order, same floats. send_path
+        reserves nothing when the transfer would end past the generated horizon: the trace is
+        then extended and the walk redone."""
         if src == dst:  # Network.send: an empty path takes no network time
             return start, ()
         if not start >= 0:
@@ -76,20 +83,36 @@ class TrueNetwork:
         links = self.net.links
         path = (links[src], links[self.hosts + dst])
         while True:
-            end, segs = path_t_en(path, size, start)
+            end, segs = send_path(path, size, start, self.horizon, segments)
             if end == inf:
                 raise RuntimeError("no capacity from host %d to %d after t=%r: capacities must "
                                    "stay > 0" % (src, dst, start))
             if end <= self.horizon:
                 break
             self._extend(end)
-        if segs:
-            for p in path:
-                for s in segs:
-                    p.subtract(s.t0, s.t1, s.rate)
+        if size > 0:  # something was reserved (a positive size always has a segment)
             self.touched.add(src)
             self.touched.add(dst)
         return end, segs
+
+    def send_end(self, src, dst, size, start):
+        """send(src, dst, size, start)[0]: the end of an executed transfer (what the simulator
+        needs), with the native send_path called directly when it is built."""
+        if _native_send is None or src == dst or not (start >= 0 and size > 0):
+            return self.send(src, dst, size, start, False)[0]
+        links = self.net.links
+        path = (links[src], links[self.hosts + dst])
+        while True:
+            end = _native_send(path, size, start, self.horizon)[0]
+            if end == inf:
+                raise RuntimeError("no capacity from host %d to %d after t=%r: capacities must "
+                                   "stay > 0" % (src, dst, start))
+            if end <= self.horizon:
+                break
+            self._extend(end)
+        self.touched.add(src)
+        self.touched.add(dst)
+        return end
 
     def capacities(self, t):
         """Every link's true capacity at time t, as a list by link id (shared: do not modify).
