@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlfabric.sched import aggregation, network, scheduler
+from mlfabric.sched import aggregation, network
 from mlfabric.sched.network import Network, Profile, Segment
 
 native = pytest.mark.skipif(network._t_en is None, reason="mlfabric._C without sched_send")
@@ -127,27 +127,28 @@ def test_t_en_falls_back_to_python_for_objects_that_are_not_lists():
     assert end == 2.0 and segs == (Segment(0.0, 1.0, 10.0), Segment(1.0, 2.0, 20.0))
 
 
-@pytest.mark.skipif(scheduler._shuffle_seeded is None, reason="no native shuffle_seeded")
+@pytest.mark.skipif(aggregation._shuffle_seeded is None, reason="no native shuffle_seeded")
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(0, 10 ** 6), max_size=40, unique=True),
        st.one_of(st.integers(-2 ** 64 + 1, 2 ** 64 - 1), st.integers(-50, 50),
                  st.sampled_from([2 ** 32 - 1, 2 ** 32, -2 ** 32])))
 def test_native_group_order_is_random_shuffle(aggs, seed):
-    """schedule()'s aggregator pre-assignment: the very permutation of aggregation.group_order
-    (random.Random(seed).shuffle), computed natively."""
-    assert scheduler._group_order(aggs, seed) == aggregation.group_order(aggs, seed)
+    """The aggregators' pre-assignment: the very permutation of random.Random(seed).shuffle,
+    computed natively."""
+    assert aggregation.group_order(aggs, seed) == aggregation.group_order_python(aggs, seed)
 
 
 def test_native_group_order_past_one_twist_of_the_generator():
     """More than 624 draws: the generator's lazy first twist, then ordinary ones."""
     for n, seed in ((230, 5), (700, 2 ** 40 + 3), (1300, 0)):
-        assert scheduler._group_order(range(n), seed) == aggregation.group_order(range(n), seed)
+        assert (aggregation.group_order(range(n), seed)
+                == aggregation.group_order_python(range(n), seed))
 
 
 def test_group_order_falls_back_for_other_seeds():
     for seed in (2 ** 64, -2 ** 70, True, 3.5, "abc"):
-        assert scheduler._group_order([1, 2, 3, 4], seed) == aggregation.group_order([1, 2, 3, 4],
-                                                                                    seed)
+        assert (aggregation.group_order([1, 2, 3, 4], seed)
+                == aggregation.group_order_python([1, 2, 3, 4], seed))
 
 
 def test_planned_network_builds_its_links_on_first_use_as_a_copy():

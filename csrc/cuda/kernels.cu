@@ -26,16 +26,12 @@ struct SrcPtrs {
 
 // ------------------------------------------------------------------- element kinds and ops
 
-template <class S> struct Kind;
-template <> struct Kind<float> {
-  using A = float;
-  static __device__ A in(float v) { return v; }
-  static __device__ float out(A a) { return a; }
-};
-template <> struct Kind<double> {
-  using A = double;
-  static __device__ A in(double v) { return v; }
-  static __device__ double out(A a) { return a; }
+// Element kind: the type a reduction accumulates in (A) and the conversions in and out. Most
+// types accumulate in themselves; half precision accumulates in float and rounds once.
+template <class S> struct Kind {
+  using A = S;
+  static __device__ A in(S v) { return v; }
+  static __device__ S out(A a) { return a; }
 };
 template <> struct Kind<__half> {
   using A = float;
@@ -46,16 +42,6 @@ template <> struct Kind<__nv_bfloat16> {
   using A = float;
   static __device__ A in(__nv_bfloat16 v) { return __bfloat162float(v); }
   static __device__ __nv_bfloat16 out(A a) { return __float2bfloat16_rn(a); }
-};
-template <> struct Kind<int32_t> {
-  using A = int32_t;
-  static __device__ A in(int32_t v) { return v; }
-  static __device__ int32_t out(A a) { return a; }
-};
-template <> struct Kind<int64_t> {
-  using A = int64_t;
-  static __device__ A in(int64_t v) { return v; }
-  static __device__ int64_t out(A a) { return a; }
 };
 
 template <class A> struct WrapAs { using U = A; };

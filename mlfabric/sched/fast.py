@@ -25,7 +25,8 @@ from math import inf, isnan
 from .aggregation import Grouping
 from .network import Network, Profile, Segment
 from .ordering import Ordering, deadline
-from .plan import DROP_LOOKAHEAD, DROP_NO_PATH, DROP_STALE, Aggregate, Transfer, is_plain_frozen
+from ._records import fast_constructor
+from .plan import DROP_LOOKAHEAD, DROP_NO_PATH, DROP_STALE, Aggregate, Transfer
 
 try:
     from .._C import sched_network_lists as _network_lists, sched_run as _run
@@ -140,29 +141,8 @@ def _native(updates, network, server, aggs, tau_max, v_init, start, agg_scale, p
 
 # --- output ---------------------------------------------------------------------------------------
 
-# Segment and Transfer are built by filling the instance dict (plan.is_plain_frozen): 1.5-2x
-# cheaper than their __init__, and building objects is most of the fast path's time at small
-# batches. Should either class change shape, its own constructor is used.
-_new, _setdict = object.__new__, object.__setattr__
-
-
-def _segment(t0, t1, rate):
-    s = _new(Segment)
-    _setdict(s, "__dict__", {"t0": t0, "t1": t1, "rate": rate})
-    return s
-
-
-def _xfer(src, dst, size, start, end, segments, what, ids):
-    t = _new(Transfer)
-    _setdict(t, "__dict__", {"src": src, "dst": dst, "size": size, "start": start, "end": end,
-                             "segments": segments, "what": what, "ids": ids})
-    return t
-
-
-if not is_plain_frozen(Segment, ("t0", "t1", "rate")):
-    _segment = Segment  # noqa: F811
-if not is_plain_frozen(Transfer, ("src", "dst", "size", "start", "end", "segments", "what", "ids")):
-    _xfer = Transfer  # noqa: F811
+_segment = fast_constructor(Segment)
+_xfer = fast_constructor(Transfer)
 
 
 def _transfer(src, dst, size, end, segs, what, ids):

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from math import inf
 from numbers import Integral
 
+from ._records import fast_constructor
+
 try:
     from .._C import send_path as _send_path, send_subtract as _subtract, send_t_en as _t_en
 except ImportError:  # a build without the native part: the Python below does it all
@@ -127,19 +129,12 @@ class Segment:
     rate: float
 
 
-_new, _setattr = object.__new__, object.__setattr__
+_segment = fast_constructor(Segment)
 
 
 def segments_from_flat(flat):
-    """Segments from a flat [t0, t1, rate, ...] (the native part's form), built by filling the instance
-    dict (Segment is the plain frozen dataclass above: its __init__ costs an object.__setattr__
-    per field, and the simulator builds millions)."""
-    out = []
-    for i in range(0, len(flat), 3):
-        s = _new(Segment)
-        _setattr(s, "__dict__", {"t0": flat[i], "t1": flat[i + 1], "rate": flat[i + 2]})
-        out.append(s)
-    return tuple(out)
+    """Segments from a flat [t0, t1, rate, ...] (the native part's form)."""
+    return tuple([_segment(flat[i], flat[i + 1], flat[i + 2]) for i in range(0, len(flat), 3)])
 
 
 def t_en(profiles, size, start):

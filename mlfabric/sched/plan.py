@@ -9,7 +9,6 @@ dl(g) = v(g) + tau_max - v_init (eq. 9). An aggregate of m updates is applied as
 positions (its members keep the positions the ordering gave them), so aggregation never changes a
 delay.
 """
-import dataclasses
 from dataclasses import dataclass, field
 from math import inf
 
@@ -187,16 +186,6 @@ class Plan:
         if self.replica is not None:
             lines.append(str(self.replica))
         return "\n".join(lines)
-
-
-def is_plain_frozen(cls, names):
-    """Whether `cls` is still a plain frozen dataclass with exactly these fields, whose __init__
-    only stores them. Hot paths (the fast path's result objects, the simulator's updates) then
-    build instances by filling their __dict__, as copy and pickle do: a frozen dataclass's __init__
-    pays an object.__setattr__ per field. Should a class change shape, they use its constructor."""
-    return (dataclasses.is_dataclass(cls) and "__slots__" not in vars(cls)
-            and not hasattr(cls, "__post_init__")
-            and tuple(f.name for f in dataclasses.fields(cls)) == tuple(names))
 
 
 def _fmt(x):

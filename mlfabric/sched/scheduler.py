@@ -17,30 +17,15 @@ an update that arrives before its predecessor waits (Plan.server_wait reports ho
 from math import inf, isfinite
 
 from . import aggregation, fast, ordering
-from .plan import Commit, Plan, is_plain_frozen
+from ._records import fast_constructor
+from .plan import Commit, Plan
 
-try:
-    from .._C import shuffle_seeded as _shuffle_seeded
-except ImportError:  # a build without the native part
-    _shuffle_seeded = None
 
 MODES = ("async", "ssp", "sync")
 ENGINES = ("auto", "fast", "plain", "reference")
 
 
-_new, _setattr = object.__new__, object.__setattr__
-
-
-def _commit(time, ids, via):
-    """Commit(time, ids, via), built by filling the instance dict (plan.is_plain_frozen): a frozen
-    dataclass's __init__ pays an object.__setattr__ per field, and small batches are common."""
-    c = _new(Commit)
-    _setattr(c, "__dict__", {"time": time, "ids": ids, "via": via})
-    return c
-
-
-if not is_plain_frozen(Commit, ("time", "ids", "via")):
-    _commit = Commit  # noqa: F811
+_commit = fast_constructor(Commit)  # small batches are common: see _records
 
 
 def commits_of(direct, aggregates, after):
@@ -54,33 +39,6 @@ def commits_of(direct, aggregates, after):
         last = max(last, a.transfer.end)
         out.append(_commit(last, tuple(a.members), a.aggregator))
     return out
-
-
-def _group_order(aggregators, seed):
-    """aggregation.group_order(aggregators, seed) — random.Random(seed).shuffle's permutation —
-    computed in C++ (csrc/sched_send.cc) for int seeds below 2**64: the same Mersenne Twister and
-    the same draws, without a Random object and a Python loop per batch (~5 us, as much as Alg. 2
-    and Alg. 3 take on a typical small batch)."""
-    if _shuffle_seeded is not None and type(seed) is int and -_SEED_LIMIT < seed < _SEED_LIMIT:
-        return _shuffle_seeded(aggregators, -seed if seed < 0 else seed)
-    return aggregation.group_order(aggregators, seed)
-
-
-_SEED_LIMIT = 2 ** 64
-
-
-def _native_shuffle_agrees():
-    """The native permutation assumes CPython's random (Mersenne Twister, shuffle through
-    _randbelow_with_getrandbits); checked once against this interpreter's random module."""
-    for n, seed in ((2, 0), (4, 1), (5, 12345), (9, 2 ** 32 - 1), (7, 2 ** 32 + 5),
-                    (16, 2 ** 64 - 1), (33, 1000003 * 7 + 11)):
-        if _shuffle_seeded(range(n), seed) != aggregation.group_order(range(n), seed):
-            return False
-    return True
-
-
-if _shuffle_seeded is not None and not _native_shuffle_agrees():
-    _shuffle_seeded = None
 
 
 def _check_batch(updates, network, server, aggregators, tau_max, v_init, start, after):
@@ -124,8 +82,8 @@ def schedule(updates, network, server, *, aggregators=(), tau_max=inf, v_init=0,
     `aggregators` are hosts that may aggregate for this server (in any order: they are pre-assigned
     to groups at random from `seed`). `momentum`: the server applies momentum (eq. 2), so an
     aggregate of several updates carries two weighted sums (twice the bytes) to be applied exactly
-    as its members in order (ignored in sync mode, where an iteration is one step). `after`: the previous batch's last commit (default `start`).
-    `engine`: see the module header; `timings` (a dict) receives the fast path's time split.
+    as its members in order (ignored in sync mode, where an iteration is one step). `after`: the
+    previous batch's last commit (default `start`). `engine`: see the module header; `timings` (a dict) receives the fast path's time split.
     Returns (plan, network after the plan's reservations)."""
     if mode not in MODES:
         raise ValueError("mode must be one of %s, got %r" % (", ".join(MODES), mode))
@@ -134,7 +92,7 @@ def schedule(updates, network, server, *, aggregators=(), tau_max=inf, v_init=0,
     _check_batch(updates, network, server, aggregators, tau_max, v_init, start, after)
     if mode != "async":
         tau_max = inf
-    aggs = _group_order([a for a in aggregators if a != server], seed)
+    aggs = aggregation.group_order([a for a in aggregators if a != server], seed)
     # a sync iteration is one momentum step whatever the grouping, so its sums stay plain
     momentum = bool(momentum) and mode != "sync"
     agg_scale = 2.0 if momentum else 1.0

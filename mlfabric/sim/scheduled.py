@@ -28,7 +28,7 @@ from dataclasses import replace
 from math import ceil, inf
 
 from mlfabric.sched import Update, distribute, schedule
-from mlfabric.sched.plan import is_plain_frozen
+from mlfabric.sched._records import fast_constructor
 
 from .accounts import Gate
 from .config import SCHEDULED
@@ -43,22 +43,7 @@ except ImportError:  # a tree without §5.3: fine unless a replica is asked for
 
 _PRUNE_EVERY = 1.0  # simulated seconds between prunes of past breakpoints
 
-_UPDATE_FIELDS = ("id", "worker", "size", "version", "ready", "norm")
-_new, _setattr = object.__new__, object.__setattr__
-
-
-def _update(uid, worker, size, version, ready, norm):
-    """Update(uid, worker, size, version, ready, norm), built by filling the instance dict as
-    copy and pickle do: a frozen dataclass's __init__ pays an object.__setattr__ per field, which
-    adds up at a million updates. Used only while Update is still that plain frozen dataclass."""
-    u = _new(Update)
-    _setattr(u, "__dict__", {"id": uid, "worker": worker, "size": size, "version": version,
-                             "ready": ready, "norm": norm})
-    return u
-
-
-if not is_plain_frozen(Update, _UPDATE_FIELDS):
-    _update = Update  # noqa: F811
+_update = fast_constructor(Update)  # a million updates: see mlfabric.sched._records
 
 
 class ScheduledRun(Run):

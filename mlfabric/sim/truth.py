@@ -23,10 +23,7 @@ from math import inf
 import numpy as np
 
 from mlfabric.sched import Network
-from mlfabric.sched import network as _network
 from mlfabric.sched.network import send_path
-
-_native_send = _network._send_path  # None without the native part (then send_path's Python)
 
 _CHUNK_PERIODS = 64
 
@@ -97,22 +94,8 @@ class TrueNetwork:
 
     def send_end(self, src, dst, size, start):
         """send(src, dst, size, start)[0]: the end of an executed transfer (what the simulator
-        needs), with the native send_path called directly when it is built."""
-        if _native_send is None or src == dst or not (start >= 0 and size > 0):
-            return self.send(src, dst, size, start, False)[0]
-        links = self.net.links
-        path = (links[src], links[self.hosts + dst])
-        while True:
-            end = _native_send(path, size, start, self.horizon)[0]
-            if end == inf:
-                raise RuntimeError("no capacity from host %d to %d after t=%r: capacities must "
-                                   "stay > 0" % (src, dst, start))
-            if end <= self.horizon:
-                break
-            self._extend(end)
-        self.touched.add(src)
-        self.touched.add(dst)
-        return end
+        needs), without building its Segments."""
+        return self.send(src, dst, size, start, False)[0]
 
     def capacities(self, t):
         """Every link's true capacity at time t, as a list by link id (shared: do not modify).

@@ -6,6 +6,7 @@ powers of two, exact in every dtype (bfloat16 included), so any order of reducti
 exact answer and results are compared exactly. Every case also checks that all ranks hold the same
 bytes (a hash per result, allgathered once per case).
 """
+import contextlib
 import hashlib
 import os
 import time
@@ -326,37 +327,45 @@ def _expect_timeout(fn, bound, *needles):
         raise AssertionError("no PeerTimeoutError")
 
 
-def case_timeout():
-    """Rank 0 waits on a peer that never sends: PeerTimeoutError within the bound, naming the
-    operation and the peer; its receive is cancelled, so the communicator still works after.
-    Failures are kept until the end so every rank goes through the same collective calls."""
-    sub = world.Dup()
+@contextlib.contextmanager
+def mlfabric_timeout(seconds):
+    """MLFABRIC_TIMEOUT set to `seconds` inside the block, restored after."""
     saved = os.environ.get("MLFABRIC_TIMEOUT")
-    bound = 0.3
-    failure = None
-    os.environ["MLFABRIC_TIMEOUT"] = str(bound)
+    os.environ["MLFABRIC_TIMEOUT"] = str(seconds)
     try:
-        if RANK == 0:
-            # p2p level: a receive nobody matches (from rank 0 itself when alone).
-            peer = 1 % N
-            _expect_timeout(lambda: p2p.wait([p2p.irecv(sub, np.zeros(8, np.uint8), peer)], [peer],
-                                             "test receive", [True]),
-                            bound, "test receive", f"[{peer}]")
-            if N > 1:
-                # Algorithm level: a broadcast from rank 1, which is not broadcasting. Rank 0 has
-                # virtual rank n-1 in that tree: a leaf, so it only receives (from its parent)
-                # and leaves no stray message behind.
-                v = N - 1
-                parent = (v - (v & -v) + 1) % N
-                _expect_timeout(lambda: alg.tree_broadcast(sub, np.zeros(16, np.float32), 1),
-                                bound, "tree_broadcast", f"[{parent}]")
-    except Exception as e:  # noqa: BLE001 - re-raised below, after the collective calls
-        failure = e
+        yield
     finally:
         if saved is None:
             os.environ.pop("MLFABRIC_TIMEOUT", None)
         else:
             os.environ["MLFABRIC_TIMEOUT"] = saved
+
+
+def case_timeout():
+    """Rank 0 waits on a peer that never sends: PeerTimeoutError within the bound, naming the
+    operation and the peer; its receive is cancelled, so the communicator still works after.
+    Failures are kept until the end so every rank goes through the same collective calls."""
+    sub = world.Dup()
+    bound = 0.3
+    failure = None
+    try:
+        with mlfabric_timeout(bound):
+            if RANK == 0:
+                # p2p level: a receive nobody matches (from rank 0 itself when alone).
+                peer = 1 % N
+                _expect_timeout(lambda: p2p.wait([p2p.irecv(sub, np.zeros(8, np.uint8), peer)],
+                                                 [peer], "test receive", [True]),
+                                bound, "test receive", f"[{peer}]")
+                if N > 1:
+                    # Algorithm level: a broadcast from rank 1, which is not broadcasting. Rank 0
+                    # has virtual rank n-1 in that tree: a leaf, so it only receives (from its
+                    # parent) and leaves no stray message behind.
+                    v = N - 1
+                    parent = (v - (v & -v) + 1) % N
+                    _expect_timeout(lambda: alg.tree_broadcast(sub, np.zeros(16, np.float32), 1),
+                                    bound, "tree_broadcast", f"[{parent}]")
+    except Exception as e:  # noqa: BLE001 - re-raised below, after the collective calls
+        failure = e
     world.Barrier()
     # The late peer arrives now: rank 1 sends what rank 0 waited for. The cancelled receive must
     # not swallow it: rank 0 gets it with a fresh receive, and the next collective is clean.
@@ -382,10 +391,8 @@ def case_diverged_sizes():
     from mlfabric.errors import MlfabricError
 
     sub = world.Dup()
-    saved = os.environ.get("MLFABRIC_TIMEOUT")
-    os.environ["MLFABRIC_TIMEOUT"] = "0.3"
     failure = None
-    try:
+    with mlfabric_timeout(0.3):
         a = np.zeros(16 if RANK == 0 else 8, np.float32)
         try:
             alg.tree_broadcast(sub, a, 0)
@@ -397,11 +404,6 @@ def case_diverged_sizes():
         else:
             if RANK != 0:
                 failure = AssertionError("a truncated broadcast passed silently")
-    finally:
-        if saved is None:
-            os.environ.pop("MLFABRIC_TIMEOUT", None)
-        else:
-            os.environ["MLFABRIC_TIMEOUT"] = saved
     world.Barrier()
     sub.Free()
     if failure is not None:
