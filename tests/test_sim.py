@@ -25,9 +25,9 @@ from mlfabric.sim.buffering import BufferingServer
 from mlfabric.sim.cli import main as cli_main
 from mlfabric.sim.fairshare import StarShare, max_min_rates
 from mlfabric.sched.network import t_en as path_t_en
-from mlfabric.sim import monitor
-from mlfabric.sim.monitor import SchedulerView
-from mlfabric.sim.presets import RATES_GBPS
+from mlfabric.sched import view as monitor
+from mlfabric.sched.view import SchedulerView
+from mlfabric.emulate.presets import RATES_GBPS
 from mlfabric.sim.scheduled import ScheduledRun
 from mlfabric.sim.truth import TrueNetwork
 

@@ -19,7 +19,7 @@ mlfabric-ssp, mlfabric-sync), buffering and baselines (async, buffered), report,
 from dataclasses import replace
 
 from .config import POLICIES, SimConfig
-from .presets import (COMPUTE_PRESETS, NET_PRESETS, ComputeTrace, NicTrace, network_traces)
+from mlfabric.emulate.presets import (COMPUTE_PRESETS, NET_PRESETS, ComputeTrace, NicTrace, network_traces)
 from .report import Report, plot, table
 
 __all__ = ["POLICIES", "SimConfig", "Report", "simulate", "compare", "table", "plot",

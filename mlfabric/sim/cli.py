@@ -13,7 +13,7 @@ import sys
 from math import inf
 
 from .config import DEFAULT_AGGREGATORS, POLICIES, SimConfig
-from .presets import COMPUTE_PRESETS, NET_PRESETS
+from mlfabric.emulate.presets import COMPUTE_PRESETS, NET_PRESETS
 
 
 def _number_or_inf(text):

@@ -18,7 +18,7 @@ from math import inf, isfinite
 
 from mlfabric.sched import GBPS
 
-from .presets import compute_preset, net_preset
+from mlfabric.emulate.presets import compute_preset, net_preset
 
 POLICIES = ("mlfabric", "mlfabric-ssp", "mlfabric-sync", "async", "buffered")
 SCHEDULED = {"mlfabric": "async", "mlfabric-ssp": "ssp", "mlfabric-sync": "sync"}

@@ -13,7 +13,7 @@ import time
 from .accounts import UpdateLog, VersionLog
 from .engine import Engine, Progress
 from .models import ModelPair, UpdateVectors
-from .presets import ComputeTrace, NicTrace
+from mlfabric.emulate.presets import ComputeTrace, NicTrace
 from .report import build_report
 
 

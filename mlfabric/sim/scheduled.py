@@ -1,6 +1,6 @@
 """mlfabric's policies: every 100 ms the scheduler plans the batch of ready updates with
 mlfabric.sched.schedule (ordering Alg. 2, aggregation Alg. 3; §5.1-5.2, §6) — the function the
-runtime calls — on the monitor's lagged view (monitor.py), then replicates with
+runtime calls — on the monitor's lagged view (mlfabric.sched.view), then replicates with
 mlfabric.sched.replication.replicate (§5.3) when a replica is configured. The plan is then executed
 on the true network (truth.py): its transfers, in the plan's order and hops, through Network.send,
 each starting no earlier than planned (an aggregate no earlier than its last member's true arrival),
@@ -32,7 +32,7 @@ from mlfabric.sched._records import fast_constructor
 
 from .accounts import Gate
 from .config import SCHEDULED
-from .monitor import SchedulerView
+from mlfabric.sched.view import SchedulerView
 from .run import Run
 from .truth import TrueNetwork
 

@@ -1,6 +1,6 @@
 """The network as it really is, for the scheduled policies: every link's true capacity over time
 (worker NICs follow an N preset, the server's and replica's machines run at the base rate) minus
-every transfer executed so far. Plans are made on the monitor's lagged view (monitor.py) and then
+every transfer executed so far. Plans are made on the monitor's lagged view (mlfabric.sched.view) and then
 executed here with mlfabric.sched.Network.send (t_en + NetUp, paper §5.1, Fig. 4): each transfer
 takes the whole residual bottleneck rate from its start, so a stale view costs real time.
 

@@ -24,8 +24,8 @@ per NIC-rate period (TrueNetwork.capacities).
 from bisect import bisect_right
 from math import inf
 
-from mlfabric.sched import Network, Profile
-from mlfabric.sched.network import segments_from_flat, t_en as path_t_en
+from .network import Network, Profile
+from .network import segments_from_flat, t_en as path_t_en
 
 try:  # the book's and the view's hot loops on the same lists, in C++ (csrc/sched_send.cc)
     from mlfabric._C import (book_add as _book_add, book_t_en as _book_t_en,

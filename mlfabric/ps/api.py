@@ -1,0 +1,237 @@
+"""The parameter-server API of the paper's Table 1, with Python names (the paper's names are kept
+as aliases in mlfabric.ps):
+
+  every rank      init(mode=..., servers=..., replicas=..., emulation=...)  -> this rank's role
+  worker          register_as_worker(tau_max=, div_max=); push(server, update, update_norm=None);
+                  get(server) -> (model, version); finish() -> Summary
+  server          register_as_server(model); on_update(fn); on_request(fn); serve() -> Summary
+  replica         register_as_replica(server); on_update(fn); serve() -> Summary
+  scheduler       serve() -> Summary
+
+register_as_* is collective: every rank calls its role's one (the scheduler rank calls serve()),
+and it checks that all ranks agree on the config and on their roles. Everything is bounded by
+MLFABRIC_TIMEOUT seconds.
+"""
+import math
+import threading
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import kernels
+from ..errors import MlfabricError, NotInitializedError
+from ..runtime.core import Config, Runtime
+from ..runtime.roles import REPLICA, SCHEDULER, SERVER, WORKER, Roles
+
+_lock = threading.Lock()
+_state = {"config": None, "comm": None, "rt": None, "role": None, "pushes": {}, "versions": {},
+          "next_id": 0, "server": None}
+
+
+def init(mode="mlfabric-A", *, servers=1, replicas=0, aggregators=None, batch_interval=0.1,
+         t_lag=0.2, slack=2, gamma=0.0, emulation=None, seed=0, comm=None):
+    """Set the job's configuration (not collective: it only records it) and return this rank's
+    role: 'scheduler', 'server', 'replica' or 'worker' (mlfabric.runtime.roles says which)."""
+    from ..emulate import Emulation
+    if _state["rt"] is not None:
+        raise MlfabricError("mlfabric.ps is already running; init() once per job")
+    cfg = Config(mode=mode, servers=servers, replicas=replicas, aggregators=aggregators,
+                 batch_interval=batch_interval, t_lag=t_lag, slack=slack, gamma=gamma,
+                 emulation=emulation if emulation is not None else Emulation(), seed=seed)
+    comm = MPI.COMM_WORLD if comm is None else comm
+    roles = Roles(comm.size, cfg.servers, cfg.replicas)
+    _state.update(config=cfg, comm=comm, role=roles.role(comm.rank))
+    return _state["role"]
+
+
+def role():
+    if _state["role"] is None:
+        raise NotInitializedError("call mlfabric.ps.init() first")
+    return _state["role"]
+
+
+def _start(as_role, info):
+    if _state["config"] is None:
+        init()
+    if _state["rt"] is not None:
+        raise MlfabricError("this rank has already registered (as %s)" % _state["rt"].role)
+    if _state["role"] != as_role:
+        raise MlfabricError("rank %d is the %s (%s), not a %s: call the %s's register function"
+                            % (_state["comm"].rank, _state["role"],
+                               Roles(_state["comm"].size, _state["config"].servers,
+                                     _state["config"].replicas).describe(), as_role,
+                               _state["role"]))
+    info = dict(info, role=as_role)
+    rt = Runtime(_state["comm"], _state["config"], info)
+    _state["rt"] = rt
+    return rt
+
+
+def _running(as_role, call):
+    rt = _state["rt"]
+    if rt is None:
+        raise NotInitializedError("%s: register first (this rank is %s; call register_as_%s)"
+                                  % (call, _state["role"] or "not initialised", as_role))
+    if rt.role != as_role:
+        raise MlfabricError("%s is a %s call; rank %d is the %s" % (call, as_role, rt.rank, rt.role))
+    if rt.error is not None:
+        raise rt.error
+    return rt
+
+
+def _launch(rt, role):
+    from ..runtime.daemon import Daemon
+    rt.daemon = Daemon(rt, role)
+    rt.daemon.start()
+
+
+# --- worker ------------------------------------------------------------------------------------------
+def register_as_worker(tau_max=math.inf, div_max=math.inf):
+    """Join as a worker. tau_max: the largest delay an applied update may have (mlfabric-A);
+    div_max: the largest server-replica divergence the job tolerates (with replicas)."""
+    if not tau_max >= 0:
+        raise MlfabricError("tau_max must be >= 0, got %r" % (tau_max,))
+    if not div_max >= 0:
+        raise MlfabricError("div_max must be >= 0, got %r" % (div_max,))
+    from ..runtime.worker import WorkerRole
+    rt = _start(WORKER, {"tau_max": float(tau_max), "div_max": float(div_max)})
+    _state["pushes"] = {s: 0 for s in rt.roles.server_ranks}
+    _state["versions"] = {s: 0 for s in rt.roles.server_ranks}
+    _state["next_id"] = 0  # ids are (rank << 32) | n: unique within the job
+    _launch(rt, WorkerRole(rt))
+
+
+def _check_server(rt, server, call):
+    if server not in rt.roles.server_ranks:
+        raise MlfabricError("%s: %r is not a server; the servers are ranks %s"
+                            % (call, server, rt.roles.server_ranks))
+
+
+def push(server, update, update_norm=None):
+    """Hand `update` (a numpy array shaped and typed like the server's model, already scaled by
+    -learning rate) to the daemon for `server`; returns its update id at once. The update is copied;
+    its L2 norm is computed by the C++ kernel unless given (the replica bound needs it)."""
+    from ..runtime.worker import check_update
+    rt = _running(WORKER, "push")
+    _check_server(rt, server, "push")
+    shape, dtype = rt.spec(server)
+    check_update(update, shape, dtype, server)
+    payload = np.array(update, copy=True, order="C")
+    norm = kernels.norm2(payload.reshape(-1)) if update_norm is None else float(update_norm)
+    if not norm >= 0:
+        raise MlfabricError("push: update_norm must be a number >= 0, got %r" % (update_norm,))
+    uid = (rt.rank << 32) | _state["next_id"]
+    _state["next_id"] += 1
+    _state["pushes"][server] += 1
+    rt.submit("push", uid, server, payload, _state["versions"][server], norm)
+    return uid
+
+
+def get(server):
+    """The server's model and its version: (array, version). In mlfabric-S it waits for the
+    iteration this worker last pushed to; in SSP for the slowest worker to be within the slack."""
+    from ..runtime.core import Future
+    rt = _running(WORKER, "get")
+    _check_server(rt, server, "get")
+    fut = Future("get(%d)" % server)
+    rt.submit("get", fut, server, _state["pushes"][server])
+    model, version = fut.wait()
+    _state["versions"][server] = version
+    shape, _ = rt.spec(server)
+    return model.reshape(shape), version
+
+
+def finish():
+    """This worker is done: wait (bounded) for the job to end; returns the job's Summary."""
+    rt = _running(WORKER, "finish")
+    rt.submit("finish")
+    return _end(rt)
+
+
+def _end(rt):
+    try:
+        summary = rt.summary.wait()
+    finally:
+        rt.daemon.join(timeout=5.0)
+        _state["rt"] = None
+        _state["config"] = None
+    # everyone has the summary: the job's communicators can go (collective, so only now)
+    rt.dp.close(timeout=5.0)
+    rt.ctrl.Free()
+    rt.data.Free()
+    return summary
+
+
+# --- server, replica, scheduler -------------------------------------------------------------------------
+def register_as_server(model, on_update=None, on_request=None):
+    """Join as a server holding `model` (a numpy float array; the server updates it in place)."""
+    if not isinstance(model, np.ndarray) or model.dtype.kind != "f":
+        raise TypeError("register_as_server: model must be a floating numpy array, got %r"
+                        % (type(model).__name__ if not isinstance(model, np.ndarray)
+                           else model.dtype))
+    from ..runtime.server import ServerRole
+    model = np.ascontiguousarray(model)
+    rt = _start(SERVER, {"shape": model.shape, "dtype": model.dtype.str})
+    _state["server"] = ServerRole(rt, model, on_update, on_request)
+
+
+def on_update(fn):
+    """Server or replica: fn(model, update, ids) applies an update (or an aggregate: ids lists its
+    members in order) to the model in place. Default: model += update. Call before serve()."""
+    role_obj = _state["server"]
+    if role_obj is None or _state["rt"].daemon is not None:
+        raise MlfabricError("on_update: register as a server or replica first, and call it "
+                            "before serve()")
+    role_obj.apply_fn = fn
+    return fn
+
+
+def on_request(fn):
+    """Server: fn(model, version) returns what get() delivers (default: the model). Before serve()."""
+    role_obj = _state["server"]
+    if role_obj is None or _state["rt"].daemon is not None or _state["rt"].role != SERVER:
+        raise MlfabricError("on_request: register as a server first, and call it before serve()")
+    role_obj.request_fn = fn
+    return fn
+
+
+def register_as_replica(server, on_update=None):
+    """Join as the replica of server rank `server`: it applies the server's updates in the
+    server's order, at most div_max (the workers' setting) behind."""
+    from ..runtime.replica import ReplicaRole
+    rt = _start(REPLICA, {"server": server})
+    _state["server"] = ReplicaRole(rt, server, on_update)
+
+
+def serve():
+    """Server, replica or scheduler: run this rank's part until the job ends; returns the Summary."""
+    if _state["rt"] is None and (_state["role"] in (None, SCHEDULER)):
+        from ..runtime.scheduler import SchedulerRole
+        rt = _start(SCHEDULER, {})
+        _state["server"] = SchedulerRole(rt)
+    rt = _state["rt"]
+    if rt is None:
+        raise NotInitializedError("serve(): register first (this rank is the %s)" % _state["role"])
+    if rt.role == WORKER:
+        raise MlfabricError("serve() is for servers, replicas and the scheduler; a worker calls "
+                            "finish()")
+    role_obj = _state["server"]
+    _launch(rt, role_obj)
+    try:
+        return _end(rt)
+    finally:
+        _state["final_model"] = getattr(role_obj, "model", None)
+        _state["applied_log"] = list(getattr(role_obj, "applied_log", []))
+        _state["server"] = None
+
+
+def applied_log():
+    """Server or replica, after serve(): [(ids, version or count after, job time), ...] in the
+    order this rank applied them."""
+    return _state.get("applied_log", [])
+
+
+def local_model():
+    """Server or replica, after serve(): this rank's final model (the server's is also the array
+    it registered, updated in place)."""
+    return _state.get("final_model")

@@ -1,0 +1,90 @@
+"""The control plane: small messages between daemons and the scheduler on a communicator of their
+own (paper §4), so a large payload never delays a control message. Messages are (kind, body) tuples
+sent pickled with non-blocking sends; the channel keeps each send's request until it completes and
+gives up on a peer that takes no message for MLFABRIC_TIMEOUT seconds.
+
+Kinds (body in brackets):
+  worker -> scheduler   ready [(id, server, nbytes, version, norm), ...]; done [pushed count]
+  scheduler -> worker   send [(id, hop, not_before, rate), ...]; drop [(id, reason), ...];
+                        aggregate [Assignment, ...] (members to sum, then where to send the sum)
+  scheduler -> server   expect [(key, ids, via, versions), ...] commits in plan order; dropped [ids]
+  server -> scheduler   applied [(ids, version)]
+  worker -> server      get [(request id, worker clock)]
+  any -> scheduler      report [(egress rate, ingress rate, bytes out, bytes in)] (the monitor)
+  scheduler -> all      stop []; summary [Summary]; any -> scheduler ledger [Ledger]
+  any -> all            error [text] (a daemon failed: everyone stops with that message)
+"""
+import time
+
+from mpi4py import MPI
+
+from .. import _config
+from ..errors import PeerTimeoutError
+
+TAG = 0x6D63  # "mc": control traffic
+
+
+class Channel:
+    """Control messages of one rank. Used by its daemon thread only."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.inflight = []   # (request, dst, kind, posted at)
+        self._status = MPI.Status()
+
+    def send(self, dst, kind, body=None):
+        self.inflight.append((self.comm.isend((kind, body), dst, TAG), dst, kind,
+                              time.monotonic()))
+
+    def receive(self):
+        """Every control message that has arrived: a list of (src, kind, body)."""
+        out, comm, st = [], self.comm, self._status
+        while comm.Iprobe(MPI.ANY_SOURCE, TAG, st):
+            src = st.Get_source()
+            kind, body = comm.recv(source=src, tag=TAG)
+            out.append((src, kind, body))
+        return out
+
+    def progress(self, now):
+        """Retire completed sends; PeerTimeoutError for one a peer has not taken in time."""
+        if not self.inflight:
+            return
+        keep = []
+        limit = _config.timeout_s()
+        for item in self.inflight:
+            req, dst, kind, t = item
+            if not req.Test():
+                if now - t > limit:
+                    raise PeerTimeoutError("control message %r to rank %d not taken within "
+                                           "MLFABRIC_TIMEOUT=%gs: the rank died or hangs"
+                                           % (kind, dst, limit))
+                keep.append(item)
+        self.inflight = keep
+
+    def flush(self, timeout):
+        """Wait (bounded) until every send has been taken."""
+        end = time.monotonic() + timeout
+        while self.inflight and time.monotonic() < end:
+            self.progress(time.monotonic())
+            time.sleep(0.0005)
+        return not self.inflight
+
+
+def clock_offsets(comm, root=0, rounds=4):
+    """Collective: each rank's offset to add to its time.monotonic() to get `root`'s, estimated
+    from the round trip with the least delay (Cristian's method). On one host it is ~0; across hosts
+    it lets the scheduler's plan times mean the same instant everywhere."""
+    best = (float("inf"), 0.0)
+    for r in range(1, comm.size):
+        for _ in range(rounds):
+            if comm.rank == root:
+                comm.recv(source=r, tag=TAG + 1)
+                comm.send(time.monotonic(), r, TAG + 1)
+            elif comm.rank == r:
+                t0 = time.monotonic()
+                comm.send(None, root, TAG + 1)
+                ts = comm.recv(source=root, tag=TAG + 1)
+                t1 = time.monotonic()
+                if t1 - t0 < best[0]:
+                    best = (t1 - t0, ts - (t0 + t1) / 2)
+    return best[1] if comm.rank != root else 0.0

@@ -1,0 +1,191 @@
+"""The runtime of one rank between start() and the end of the job: its role, its communicators
+(control and data, each a Dup of the world's), the job's settings, the clock shared with the
+scheduler, and the queue through which the training thread hands work to the daemon thread.
+Owns the start-up handshake and nothing else; the roles (worker.py, server.py, replica.py,
+scheduler.py) own their behaviour and daemon.py the loop that drives them.
+"""
+import math
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+
+from .. import _config
+from ..emulate import Emulation
+from ..errors import MlfabricError, PeerTimeoutError
+from .control import Channel, clock_offsets
+from .ledger import Ledger
+from .roles import Roles
+
+# Training modes that run on the parameter-server runtime, and what the scheduler does for each
+# (mlfabric.sched modes). 'async' is the vanilla parameter server: no scheduler, no aggregation.
+PS_MODES = {"mlfabric-A": "async", "mlfabric-S": "sync", "ssp": "ssp", "async": None}
+# The MPI baselines: every worker keeps the model and allreduces gradients among workers.
+ALLREDUCE_MODES = ("rr-sync", "tr-sync")
+MODES = tuple(PS_MODES) + ALLREDUCE_MODES
+
+
+@dataclass(frozen=True)
+class Config:
+    """A job's settings; every rank must pass the same (start() checks)."""
+    mode: str = "mlfabric-A"
+    servers: int = 1
+    replicas: int = 0
+    aggregators: int = None     # per server: how many workers aggregate (default: all workers)
+    batch_interval: float = 0.1  # the scheduler batches ready updates this often (paper: 100 ms)
+    t_lag: float = 0.2           # monitor report period (paper: 0.2 s)
+    slack: int = 2               # SSP's K
+    gamma: float = 0.0           # server momentum (eq. 2); the replica bound uses it
+    emulation: Emulation = field(default_factory=Emulation)
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise MlfabricError("unknown mode %r; known: %s" % (self.mode, ", ".join(MODES)))
+        for name in ("batch_interval", "t_lag"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and 0 < v < math.inf):
+                raise MlfabricError("%s must be a positive number of seconds, got %r" % (name, v))
+        if not (isinstance(self.slack, int) and self.slack >= 0):
+            raise MlfabricError("slack must be an int >= 0, got %r" % (self.slack,))
+        if not 0 <= self.gamma < 1:
+            raise MlfabricError("gamma must be in [0, 1), got %r" % (self.gamma,))
+        if self.gamma and self.mode != "mlfabric-S":
+            raise MlfabricError("server momentum (gamma > 0) with per-update application needs "
+                                "aggregates of two weighted sums, not built yet: use gamma=0 or "
+                                "mode='mlfabric-S'")
+        if self.replicas and self.mode not in ("mlfabric-A", "ssp"):
+            raise MlfabricError("replicas follow the scheduler's plans (paper §5.3): they need "
+                                "mode 'mlfabric-A' or 'ssp', not %r" % (self.mode,))
+        if not isinstance(self.emulation, Emulation):
+            raise MlfabricError("emulation must be an mlfabric.emulate.Emulation, got %r"
+                                % (self.emulation,))
+
+    @property
+    def sched_mode(self):
+        return PS_MODES.get(self.mode)
+
+
+class Future:
+    """A result the daemon hands to the training thread (bounded wait)."""
+
+    def __init__(self, what):
+        self.what = what
+        self._done = threading.Event()
+        self._value = self._error = None
+
+    def set(self, value):
+        self._value = value
+        self._done.set()
+
+    def fail(self, error):
+        if not self._done.is_set():
+            self._error = error
+            self._done.set()
+
+    def done(self):
+        return self._done.is_set()
+
+    def wait(self, timeout=None):
+        timeout = _config.timeout_s() if timeout is None else timeout
+        if not self._done.wait(timeout):
+            raise PeerTimeoutError("%s did not complete within %gs (MLFABRIC_TIMEOUT)"
+                                   % (self.what, timeout))
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+class Runtime:
+    def __init__(self, comm, config, info):
+        """Collective over comm: every rank passes the job's config and its role's registration
+        info (a dict). Checks agreement, syncs clocks, sets up the channel and the data plane."""
+        self.comm = comm
+        self.rank, self.size = comm.rank, comm.size
+        self.config = config
+        self.roles = Roles(self.size, config.servers, config.replicas)
+        self.role = self.roles.role(self.rank)
+        self.ctrl = comm.Dup()
+        self.data = comm.Dup()
+        everyone = _bounded_allgather(self.ctrl, (config, info))
+        _check_agreement(everyone, self.roles)
+        self.infos = [i for _, i in everyone]
+        self.offset = clock_offsets(self.ctrl)
+        # the job's time 0: the scheduler's clock at the end of the handshake, told to everyone
+        t0 = self.ctrl.bcast(time.monotonic() if self.rank == 0 else None, root=0)
+        self.t0 = t0 - self.offset  # the same instant on this rank's clock
+        self.channel = Channel(self.ctrl)
+        workers = len(self.roles.worker_ranks)
+        self.nic = config.emulation.nic(self.roles.worker_index(self.rank), workers, self.t0)
+        from .dataplane import DataPlane
+        self.dp = DataPlane(self.data, self.nic)
+        self.ledger = Ledger()
+        self.requests = queue.SimpleQueue()   # training thread -> daemon
+        self.wakeup = threading.Event()
+        self.error = None
+        self.summary = Future("the end of the job (finish)")
+        self.daemon = None
+
+    # --- time: the scheduler plans in seconds since t0 on its clock ------------------------------
+    def now(self):
+        """Job time of this instant (seconds since the job's t0)."""
+        return time.monotonic() - self.t0
+
+    def local(self, t):
+        """time.monotonic() on this rank of job time t."""
+        return self.t0 + t
+
+    def submit(self, *request):
+        if self.error is not None:
+            raise self.error
+        self.requests.put(request)
+        self.wakeup.set()
+
+    def spec(self, server):
+        """(shape, dtype) of server rank `server`'s model."""
+        return self.infos[server]["shape"], self.infos[server]["dtype"]
+
+
+def _bounded_allgather(comm, obj):
+    """allgather after a barrier that waits at most MLFABRIC_TIMEOUT: a rank that never registers
+    becomes an error on the others instead of a hang."""
+    req = comm.Ibarrier()
+    limit = _config.timeout_s()
+    end = time.monotonic() + limit
+    while not req.Test():
+        if time.monotonic() > end:
+            raise PeerTimeoutError(
+                "mlfabric.ps start-up: not every rank registered within MLFABRIC_TIMEOUT=%gs; every "
+                "rank must call its role's register_as_*() (or serve()) once" % limit)
+        time.sleep(0.001)
+    return comm.allgather(obj)
+
+
+def _check_agreement(everyone, roles):
+    """The same config on every rank, and each rank registered as the role its rank has."""
+    configs = [c for c, _ in everyone]
+    if any(c != configs[0] for c in configs):
+        bad = [r for r, c in enumerate(configs) if c != configs[0]]
+        raise MlfabricError("mlfabric.ps.init: ranks %s passed a different config from rank 0's "
+                            "(%r); every rank must pass the same" % (bad, configs[0]))
+    problems = []
+    for r, (_, info) in enumerate(everyone):
+        want = roles.role(r)
+        if info.get("role") != want:
+            problems.append("rank %d registered as %s but is a %s (%s)"
+                            % (r, info.get("role"), want, roles.describe()))
+    workers = [everyone[r][1] for r in roles.worker_ranks if everyone[r][1].get("role") == "worker"]
+    taus = {w["tau_max"] for w in workers}
+    if len(taus) > 1:
+        problems.append("workers disagree on tau_max: %s" % sorted(taus))
+    divs = {w["div_max"] for w in workers}
+    if len(divs) > 1:
+        problems.append("workers disagree on div_max: %s" % sorted(divs))
+    for r in roles.replica_ranks:
+        info = everyone[r][1]
+        if info.get("role") == "replica" and info.get("server") != roles.server_of(r):
+            problems.append("rank %d replicates server %r but is the replica of server %d"
+                            % (r, info.get("server"), roles.server_of(r)))
+    if problems:
+        raise MlfabricError("mlfabric.ps start-up: " + "; ".join(problems))

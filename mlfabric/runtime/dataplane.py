@@ -1,0 +1,553 @@
+"""The data plane of one rank: payload transfers over an MPI communicator of its own, paced so that
+the rank behaves as if it sat behind its emulated NIC (paper §4, §7; DESIGN.md "Control plane and
+data plane", "Emulating a shared cluster").
+
+Owns: the wire protocol of payload messages, the pacing of their bytes by the rank's EmulatedNic
+(egress at the sender, ingress at the receiver, a per-flow rate cap and start time from the plan),
+and the bounded waits on peers. It never blocks: the owner (one event-loop thread, no locking here)
+calls progress() when wake_in() says so, and gets back the messages that have arrived.
+
+Protocol, per message ("flow"):
+- The sender posts a small pickled header (key, dtype, shape, bytes, flow tag, chunk size) on
+  HEADER_TAG with Issend, at the flow's `not_before` (not earlier: a receiver that saw the header
+  would start reserving ingress for bytes that cannot come yet). The receiver keeps one header
+  receive posted (any source), so a header is matched even while its owner is busy elsewhere.
+- The payload follows in chunks on the flow's tag (cycled per destination in
+  [FLOW_TAG_BASE, FLOW_TAG_BASE + FLOW_TAGS), a tag is reused only once its old flow is done).
+  Chunk size = clamp(rate * chunk_s, min_chunk, max_chunk) with rate = min(flow cap, egress rate)
+  when the flow starts: a few milliseconds of transfer, so a change of rate is felt within a chunk
+  and a cancelled flow wastes little. Both ends cut the payload the same way from the header.
+- Egress (sender): chunks of all outgoing flows take turns (round robin) on the NIC's egress
+  calendar; a chunk is booked when the calendar is free and the flow's own rate cap allows it, and
+  its Issend is posted when the calendar says its bytes are through ("end pacing": the receiver sees
+  a chunk no earlier than a real link would have delivered it).
+- Ingress (receiver): the receive of a flow's next chunk is posted only when the ingress calendar
+  admits it, round robin over inbound flows, so several senders share the receiver's ingress
+  fairly. A finished message is handed out no earlier than the calendar says its last chunk is
+  through (the chunk was received when its receive was posted, i.e. at the start of its slot).
+- At most WINDOW (2) chunks of a flow are outstanding (booked, posted or unmatched). Chunks go
+  with Issend (synchronous mode: complete only once the receiver has matched them), so a sender
+  is throttled by min(its egress, its share of the receiver's ingress), as on a real network,
+  instead of MPI buffering the payload eagerly.
+- Calendars are continued from where they ended when the event loop comes back a little late
+  (up to one chunk_s): otherwise every late wake-up would be lost link time and the rate would
+  drift below the NIC's under a loaded CPU. After a longer idle gap they restart at `now`.
+- The header goes with Issend too, so a zero-byte message is done (on_done) once it is taken, and
+  a dead receiver is noticed even for a message with no payload.
+Limits of the emulation: pacing is at chunk granularity (milliseconds). The sender picks the
+chunk size from its own rates, so a receiver much slower than the sender sees proportionally
+longer chunks (a sender with unlimited egress sends max_chunk pieces; a receiver's share of ingress
+is then coarse). Each end charges a chunk to its own calendar, as a store-and-forward hop would.
+
+Bounded waits: a flow with requests outstanding whose peer lets `timeout` seconds pass without
+completing one (MLFABRIC_TIMEOUT, read at construction) raises PeerTimeoutError from progress(),
+naming the peer and the key; that flow is dropped (its requests parked, receives cancelled) and the
+others go on. Messages between one (src, dst) pair arrive whole; different flows may finish in any
+order.
+"""
+import collections
+import math
+import pickle
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import _config
+from ..emulate.nic import EmulatedNic
+from ..errors import MlfabricError, PeerTimeoutError
+
+HEADER_TAG = 1
+FLOW_TAG_BASE = 2
+FLOW_TAGS = 16000      # per destination; read when a flow starts (tests shrink it)
+HEADER_MAX = 2048      # bytes of a pickled header (the key must be small)
+WINDOW = 2             # chunks outstanding per flow
+IN_FLIGHT_WAKE_S = 0.005
+IDLE_WAKE_S = 0.05
+
+_dtype_to_descr = np.lib.format.dtype_to_descr
+_descr_to_dtype = np.lib.format.descr_to_dtype
+
+
+class Message:
+    """A fully received payload: `data` is a fresh array the receiver owns (dtype and shape as
+    sent); `arrived` is the time.monotonic() at which its last byte was through."""
+
+    __slots__ = ("src", "key", "data", "arrived")
+
+    def __init__(self, src, key, data, arrived):
+        self.src, self.key, self.data, self.arrived = src, key, data, arrived
+
+    def __repr__(self):
+        return (f"Message(src={self.src}, key={self.key!r}, "
+                f"{self.data.dtype}{list(self.data.shape)}, arrived={self.arrived:.6f})")
+
+
+class _TxFlow:
+    __slots__ = ("dst", "key", "view", "payload", "rate", "not_before", "on_done", "tag", "chunk",
+                 "nchunks", "booked", "taken", "staged", "reqs", "hdr", "hdr_req",
+                 "cap_ready", "last")
+
+    def __init__(self, dst, key, payload, view, rate, not_before, on_done):
+        self.dst, self.key, self.payload, self.view = dst, key, payload, view
+        self.rate, self.not_before, self.on_done = rate, not_before, on_done
+        self.tag = None          # set when the flow starts (header posted)
+        self.chunk = self.nchunks = 0
+        self.booked = 0          # chunks booked on the egress calendar so far
+        self.taken = 0           # chunks the receiver has taken
+        self.staged = collections.deque()  # (post_at, index): booked, Issend not yet posted
+        self.reqs = []           # (request, index): posted, not yet matched
+        self.hdr = self.hdr_req = None
+        self.cap_ready = 0.0     # the flow's own rate-cap calendar
+        self.last = 0.0          # last progress seen from the peer (for the timeout)
+
+    def outstanding(self):
+        return len(self.staged) + len(self.reqs)
+
+
+class _RxFlow:
+    __slots__ = ("src", "key", "tag", "dtype", "shape", "nbytes", "chunk", "nchunks", "buf",
+                 "posted", "received", "reqs", "due", "last")
+
+    def __init__(self, src, key, tag, dtype, shape, nbytes, chunk, now):
+        self.src, self.key, self.tag = src, key, tag
+        self.dtype, self.shape, self.nbytes, self.chunk = dtype, shape, nbytes, chunk
+        self.nchunks = -(-nbytes // chunk) if nbytes else 0
+        self.buf = np.empty(nbytes, np.uint8)
+        self.posted = self.received = 0
+        self.reqs = []
+        self.due = now           # when the last booked chunk is through the ingress calendar
+        self.last = now
+
+
+class DataPlane:
+    """Paced payload transfers of one rank over `comm` (a communicator of the data plane's own,
+    e.g. a Dup of the world; the owner frees it after close()). `nic` is the rank's EmulatedNic
+    (None: no pacing). Single-threaded and non-blocking: nothing happens outside progress()."""
+
+    def __init__(self, comm, nic, *, chunk_s=0.002, min_chunk=16 << 10, max_chunk=4 << 20):
+        if not isinstance(comm, MPI.Comm) or comm == MPI.COMM_NULL:
+            raise MlfabricError(f"DataPlane needs an MPI communicator, got {comm!r}")
+        if not chunk_s > 0:
+            raise ValueError(f"chunk_s must be > 0 seconds, got {chunk_s!r}")
+        if not 1 <= min_chunk <= max_chunk:
+            raise ValueError(f"need 1 <= min_chunk <= max_chunk, got {min_chunk}, {max_chunk}")
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.nic = nic if nic is not None else EmulatedNic(None, None, None, time.monotonic())
+        self.chunk_s, self.min_chunk, self.max_chunk = chunk_s, int(min_chunk), int(max_chunk)
+        self.timeout = _config.timeout_s()
+        self._tx = collections.deque()       # outgoing flows, in round-robin order
+        self._rx = collections.deque()       # inbound flows, in round-robin order
+        self._rx_by_tag = {}                 # (src, tag) -> _RxFlow
+        self._rx_deferred = {}               # (src, tag) -> [header]: tag still busy here
+        self._tags_busy = collections.defaultdict(set)   # dst -> flow tags in use
+        self._next_tag = collections.defaultdict(int)    # dst -> next tag offset to try
+        self._local = collections.deque()    # (not_before, key, payload, on_done) to self
+        self._held = []                      # (due, Message): received, not yet through ingress
+        self._done = []                      # messages to hand out
+        self._parked = []                    # requests of failed flows (keep their buffers alive)
+        self._hdr_buf = bytearray(HEADER_MAX)
+        self._hdr_status = MPI.Status()
+        self._hdr_req = self._post_header_recv()
+        self._closed = False
+
+    # ------------------------------------------------------------------------------- public
+
+    def send(self, dst, key, payload, *, rate=None, not_before=None, on_done=None):
+        """Queue `payload` (a C-contiguous numpy array, not modified by the caller until on_done())
+        for rank `dst` under `key` (a small picklable tuple naming it for the receiver). rate caps
+        the flow in bytes/s (None: as fast as the NIC lets); no byte leaves before `not_before`
+        (time.monotonic()); on_done() is called from progress() once the receiver has taken the
+        last chunk. Sending to oneself delivers a copy at the next progress(), unpaced. Returns at
+        once."""
+        self._check_open()
+        if not isinstance(dst, (int, np.integer)) or not 0 <= dst < self.size:
+            raise ValueError(f"dst must be a rank in 0..{self.size - 1}, got {dst!r}")
+        if not isinstance(key, tuple):
+            raise TypeError(f"key must be a tuple, got {type(key).__name__}")
+        if not isinstance(payload, np.ndarray):
+            raise TypeError(f"payload must be a numpy array, got {type(payload).__name__}")
+        if payload.dtype.hasobject:
+            raise TypeError(f"payload dtype {payload.dtype} holds Python objects; send raw data")
+        if not payload.flags.c_contiguous:
+            raise ValueError(f"payload must be C-contiguous (shape {payload.shape}, strides "
+                             f"{payload.strides}); pass np.ascontiguousarray(payload)")
+        if rate is not None and not rate > 0:
+            raise ValueError(f"rate must be > 0 bytes/s or None, got {rate!r}")
+        if not_before is not None and not math.isfinite(not_before):
+            raise ValueError("not_before must be a finite time.monotonic() value, got "
+                             f"{not_before!r}")
+        if on_done is not None and not callable(on_done):
+            raise TypeError("on_done must be callable")
+        dst = int(dst)
+        nb = -math.inf if not_before is None else float(not_before)
+        flow = _TxFlow(dst, key, payload, payload.reshape(-1).view(np.uint8),
+                       None if rate is None else float(rate), nb, on_done)
+        eff = _min_rate(flow.rate, self.nic.egress_rate())
+        chunk = self.max_chunk if eff is None else int(eff * self.chunk_s)
+        flow.chunk = max(self.min_chunk, min(self.max_chunk, chunk))
+        flow.nchunks = -(-flow.view.size // flow.chunk) if flow.view.size else 0
+        # Build (and size-check) the header now, for local sends too, so a bad key fails here
+        # and the same everywhere, not later in progress().
+        flow.hdr = self._header(flow)
+        if dst == self.rank:
+            self._local.append((nb, key, payload, on_done))
+        else:
+            self._tx.append(flow)
+
+    def progress(self, now=None):
+        """Do all due non-blocking work (test requests, post headers, chunks and receives as the
+        calendars allow, hand out finished messages); return the messages completed since the last
+        call. Raises PeerTimeoutError for a flow whose peer stopped making progress."""
+        self._check_open()
+        now = time.monotonic() if now is None else now
+        self._poll_headers(now)
+        self._progress_rx(now)
+        callbacks = self._progress_tx(now)
+        if self._local:
+            self._deliver_local(now, callbacks)
+        if self._held:
+            self._release_held(now)
+        for cb in callbacks:
+            cb()
+        self._check_timeouts(now)
+        out, self._done = self._done, []
+        return out
+
+    def wake_in(self, now=None):
+        """Seconds until progress() has timed work: 0 if now, else until the earliest pacing time,
+        at most IN_FLIGHT_WAKE_S while requests are in flight (their completion is not timed) and
+        at most IDLE_WAKE_S otherwise (also when idle)."""
+        now = time.monotonic() if now is None else now
+        if self._done:
+            return 0.0
+        t = math.inf
+        inflight = False
+        for nb, _, _, _ in self._local:
+            t = min(t, nb)
+        for due, _ in self._held:
+            t = min(t, due)
+        egress_free = self.nic.egress_free
+        for f in self._tx:
+            if f.tag is None:
+                if f.not_before > now:
+                    t = min(t, f.not_before)
+                else:
+                    inflight = True  # waiting for a flow tag to come free
+                continue
+            if f.hdr_req is not None or f.reqs:
+                inflight = True
+            if f.staged:
+                t = min(t, f.staged[0][0])
+            if f.booked < f.nchunks and f.outstanding() < WINDOW:
+                t = min(t, max(egress_free, f.cap_ready))
+        ingress_free = self.nic.ingress_free
+        for f in self._rx:
+            if f.reqs:
+                inflight = True
+            if f.posted < f.nchunks and len(f.reqs) < WINDOW:
+                t = min(t, ingress_free)
+        if self._rx_deferred:
+            inflight = True
+        if t <= now:
+            return 0.0
+        return min(t - now, IN_FLIGHT_WAKE_S if inflight else IDLE_WAKE_S)
+
+    def busy(self):
+        """True while sends or receives are in flight (queued, paced or posted)."""
+        return bool(self._tx or self._rx or self._local or self._held or self._rx_deferred
+                    or self._done)
+
+    def close(self, timeout=None):
+        """Let in-flight sends finish (at most `timeout` seconds, default self.timeout), then
+        cancel every posted receive (the header receive included). Messages that arrive meanwhile
+        are dropped. Raises PeerTimeoutError if sends were left unfinished (their requests are
+        parked, so MPI never touches freed memory). Idempotent."""
+        if self._closed:
+            return
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        error = None
+        try:
+            while (self._tx or self._local) and time.monotonic() < deadline:
+                self.progress()
+                time.sleep(min(self.wake_in(), 0.001, max(0.0, deadline - time.monotonic())))
+        except PeerTimeoutError as e:
+            error = e
+        finally:
+            self._closed = True
+            self._cancel(self._hdr_req)
+            for f in self._rx:
+                for req, _ in f.reqs:
+                    self._cancel(req)
+            self._rx.clear()
+            self._rx_by_tag.clear()
+            self._rx_deferred.clear()
+            late = []
+            for f in self._tx:
+                late.append((f.dst, f.key))
+                self._park_tx(f)
+            self._tx.clear()
+            self._local.clear()
+        if error is not None:
+            raise error
+        if late:
+            raise PeerTimeoutError(
+                f"data plane of rank {self.rank}: close() gave up after {timeout:g} s on sends "
+                f"still in flight: " + ", ".join(f"{k!r} to rank {d}" for d, k in late[:8])
+                + (" ..." if len(late) > 8 else ""))
+
+    # ----------------------------------------------------------------------------- headers
+
+    def _header(self, flow):
+        hdr = pickle.dumps((flow.key, _dtype_to_descr(flow.payload.dtype), flow.payload.shape,
+                            flow.view.size, flow.chunk), protocol=pickle.HIGHEST_PROTOCOL)
+        if len(hdr) + 8 > HEADER_MAX:
+            raise ValueError(f"key {flow.key!r} is too large for a data-plane header "
+                             f"({len(hdr)} bytes pickled, at most {HEADER_MAX - 8})")
+        return hdr
+
+    def _post_header_recv(self):
+        return self.comm.Irecv([self._hdr_buf, MPI.BYTE], MPI.ANY_SOURCE, HEADER_TAG)
+
+    def _poll_headers(self, now):
+        st = self._hdr_status
+        while self._hdr_req.Test(st):
+            src, count = st.Get_source(), st.Get_count(MPI.BYTE)
+            tag = int.from_bytes(self._hdr_buf[:4], "little")
+            key, descr, shape, nbytes, chunk = pickle.loads(bytes(self._hdr_buf[8:count]))
+            self._hdr_req = self._post_header_recv()
+            hdr = (src, tag, key, descr, shape, nbytes, chunk)
+            if (src, tag) in self._rx_by_tag:
+                # The sender reused the tag as soon as its old flow was matched; we have not
+                # seen that flow's last receive complete yet. Start this one after it.
+                self._rx_deferred.setdefault((src, tag), []).append(hdr)
+            else:
+                self._start_rx(hdr, now)
+
+    def _start_rx(self, hdr, now):
+        src, tag, key, descr, shape, nbytes, chunk = hdr
+        f = _RxFlow(src, key, tag, _descr_to_dtype(descr), shape, nbytes, chunk, now)
+        if f.nchunks == 0:
+            self._finish_rx(f, now)
+            return
+        self._rx_by_tag[(src, tag)] = f
+        self._rx.append(f)
+
+    # ----------------------------------------------------------------------------- receive
+
+    def _progress_rx(self, now):
+        finished = []
+        for f in self._rx:
+            if f.reqs:
+                keep = []
+                for req, i in f.reqs:
+                    if req.Test():
+                        f.received += 1
+                        f.last = now
+                    else:
+                        keep.append((req, i))
+                f.reqs = keep
+                if f.received == f.nchunks:
+                    finished.append(f)
+        for f in finished:
+            self._rx.remove(f)
+            del self._rx_by_tag[(f.src, f.tag)]
+            self._finish_rx(f, now)
+            waiting = self._rx_deferred.get((f.src, f.tag))
+            if waiting:
+                hdr = waiting.pop(0)
+                if not waiting:
+                    del self._rx_deferred[(f.src, f.tag)]
+                self._start_rx(hdr, now)
+        # Post receives as the ingress calendar admits them, one chunk per flow per turn.
+        rx, nic = self._rx, self.nic
+        while rx:
+            t = self._slot(nic.ingress_free, now)
+            if t is None:
+                break
+            for _ in range(len(rx)):
+                f = rx[0]
+                rx.rotate(-1)
+                if f.posted < f.nchunks and len(f.reqs) < WINDOW:
+                    break
+            else:
+                break
+            i = f.posted
+            lo = i * f.chunk
+            hi = min(lo + f.chunk, f.nbytes)
+            f.due = nic.take_ingress(hi - lo, t)
+            if not f.reqs:
+                f.last = now  # the peer's clock starts when we are waiting on it
+            f.reqs.append((self.comm.Irecv([f.buf[lo:hi], MPI.BYTE], f.src, f.tag), i))
+            f.posted += 1
+
+    def _finish_rx(self, f, now):
+        data = f.buf.view(f.dtype).reshape(f.shape) if f.nbytes else np.empty(f.shape, f.dtype)
+        msg = Message(f.src, f.key, data, max(now, f.due))
+        if f.due > now:
+            self._held.append((f.due, msg))
+        else:
+            self._done.append(msg)
+
+    def _release_held(self, now):
+        keep = []
+        for due, msg in self._held:
+            (self._done.append(msg) if due <= now else keep.append((due, msg)))
+        self._held = keep
+
+    def _deliver_local(self, now, callbacks):
+        keep = collections.deque()
+        for item in self._local:
+            nb, key, payload, on_done = item
+            if nb <= now:
+                self._done.append(Message(self.rank, key, payload.copy(), now))
+                if on_done is not None:
+                    callbacks.append(on_done)
+            else:
+                keep.append(item)
+        self._local = keep
+
+    # -------------------------------------------------------------------------------- send
+
+    def _progress_tx(self, now):
+        callbacks, finished = [], []
+        comm = self.comm
+        for f in self._tx:
+            if f.tag is None:
+                if f.not_before > now or not self._start_tx(f, now):
+                    continue
+            if f.hdr_req is not None and f.hdr_req.Test():
+                f.hdr_req = f.hdr = None
+                f.last = now
+            if f.reqs:
+                keep = []
+                for req, i in f.reqs:
+                    if req.Test():
+                        f.taken += 1
+                        f.last = now
+                    else:
+                        keep.append((req, i))
+                f.reqs = keep
+            while f.staged and f.staged[0][0] <= now:
+                self._post_chunk(f, f.staged.popleft()[1], now, comm)
+            if f.taken == f.nchunks and f.hdr_req is None:
+                finished.append(f)
+        for f in finished:
+            self._tx.remove(f)
+            self._tags_busy[f.dst].discard(f.tag)
+            if f.on_done is not None:
+                callbacks.append(f.on_done)
+        # Book chunks on the egress calendar, one per flow per turn; post each when it is through.
+        tx, nic = self._tx, self.nic
+        while tx:
+            t = self._slot(nic.egress_free, now)
+            if t is None:
+                break
+            for _ in range(len(tx)):
+                f = tx[0]
+                tx.rotate(-1)
+                if (f.tag is not None and f.booked < f.nchunks and f.outstanding() < WINDOW
+                        and f.cap_ready <= now):
+                    break
+            else:
+                break
+            i = f.booked
+            lo = i * f.chunk
+            n = min(lo + f.chunk, f.view.size) - lo
+            post_at = nic.take_egress(n, t)
+            if f.rate is not None:
+                start = f.cap_ready if now - f.cap_ready <= self.chunk_s else now
+                f.cap_ready = start + n / f.rate
+                post_at = max(post_at, f.cap_ready)
+            f.booked += 1
+            if post_at <= now:
+                self._post_chunk(f, i, now, comm)
+            else:
+                f.staged.append((post_at, i))
+        return callbacks
+
+    def _start_tx(self, f, now):
+        """Pick a free flow tag for the destination and post the header; False if none is free."""
+        busy, ntags = self._tags_busy[f.dst], FLOW_TAGS
+        if len(busy) >= ntags:
+            return False
+        off = self._next_tag[f.dst] % ntags
+        while FLOW_TAG_BASE + off in busy:
+            off = (off + 1) % ntags
+        self._next_tag[f.dst] = off + 1
+        f.tag = FLOW_TAG_BASE + off
+        busy.add(f.tag)
+        # The tag is known only now (a free one is picked when the flow starts): it goes in
+        # front of the pickled header built by send().
+        f.hdr = f.tag.to_bytes(4, "little") + bytes(4) + f.hdr
+        f.hdr_req = self.comm.Issend([f.hdr, MPI.BYTE], f.dst, HEADER_TAG)
+        f.last = now
+        f.cap_ready = now
+        return True
+
+    def _post_chunk(self, f, i, now, comm):
+        lo = i * f.chunk
+        if not f.reqs and f.hdr_req is None:
+            f.last = now
+        f.reqs.append((comm.Issend([f.view[lo:lo + f.chunk], MPI.BYTE], f.dst, f.tag), i))
+
+    def _slot(self, free, now):
+        """Start time for the next booking on a calendar that is next free at `free`, or None if
+        it is busy. A calendar that fell free less than a chunk_s ago is continued from `free`
+        (the event loop came back late; that time was not idle link time)."""
+        if free > now:
+            return None
+        return free if now - free <= self.chunk_s else now
+
+    # ----------------------------------------------------------------------- failure paths
+
+    def _check_timeouts(self, now):
+        limit = now - self.timeout
+        for f in self._tx:
+            if (f.reqs or f.hdr_req is not None) and f.last < limit:
+                self._tx.remove(f)
+                self._tags_busy[f.dst].discard(f.tag)
+                self._park_tx(f)
+                raise PeerTimeoutError(
+                    f"data plane of rank {self.rank}: send of {f.key!r} to rank {f.dst} made no "
+                    f"progress within {self.timeout:g} s (MLFABRIC_TIMEOUT; "
+                    f"{f.taken}/{f.nchunks} chunks taken): the peer died or stopped "
+                    "driving its data plane")
+        for f in self._rx:
+            if f.reqs and f.last < limit:
+                self._rx.remove(f)
+                del self._rx_by_tag[(f.src, f.tag)]
+                for req, _ in f.reqs:
+                    self._cancel(req)
+                raise PeerTimeoutError(
+                    f"data plane of rank {self.rank}: receive of {f.key!r} from rank {f.src} made "
+                    f"no progress within {self.timeout:g} s (MLFABRIC_TIMEOUT; "
+                    f"{f.received}/{f.nchunks} chunks in): the peer died or stopped driving its "
+                    "data plane")
+
+    def _park_tx(self, f):
+        # Cancelling a send is deprecated and unreliable in MPI 4: keep the requests (and through
+        # them the payload) alive instead; they may still complete if the peer turns up.
+        reqs = [r for r, _ in f.reqs] + ([f.hdr_req] if f.hdr_req is not None else [])
+        self._parked.extend((r, f.payload, f.hdr) for r in reqs)
+
+    def _cancel(self, req):
+        if req is None or req == MPI.REQUEST_NULL:
+            return
+        try:
+            req.Cancel()
+            req.Wait()  # a cancelled receive completes at once (or it had matched: then done)
+        except MPI.Exception:
+            self._parked.append((req, None, None))
+
+    def _check_open(self):
+        if self._closed:
+            raise MlfabricError("data plane is closed")
+
+
+def _min_rate(a, b):
+    if a is None:
+        return b
+    return a if b is None else min(a, b)

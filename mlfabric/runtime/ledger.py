@@ -1,0 +1,78 @@
+"""Accounting (issue: "nothing is lost"): every pushed update id ends in exactly one outcome,
+applied or dropped with a reason, and the job's summary says so. Each rank records what it saw in
+its Ledger; the scheduler merges them at the end (summarize) and checks pushed = applied + dropped
+on the ids themselves, not only on counts.
+"""
+from collections import Counter
+from dataclasses import dataclass, field
+
+DROP_SERVER_FAILED = "server-failed"   # applied only at a server that died, never at its replica
+DROP_WORKER_FAILED = "worker-failed"   # its worker died before the update could be sent
+DROP_SHUTDOWN = "shutdown"             # still queued when the job was stopped
+
+
+@dataclass
+class Ledger:
+    pushed: set = field(default_factory=set)
+    applied: set = field(default_factory=set)
+    aggregated: set = field(default_factory=set)     # went through an aggregator
+    replicated: set = field(default_factory=set)
+    dropped: dict = field(default_factory=dict)      # id -> reason
+    delays: list = field(default_factory=list)       # (id, tau) of applied updates, async modes
+    bytes_out: int = 0
+    bytes_in: int = 0
+
+    def merge(self, other):
+        self.pushed |= other.pushed
+        self.applied |= other.applied
+        self.aggregated |= other.aggregated
+        self.replicated |= other.replicated
+        self.dropped.update(other.dropped)
+        self.delays.extend(other.delays)
+        self.bytes_out += other.bytes_out
+        self.bytes_in += other.bytes_in
+
+
+@dataclass
+class Summary:
+    pushed: int
+    applied: int
+    aggregated: int
+    replicated: int
+    dropped: dict            # reason -> count
+    max_delay: object        # largest tau among applied updates (None if none recorded)
+    balanced: bool           # every pushed id applied or dropped, exactly once
+    missing: list            # pushed ids with no outcome (empty when balanced)
+    twice: list              # ids both applied and dropped
+    server_bytes_in: int = 0
+    replica_bytes_in: int = 0
+
+    def __str__(self):
+        drops = ", ".join("%s %d" % kv for kv in sorted(self.dropped.items())) or "none"
+        return ("pushed %d = applied %d + dropped %d (%s)%s; aggregated %d, replicated %d, "
+                "max delay %s" % (self.pushed, self.applied, sum(self.dropped.values()), drops,
+                                  "" if self.balanced else "  UNBALANCED: missing %d, twice %d"
+                                  % (len(self.missing), len(self.twice)),
+                                  self.aggregated, self.replicated, self.max_delay))
+
+
+def summarize(ledgers, server_ranks=(), replica_ranks=()):
+    """One Summary from every rank's Ledger (a list indexed by rank)."""
+    total = Ledger()
+    for lg in ledgers:
+        if lg is not None:
+            total.merge(lg)
+    # an update applied at a server that later died is dropped, not applied, when the
+    # replica never got it (the recovery step records that drop); applied wins otherwise
+    twice = sorted(total.applied & set(total.dropped))
+    missing = sorted(total.pushed - total.applied - set(total.dropped))
+    taus = [t for _, t in total.delays]
+    return Summary(
+        pushed=len(total.pushed), applied=len(total.applied & total.pushed),
+        aggregated=len(total.aggregated), replicated=len(total.replicated),
+        dropped=dict(Counter(r for i, r in total.dropped.items() if i in total.pushed)),
+        max_delay=max(taus) if taus else None,
+        balanced=not missing and not twice and total.applied <= total.pushed,
+        missing=missing, twice=twice,
+        server_bytes_in=sum(ledgers[r].bytes_in for r in server_ranks if ledgers[r]),
+        replica_bytes_in=sum(ledgers[r].bytes_in for r in replica_ranks if ledgers[r]))

@@ -1,0 +1,173 @@
+"""Parameter-server jobs under real mpirun (run by tests/test_ps.py): every mode's numerics
+against float64 references, delay bounds, accounting, replicas, bad input. Each case is a whole
+job (init, register, train, finish) on every rank."""
+import math
+
+import numpy as np
+from mpi4py import MPI
+
+import mlfabric.ps as ps
+from mlfabric.emulate import Emulation
+from mlfabric.errors import MlfabricError
+from mlfabric.ps.driver import default_update, run_job, shards
+from mlfabric.runtime.roles import Roles
+
+WORLD = MPI.COMM_WORLD
+SIZE = 1003  # not a multiple of anything
+FAST = Emulation(base_rate=200e6)  # paced, but quick
+
+
+def _reference(roles, iterations, ids=None, size=SIZE, seed=0):
+    """float64 model0 + the sum of the updates (all, or those whose id is in `ids`)."""
+    upd = default_update(size, np.float64, seed)
+    total = np.zeros(size)
+    for w in roles.worker_ranks:
+        for i in range(iterations):
+            if ids is None or (w << 32 | i) in ids:
+                total += upd(w, i, None)
+    return total
+
+
+def _check_summary(res):
+    s = res.summary
+    assert s.balanced, s
+    assert s.pushed == s.applied + sum(s.dropped.values()), s
+
+
+def _server_ids(res):
+    return {u for ids, *_ in res.applied_log for u in ids}
+
+
+def case_sync_equals_float64_reference():
+    for servers in (1, 2) if WORLD.size >= 5 else (1,):
+        res = run_job("mlfabric-S", size=SIZE, iterations=4, servers=servers, emulation=FAST,
+                      batch_interval=0.02)
+        roles = Roles(WORLD.size, servers)
+        _check_summary(res)
+        assert res.summary.applied == 4 * len(roles.worker_ranks) * servers
+        ref = _reference(roles, 4)
+        if res.role == "server":
+            a, b = shards(SIZE, servers)[roles.server_ranks.index(WORLD.rank)]
+            np.testing.assert_allclose(res.model, ref[a:b], rtol=1e-12, atol=1e-14)
+        if res.role == "worker":  # its last get: the model after every iteration
+            np.testing.assert_allclose(res.model, _reference(roles, 3), rtol=1e-12, atol=1e-14)
+
+
+def case_async_delays_within_tau_max():
+    tau = 2
+    res = run_job("mlfabric-A", size=SIZE, iterations=6, tau_max=tau, emulation=FAST,
+                  batch_interval=0.02)
+    _check_summary(res)
+    assert res.summary.max_delay is None or res.summary.max_delay <= tau, res.summary
+    if res.role == "server":
+        applied = _server_ids(res)
+        ref = _reference(Roles(WORLD.size), 6, applied)
+        np.testing.assert_allclose(res.model, ref, rtol=1e-12, atol=1e-14)
+        versions = [v for _, v, *_ in res.applied_log]
+        assert versions == sorted(versions)
+
+
+def case_vanilla_async_applies_everything():
+    res = run_job("async", size=SIZE, iterations=5, emulation=FAST)
+    _check_summary(res)
+    assert res.summary.applied == res.summary.pushed == 5 * len(Roles(WORLD.size).worker_ranks)
+    if res.role == "server":
+        np.testing.assert_allclose(res.model, _reference(Roles(WORLD.size), 5), rtol=1e-12,
+                                   atol=1e-14)
+
+
+def case_ssp_applies_everything():
+    res = run_job("ssp", size=SIZE, iterations=5, slack=1, emulation=FAST, batch_interval=0.02)
+    _check_summary(res)
+    assert res.summary.applied == res.summary.pushed
+    if res.role == "server":
+        np.testing.assert_allclose(res.model, _reference(Roles(WORLD.size), 5), rtol=1e-12,
+                                   atol=1e-14)
+
+
+def case_allreduce_baselines_equal_reference():
+    for mode in ("rr-sync", "tr-sync"):
+        res = run_job(mode, size=SIZE, iterations=3, emulation=FAST)
+        if res.role == "worker":
+            np.testing.assert_allclose(res.model, _reference(Roles(WORLD.size), 3), rtol=1e-12,
+                                       atol=1e-14)
+
+
+def case_push_wrong_shape_or_dtype_is_refused_at_the_worker():
+    role = ps.init("mlfabric-A", emulation=FAST, batch_interval=0.02)
+    if role == "worker":
+        ps.register_as_worker()
+        for bad in (np.zeros(SIZE + 1), np.zeros(SIZE, np.float32), [0.0] * SIZE):
+            try:
+                ps.push(1, bad)
+            except (ValueError, TypeError) as e:
+                assert "nothing was sent" in str(e) or "numpy array" in str(e), e
+            else:
+                raise AssertionError("push of %r accepted" % type(bad))
+        try:
+            ps.push(0, np.zeros(SIZE))
+        except MlfabricError as e:
+            assert "not a server" in str(e)
+        else:
+            raise AssertionError("push to the scheduler accepted")
+        try:
+            ps.serve()
+        except MlfabricError as e:
+            assert "finish" in str(e)
+        else:
+            raise AssertionError("serve() on a worker accepted")
+        s = ps.finish()
+    elif role == "server":
+        model = np.zeros(SIZE)
+        ps.register_as_server(model)
+        s = ps.serve()
+        assert not model.any()  # nothing applied
+    else:
+        s = ps.serve()
+    assert s.pushed == 0 and s.applied == 0 and s.balanced, s
+
+
+def case_calls_before_registering_are_errors():
+    ps.init("mlfabric-A")
+    for call in (lambda: ps.push(1, np.zeros(3)), lambda: ps.get(1), ps.finish):
+        try:
+            call()
+        except MlfabricError as e:
+            assert "register" in str(e), e
+        else:
+            raise AssertionError("accepted before registering")
+    api = ps.api
+    api._state.update(config=None, role=None)  # leave no half-started job behind
+
+
+def case_replica_equals_server_and_divergence_is_bounded():
+    if WORLD.size < 4:
+        return
+    div_max = 1.0  # about three updates' worth (each has norm ~ 0.01 * sqrt(SIZE) ~ 0.32)
+    res = run_job("mlfabric-A", size=SIZE, iterations=6, replicas=1, div_max=div_max,
+                  emulation=FAST, batch_interval=0.02)
+    _check_summary(res)
+    logs = WORLD.allgather((res.role, res.applied_log, res.model))
+    server = next(x for x in logs if x[0] == "server")
+    replica = next(x for x in logs if x[0] == "replica")
+    np.testing.assert_allclose(replica[2], server[2], rtol=1e-12, atol=1e-14)
+    assert res.summary.replicated == res.summary.applied
+    s_order = [u for ids, *_ in server[1] for u in ids]
+    r_order = [u for ids, *_ in replica[1] for u in ids]
+    assert s_order == r_order  # the replica applies in the server's order
+    # divergence measured exactly: at each server commit, the server's model minus the replica's
+    # (same host, one clock) is the sum of the updates the replica has not applied yet; the bound
+    # holds at every batch's end (the paper's check, §5.3), which is where the server waits
+    upd = default_update(SIZE, np.float64)
+    vec = {u: upd(u >> 32, u & 0xFFFFFFFF, None) for u in s_order}
+    r_times = [(t, n) for _, n, t, _ in replica[1]]
+    ends = [(version, t) for _, version, t, needed in server[1] if needed > 0]
+    assert ends, "no batch ended with a replica wait"
+    worst = 0.0
+    for version, t in ends:
+        have = max([n for tr, n in r_times if tr <= t], default=0)
+        lead = s_order[have:version]
+        d = float(np.linalg.norm(sum((vec[u] for u in lead), np.zeros(SIZE))))
+        worst = max(worst, d)
+        assert d <= div_max + 1e-12, (d, div_max, version, have)
+    print("replica: worst divergence at a server commit %.3f (div_max %.3f)" % (worst, div_max))
