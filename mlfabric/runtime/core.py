@@ -37,6 +37,7 @@ class Config:
     t_lag: float = 0.2           # monitor report period (paper: 0.2 s)
     slack: int = 2               # SSP's K
     gamma: float = 0.0           # server momentum (eq. 2); the replica bound uses it
+    distribution: bool = True    # answer simultaneous gets through distributors (§10.3)
     emulation: Emulation = field(default_factory=Emulation)
     seed: int = 0
 

@@ -11,7 +11,7 @@ import time
 from dataclasses import replace
 from math import inf
 
-from ..sched import ReplicaState, Update, replicate, schedule
+from ..sched import ReplicaState, Update, distribute, replicate, schedule
 from ..sched.view import SchedulerView
 from .ledger import summarize
 from .monitor import UNPACED, ReportedCapacities
@@ -55,6 +55,7 @@ class SchedulerRole:
         self.ledgers = {}
         self.stopping = False
         self.next_flush = 0.0
+        self.iteration_ready = {}  # sync: (server, iteration) -> updates reported ready
 
     def on_request(self, req):
         if req[0] == "finish":
@@ -67,7 +68,17 @@ class SchedulerRole:
             for uid, server, nbytes, version, norm, sent in body:
                 self.ready_latency.append(now - sent)
                 self.pending[server].append(Update(uid, src, float(nbytes), version, now, norm))
+                if self.mode == "sync":
+                    key = (server, version)
+                    n = self.iteration_ready[key] = self.iteration_ready.get(key, 0) + 1
+                    if n == len(self.workers):
+                        # the iteration's last update: nothing else can join its batch, and the
+                        # server waits for it, so it is planned now rather than at the next tick
+                        del self.iteration_ready[key]
+                        self._plan(server, now)
             self.pushed += len(body)
+        elif kind == "pulls":
+            self._distribute(src, *body)
         elif kind == "report":
             self.caps.update(src, *body)
         elif kind == "applied":
@@ -229,6 +240,38 @@ class SchedulerRole:
         if expect:
             last = expect[-1]
             expect[-1] = (last[0], last[1], last[2], self.replica_planned[server])
+
+    # --- model distribution (§10.3) ------------------------------------------------------------------
+    def _distribute(self, server, version, nbytes, requests):
+        """Plan one model version's delivery to `requests` [(worker, request id)] at once (a pull
+        batch is latency-critical: it is not held for the next update batch)."""
+        rt = self.rt
+        t = rt.now()
+        t_start = time.perf_counter()
+        hosts, idx = [server], {server: 0}
+        for h in self.aggregators + [w for w, _ in requests]:
+            if h not in idx:
+                idx[h] = len(hosts)
+                hosts.append(h)
+        rid = dict(requests)
+        dist, _ = distribute([idx[w] for w, _ in requests], self.view.network(hosts, t), 0,
+                             float(nbytes), distributors=[idx[a] for a in self.aggregators],
+                             start=t, seed=rt.config.seed * 1000003 + self.batches,
+                             version=version)
+        for tr in dist.transfers():
+            self.view.book(hosts[tr.src], hosts[tr.dst], tr.segments)
+        direct = [(hosts[tr.dst], rid[hosts[tr.dst]], tr.start, _rate(tr)) for tr in dist.direct]
+        # unreachable on the view (no capacity left, ever): sent directly all the same, the
+        # real network decides
+        direct += [(hosts[h], rid[hosts[h]], t, None) for h in dist.unserved]
+        relays = []
+        for d in dist.distributors:
+            out = {hosts[tr.dst]: tr for tr in d.outbound}
+            forwards = [(hosts[w], rid[hosts[w]], out[hosts[w]].start if hosts[w] in out else t,
+                         _rate(out[hosts[w]]) if hosts[w] in out else None) for w in d.workers]
+            relays.append((hosts[d.host], d.inbound.start, _rate(d.inbound), forwards))
+        rt.channel.send(server, "distribute", (version, direct, relays))
+        self.plan_time.append(time.perf_counter() - t_start)
 
     # --- the end -------------------------------------------------------------------------------------
     def _summarize(self):

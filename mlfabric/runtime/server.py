@@ -77,6 +77,8 @@ class ServerRole:
         self.order = ApplyInOrder()
         self.processed = {w: 0 for w in self.workers}  # applied or dropped, per worker (SSP)
         self.gets = []               # (worker, request id, clock) waiting for their condition
+        self.distribution = cfg.distribution and cfg.sched_mode is not None
+        self.snapshots = {}          # version -> [model copy, sends left] while distributed
         # (ids, version after, job time, replica count waited for: > 0 at a batch's end with a
         # replica): the order, for audits and tests
         self.applied_log = []
@@ -151,23 +153,52 @@ class ServerRole:
         elif kind == "get":
             rid, clock = body
             self.gets.append((src, rid, clock))
+        elif kind == "distribute":
+            self._distribute(*body)
         else:
             raise RuntimeError("server rank %d: unexpected control message %r from %d"
                                % (self.rt.rank, kind, src))
         self._answer_gets()
 
     def _answer_gets(self):
+        """Answer the requests whose condition holds. Two or more at once go through the
+        scheduler as one distribution batch (§10.3: distributors relay the model so the server's
+        egress is not the bottleneck); a single one is answered directly."""
         if not self.gets:
             return
-        keep = []
-        for w, rid, clock in self.gets:
-            if self._may_answer(clock):
-                model = (self.request_fn(self.model, self.version) if self.request_fn
-                         else self.model)
-                self.rt.dp.send(w, ("m", rid, self.version), np.array(model, copy=True))
-            else:
-                keep.append((w, rid, clock))
+        due, keep = [], []
+        for g in self.gets:
+            (due if self._may_answer(g[2]) else keep).append(g)
         self.gets = keep
+        if not due:
+            return
+        model = np.array(self.request_fn(self.model, self.version) if self.request_fn
+                         else self.model, copy=True)
+        if len(due) == 1 or not self.distribution:
+            for w, rid, _ in due:
+                self.rt.dp.send(w, ("m", rid, self.version), model)
+            return
+        self.snapshots[self.version] = [model, 0]
+        self.rt.channel.send(0, "pulls", (self.version, model.nbytes,
+                                          [(w, rid) for w, rid, _ in due]))
+
+    def _distribute(self, version, direct, relays):
+        """Send a planned distribution: the model straight to the direct group, and to each
+        distributor with the list of workers it forwards to."""
+        snap = self.snapshots[version]
+        model, dp, local = snap[0], self.rt.dp, self.rt.local
+
+        def sent():
+            snap[1] -= 1
+            if snap[1] == 0:
+                del self.snapshots[version]
+        snap[1] = len(direct) + len(relays)
+        for w, rid, start, rate in direct:
+            dp.send(w, ("m", rid, version), model, rate=rate, not_before=local(start),
+                    on_done=sent)
+        for d, start, rate, forwards in relays:
+            dp.send(d, ("d", version, forwards), model, rate=rate, not_before=local(start),
+                    on_done=sent)
 
     def _may_answer(self, clock):
         """sync: the worker's next iteration is done; SSP: the slowest worker is at most `slack`

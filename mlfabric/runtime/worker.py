@@ -4,7 +4,8 @@ with workers). Everything here runs on the daemon thread; the training thread on
 
 Data-plane keys: ('u', id, version, destination) an update to its next hop (the destination is
 the server or replica its aggregate goes to); ('a', key, ids, version) an
-aggregate's sum; ('m', request, version) a model reply.
+aggregate's sum; ('m', request, version) a model reply; ('d', version, forwards) a model to relay to other
+workers (and to keep, when this worker asked for it too).
 """
 import numpy as np
 
@@ -95,6 +96,15 @@ class WorkerRole:
         if kind == "m":
             fut, _server = self.gets.pop(msg.key[1])
             fut.set((msg.data, msg.key[2]))
+        elif kind == "d":  # we distribute this model version (§10.3)
+            _, version, forwards = msg.key
+            for w, rid, start, rate in forwards:
+                if w == self.rt.rank:
+                    fut, _server = self.gets.pop(rid)
+                    fut.set((msg.data, version))
+                else:
+                    self.rt.dp.send(w, ("m", rid, version), msg.data, rate=rate,
+                                    not_before=self.rt.local(start))
         elif kind == "u":  # we aggregate it for its destination (a server or a replica)
             member = (msg.key[1], msg.key[3])
             self.stash[member] = msg.data
