@@ -19,7 +19,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import kernels
-from ..errors import MlfabricError, NotInitializedError
+from ..errors import MlfabricError, NotInitializedError, PeerTimeoutError
 from ..runtime.core import Config, Runtime
 from ..runtime.roles import REPLICA, SCHEDULER, SERVER, WORKER, Roles
 
@@ -151,6 +151,12 @@ def finish():
 def _end(rt):
     try:
         summary = rt.summary.wait()
+    except PeerTimeoutError as e:
+        role_obj = rt.daemon.role if rt.daemon is not None else None
+        why = getattr(role_obj, "waiting_for", None)
+        if why is None:
+            raise
+        raise PeerTimeoutError("%s; the scheduler was waiting for: %s" % (e, why())) from None
     finally:
         rt.daemon.join(timeout=5.0)
         _state["rt"] = None

@@ -30,19 +30,34 @@ class Channel:
     def __init__(self, comm):
         self.comm = comm
         self.inflight = []   # (request, dst, kind, posted at)
+        self.dead = set()    # ranks known failed (ULFM): nothing more is sent to them
         self._status = MPI.Status()
+        self._inbox = []     # received before an interruption, not yet handed out
 
     def send(self, dst, kind, body=None):
+        if dst in self.dead:
+            return
         self.inflight.append((self.comm.isend((kind, body), dst, TAG), dst, kind,
                               time.monotonic()))
 
+    def forget(self, rank):
+        """`rank` died: stop sending to it and drop what it never took."""
+        self.dead.add(rank)
+        self.inflight = [x for x in self.inflight if x[1] != rank]
+
     def receive(self):
-        """Every control message that has arrived: a list of (src, kind, body)."""
-        out, comm, st = [], self.comm, self._status
-        while comm.Iprobe(MPI.ANY_SOURCE, TAG, st):
-            src = st.Get_source()
-            kind, body = comm.recv(source=src, tag=TAG)
-            out.append((src, kind, body))
+        """Every control message that has arrived: a list of (src, kind, body). When ULFM
+        interrupts the probing (a peer died), what was received so far is kept for the next call."""
+        out, self._inbox = self._inbox, []
+        comm, st = self.comm, self._status
+        try:
+            while comm.Iprobe(MPI.ANY_SOURCE, TAG, st):
+                src = st.Get_source()
+                kind, body = comm.recv(source=src, tag=TAG)
+                out.append((src, kind, body))
+        except MPI.Exception:
+            self._inbox = out
+            raise
         return out
 
     def progress(self, now):

@@ -125,6 +125,7 @@ class Runtime:
         self.requests = queue.SimpleQueue()   # training thread -> daemon
         self.wakeup = threading.Event()
         self.error = None
+        self.failed = set()                   # ranks known dead (ULFM)
         self.summary = Future("the end of the job (finish)")
         self.daemon = None
 

@@ -7,13 +7,22 @@ kernels) release it, so the training thread computes while transfers proceed. Wh
 here, the error is kept, every waiting call in the training thread gets it, and the other ranks are
 told (control message 'error') so they stop with the same message instead of waiting on us.
 """
+import os
+import sys
 import threading
 import time
+
+from mpi4py import MPI
 
 from ..errors import MlfabricError
 from .monitor import Reporter
 
+# MLFABRIC_DEBUG=1: every control message and failure, one line each on stderr
+DEBUG = os.environ.get("MLFABRIC_DEBUG", "") not in ("", "0")
 IDLE_S = 0.002  # longest sleep while nothing is timed: a control message waits at most this
+# ULFM (mpirun --with-ft ulfm): a peer died (or a receive from any source cannot tell whether
+# the dead one would have sent), or the communicator was revoked
+FAILURE_CLASSES = {MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED}
 
 
 class Daemon(threading.Thread):
@@ -32,38 +41,77 @@ class Daemon(threading.Thread):
             self._fail(e)
 
     def _loop(self):
-        rt, role, reporter = self.rt, self.role, self.reporter
-        channel, dp = rt.channel, rt.dp
-        wake_in = getattr(role, "wake_in", None)
         while not self.stop:
-            rt.wakeup.clear()
-            now = time.monotonic()
-            while True:
-                try:
-                    req = rt.requests.get_nowait()
-                except Exception:
-                    break
-                role.on_request(req)
-            for src, kind, body in channel.receive():
-                self._control(src, kind, body)
-            for msg in dp.progress(now):
-                role.on_data(msg)
-            role.tick(now)
-            if rt.rank != 0 and reporter.due(now):
-                channel.send(0, "report", reporter.report(now))
-            elif rt.rank == 0 and reporter.due(now):
-                role.caps.update(0, *reporter.report(now))
-            channel.progress(now)
-            if self.stop:
+            try:
+                self._turn()
+            except MPI.Exception as e:
+                if e.Get_error_class() not in FAILURE_CLASSES:
+                    raise
+                self._peers_failed()
+
+    def _peers_failed(self):
+        """ULFM told us a peer died: acknowledge it on both communicators (so receives from any
+        source work again), forget every transfer with it, and let the role recover (a worker's
+        work is dropped with its reason, a server's replica is promoted, ...)."""
+        rt = self.rt
+        failed = set()
+        for comm in (rt.ctrl, rt.data):
+            comm.Ack_failed()
+            g = comm.Get_failed()
+            failed.update(MPI.Group.Translate_ranks(g, list(range(g.Get_size())),
+                                                    comm.Get_group()))
+        new = sorted(failed - rt.failed)
+        if not new:
+            return
+        rt.failed.update(new)
+        if DEBUG:
+            _debug(rt, "ranks %s failed" % new)
+        lost = []
+        for r in new:
+            rt.channel.forget(r)
+            lost += rt.dp.forget_peer(r)
+        if 0 in new:
+            raise MlfabricError("the scheduler (rank 0) died: the job cannot go on without it")
+        self.role = self.role.peers_failed(new, lost) or self.role
+
+    def _turn(self):
+        """One pass: requests, control, data, timed work, then sleep until something is due.
+        self.role is read afresh at each step: a promotion replaces it mid-pass."""
+        rt, reporter = self.rt, self.reporter
+        channel, dp = rt.channel, rt.dp
+        rt.wakeup.clear()
+        now = time.monotonic()
+        while True:
+            try:
+                req = rt.requests.get_nowait()
+            except Exception:
                 break
-            wait = min(dp.wake_in(now), IDLE_S)
-            if wake_in is not None:
-                wait = min(wait, wake_in(now))
-            if wait > 0:
-                rt.wakeup.wait(wait)
+            self.role.on_request(req)
+        for src, kind, body in channel.receive():
+            self._control(src, kind, body)
+        for msg in dp.progress(now):
+            self.role.on_data(msg)
+        self.role.tick(now)
+        if reporter.due(now):
+            rates = reporter.report(now)
+            if rt.rank == 0:
+                self.role.caps.update(0, *rates)
+            else:
+                channel.send(0, "report", rates)
+        channel.progress(now)
+        if self.stop:
+            return
+        wait = min(dp.wake_in(now), IDLE_S)
+        wake_in = getattr(self.role, "wake_in", None)
+        if wake_in is not None:
+            wait = min(wait, wake_in(now))
+        if wait > 0:
+            rt.wakeup.wait(wait)
 
     def _control(self, src, kind, body):
         rt = self.rt
+        if DEBUG:
+            _debug(rt, "from %d: %s %s" % (src, kind, _short(body)))
         if kind == "stop":
             rt.ledger.bytes_out, rt.ledger.bytes_in = (rt.nic.bytes_out,
                                                       max(rt.ledger.bytes_in, rt.nic.bytes_in))
@@ -73,6 +121,8 @@ class Daemon(threading.Thread):
             self.stop = True
         elif kind == "error":
             raise MlfabricError(body)
+        elif kind == "promote":   # the role itself may change (a replica becomes a server)
+            self.role = self.role.on_promote(*body) or self.role
         else:
             self.role.on_ctrl(src, kind, body)
 
@@ -100,3 +150,12 @@ class Daemon(threading.Thread):
             self.role.stopped(err)
         except Exception:
             pass
+
+
+def _debug(rt, text):
+    sys.stderr.write("[mlfabric %.3f r%d %s] %s\n" % (rt.now(), rt.rank, rt.role, text))
+
+
+def _short(body):
+    text = repr(body)
+    return text if len(text) < 200 else text[:200] + "..."

@@ -503,6 +503,25 @@ class DataPlane:
 
     # ----------------------------------------------------------------------- failure paths
 
+    def forget_peer(self, rank):
+        """A peer is known dead (ULFM): drop every flow to or from it, keeping their requests
+        parked (MPI may still hold their buffers), and any header it left waiting. Returns the keys
+        of the dropped sends and receives, so the owner can account for them."""
+        lost = []
+        for f in [f for f in self._tx if f.dst == rank]:
+            self._tx.remove(f)
+            self._tags_busy[f.dst].discard(f.tag)
+            self._park_tx(f)
+            lost.append(("send", f.key))
+        for f in [f for f in self._rx if f.src == rank]:
+            self._rx.remove(f)
+            del self._rx_by_tag[(f.src, f.tag)]
+            self._parked.extend((req, f.buf, None) for req, _ in f.reqs)
+            lost.append(("receive", f.key))
+        for key in [k for k in self._rx_deferred if k[0] == rank]:
+            lost.extend(("receive", hdr[2]) for hdr in self._rx_deferred.pop(key))
+        return lost
+
     def _check_timeouts(self, now):
         limit = now - self.timeout
         for f in self._tx:

@@ -46,6 +46,9 @@ class Summary:
     twice: list              # ids both applied and dropped
     server_bytes_in: int = 0
     replica_bytes_in: int = 0
+    failed: list = field(default_factory=list)     # ranks that died during the job (ULFM)
+    control: dict = field(default_factory=dict)    # control-plane timings (the scheduler's)
+    failovers: list = field(default_factory=list)  # (server, new rank, its version, job time)
 
     def __str__(self):
         drops = ", ".join("%s %d" % kv for kv in sorted(self.dropped.items())) or "none"
@@ -56,12 +59,18 @@ class Summary:
                                   self.aggregated, self.replicated, self.max_delay))
 
 
-def summarize(ledgers, server_ranks=(), replica_ranks=()):
-    """One Summary from every rank's Ledger (a list indexed by rank)."""
+def summarize(ledgers, server_ranks=(), replica_ranks=(), dead=(), known=()):
+    """One Summary from every rank's Ledger (a list indexed by rank; None for a rank that died).
+    A dead worker's ledger is gone: what it pushed is known from the `known` ids the scheduler
+    was told of, and from its ids that were applied or dropped."""
     total = Ledger()
     for lg in ledgers:
         if lg is not None:
             total.merge(lg)
+    if dead:
+        dead = set(dead)
+        seen = set(known) | total.applied | set(total.dropped)
+        total.pushed |= {uid for uid in seen if uid >> 32 in dead}
     # an update applied at a server that later died is dropped, not applied, when the
     # replica never got it (the recovery step records that drop); applied wins otherwise
     twice = sorted(total.applied & set(total.dropped))
@@ -75,4 +84,5 @@ def summarize(ledgers, server_ranks=(), replica_ranks=()):
         balanced=not missing and not twice and total.applied <= total.pushed,
         missing=missing, twice=twice,
         server_bytes_in=sum(ledgers[r].bytes_in for r in server_ranks if ledgers[r]),
-        replica_bytes_in=sum(ledgers[r].bytes_in for r in replica_ranks if ledgers[r]))
+        replica_bytes_in=sum(ledgers[r].bytes_in for r in replica_ranks if ledgers[r]),
+        failed=sorted(dead))

@@ -1,10 +1,19 @@
 """A replica rank's daemon side (paper §5.3): a copy of one server's model that applies the same
 updates in the server's order, from copies the workers send on the replica's own schedule (through
 the replica's aggregators), so it never costs the server's link anything. It reports its progress
-to its server, whose batch-ending commits wait for it (server.ApplyInOrder), and to the scheduler.
-On the server's failure it is promoted (mlfabric.ps.recovery).
+to its server, whose commits wait for it (gate.py), and to the scheduler. When its server dies it
+is promoted: it becomes that server (recovery.py).
+
+The divergence is bounded both ways. The server's lead (what a failure would lose) by the gate;
+the replica's lead (its copies can arrive before the server's own updates) here: the replica
+applies a commit only if afterwards the updates it has and the server has not sum to at most
+Div_max in norm (the server reports its version), except when the server is itself waiting for
+the replica (then holding back would deadlock both: the replica goes ahead, and the bound can be
+exceeded until the server's next commit; the server says so in its report).
 """
-from .server import ApplyInOrder, default_apply
+from math import inf
+
+from .server import ApplyInOrder, ServerRole, default_apply
 
 
 class ReplicaRole:
@@ -12,19 +21,26 @@ class ReplicaRole:
         self.rt = rt
         self.server = server
         self.model = None           # arrives from the server at start ('init')
+        self.on_update = on_update
         self.apply_fn = on_update or default_apply(rt.config.gamma)
         self.order = ApplyInOrder()
-        self.count = 0              # updates applied
+        self.count = 0              # updates applied (or skipped: see peers_failed)
+        self.skipped = 0
         self.reported = 0
-        self.early = []             # payloads that came before the initial model
-        self.applied_log = []       # (ids, count after, job time)
+        self.applied_log = []       # (ids, count after, job time, 0)
+        self.div_max = min((rt.infos[w]["div_max"] for w in rt.roles.worker_ranks), default=inf)
+        self.server_count, self.server_blocked = 0, False
+        self.prefix = [0.0]         # prefix[p]: sum of the norms of the first p updates applied
+        self._norms = {}            # ids -> their norms, for the commit being applied
 
     def on_data(self, msg):
         key = msg.key
         if key[0] == "init":
             self.model = msg.data
-        elif key[0] in ("u", "a"):
-            self.order.arrive(key[:2], msg.data)
+        elif key[0] == "u":
+            self.order.arrive(key[:2], (key[1],), msg.data)
+        elif key[0] == "a":
+            self.order.arrive(key[:2], key[2], msg.data)
         else:
             raise RuntimeError("replica rank %d: unexpected payload %r" % (self.rt.rank, key))
         self._apply_due()
@@ -32,6 +48,9 @@ class ReplicaRole:
     def on_ctrl(self, src, kind, body):
         if kind == "expect":
             self.order.add_plan(body)
+            self._apply_due()
+        elif kind == "server-count":
+            self.server_count, self.server_blocked = body
             self._apply_due()
         else:
             raise RuntimeError("replica rank %d: unexpected control message %r from %d"
@@ -44,17 +63,61 @@ class ReplicaRole:
         if self.model is None:
             return
         rt = self.rt
-        for ids, _versions, data, _ in self.order.due():
-            self.apply_fn(self.model, data, ids)
+        for ids, _versions, data, _ in self.order.due(self._within_bound):
+            if ids:
+                self.apply_fn(self.model, data, ids)
+            norms = self._norms.pop(ids, None) or (0.0,) * len(ids)
+            for n in norms:
+                self.prefix.append(self.prefix[-1] + n)
             self.count += len(ids)
             rt.ledger.replicated.update(ids)
             self.applied_log.append((ids, self.count, rt.now(), 0))
+
+    def _within_bound(self, entry, ids):
+        """May the next commit (entry: its planned ids, norms last) be applied now?"""
+        norms = dict(zip(entry[1], entry[5]))
+        self._norms[ids] = tuple(norms[u] for u in ids)
+        if self.server_blocked:  # one commit to unblock it; the server's next report says more
+            self.server_blocked = False
+            return True
+        p, c = self.server_count, self.count
+        lead = self.prefix[c] - self.prefix[p] if p < c else 0.0
+        lead += sum(n for k, n in enumerate(self._norms[ids], c + 1) if k > p)
+        return lead <= self.div_max
 
     def tick(self, now):
         if self.count != self.reported:
             self.reported = self.count
             self.rt.channel.send(self.server, "replicated", self.count)
             self.rt.channel.send(0, "replicated", self.count)
+
+    def peers_failed(self, ranks, lost):
+        """A worker or replica aggregator died: the copies it was to send never come. They are
+        skipped (counted, so the server's gate does not wait forever), which leaves this replica
+        short of updates its server may have applied; if the server dies later, the scheduler
+        drops exactly those (it compares with the ids this replica applied)."""
+        for r in ranks:
+            for _ in self.order.forget(r):
+                self.count += 1
+                self.skipped += 1
+        self._apply_due()
+
+    def on_promote(self, server, rank, processed):
+        """Become the server `server` (ours died): our model, our count as its version. Replica
+        traffic still in flight is ignored from now on (ServerRole.on_data)."""
+        if server != self.server:
+            return None
+        rt = self.rt
+        if self.model is None:
+            raise RuntimeError("replica rank %d: promoted before it had its initial model"
+                               % rt.rank)
+        rt.ledger.applied |= rt.ledger.replicated   # applied in the model that goes on
+        role = ServerRole(rt, self.model, self.on_update, None,
+                          version=len(rt.ledger.replicated),
+                          logical=server, replica=None, processed=processed)
+        role.applied_log = self.applied_log
+        rt.channel.send(0, "promoted", (server, sorted(rt.ledger.replicated)))
+        return role
 
     def stopped(self, error):
         pass

@@ -2,10 +2,14 @@
 plans each server's batch with mlfabric.sched.schedule on the monitor's view of the network, books
 the plan's transfers in that view, and sends every daemon its part: the workers what to send where
 and when (or that an update is dropped), the aggregators what to sum, the server the commits in
-order. It also decides when the job is over (every worker done, every pushed update applied or
-dropped) and gathers everyone's accounts into the job's summary.
+order. With a replica it also plans the replica's copies (mlfabric.sched.replicate) and the
+server's divergence gate (gate.py). It answers pull batches with distribution trees (§10.3),
+decides when the job is over (every live worker done, every pushed update applied or dropped) and
+gathers everyone's accounts into the job's summary. Failures are handled in recovery.py.
 
-Times are job time (seconds since the job's t0, on the scheduler's clock; daemons convert).
+Servers are named by their logical id (the rank they started on); `rank_of` maps a logical server
+to the rank that serves it now (its replica's, after a failover). Times are job time (seconds since
+the job's t0, on the scheduler's clock; daemons convert).
 """
 import time
 from dataclasses import replace
@@ -13,19 +17,22 @@ from math import inf
 
 from ..sched import ReplicaState, Update, distribute, replicate, schedule
 from ..sched.view import SchedulerView
+from .gate import DivergenceGate
 from .ledger import summarize
 from .monitor import UNPACED, ReportedCapacities
+from .recovery import SchedulerRecovery
 from .worker import Assignment
 
 
-class SchedulerRole:
+class SchedulerRole(SchedulerRecovery):
     def __init__(self, rt):
         self.rt = rt
         cfg = rt.config
         roles = rt.roles
         self.mode = cfg.sched_mode      # None: vanilla async (nothing to plan)
-        self.workers = roles.worker_ranks
-        self.servers = roles.server_ranks
+        self.workers = list(roles.worker_ranks)
+        self.servers = list(roles.server_ranks)
+        self.rank_of = {s: s for s in self.servers}
         infos = [rt.infos[w] for w in self.workers]
         self.tau_max = infos[0]["tau_max"] if infos else inf
         self.div_max = infos[0]["div_max"] if infos else inf
@@ -37,29 +44,36 @@ class SchedulerRole:
         self.replica_aggregators = self.workers[::-1][:k]
         self.replica = {s: roles.replica_of(s) for s in self.servers}
         self.rstate = {s: ReplicaState() for s in self.servers if self.replica[s] is not None}
+        self.gate = {s: DivergenceGate(self.div_max) for s in self.rstate}
         self.replica_planned = {s: 0 for s in self.servers}  # replica commits planned so far
         self.replicated = {s: 0 for s in self.servers}       # ... and reported done
         base = cfg.emulation.base_rate
         self.caps = ReportedCapacities(rt.size, UNPACED if base is None else base)
         self.view = SchedulerView(self.caps, 0.0)
         self.pending = {s: [] for s in self.servers}   # Update (hosts are ranks) per server
+        self.planned = {s: [] for s in self.servers}   # ids planned for each server (recovery)
         self.v_init = {s: 0 for s in self.servers}
         self.after = {s: 0.0 for s in self.servers}
         self.next_batch = rt.now() + cfg.batch_interval
         self.batches = 0
         self.ready_latency = []   # seconds from a worker's report to our receipt
         self.plan_time = []       # seconds spent planning one batch (schedule + booking + sending)
-        self.pushed = 0           # ready updates reported (scheduled modes)
-        self.resolved = 0         # applied (reported by servers) + dropped
+        self.ready_ids = set()    # ids reported ready (scheduled modes)
+        self.resolved = set()     # ids applied (reported by servers) or dropped
+        self.resolved_of = {w: 0 for w in self.workers}  # per worker, for the end condition
         self.done = {}            # worker -> its pushed count, once it has finished
         self.ledgers = {}
         self.stopping = False
-        self.next_flush = 0.0
         self.iteration_ready = {}  # sync: (server, iteration) -> updates reported ready
+        self.promoting = set()     # servers whose replica is being promoted (recovery.py)
+        self.failed_over = set()   # servers now served by their promoted replica
+        self.failovers = []        # (server, new rank, updates in the promoted model, job time)
 
     def on_request(self, req):
-        if req[0] == "finish":
-            self.want_finish = True
+        pass
+
+    def on_data(self, msg):
+        raise RuntimeError("scheduler: unexpected payload %r from rank %d" % (msg.key, msg.src))
 
     def on_ctrl(self, src, kind, body):
         rt = self.rt
@@ -67,6 +81,7 @@ class SchedulerRole:
             now = rt.now()
             for uid, server, nbytes, version, norm, sent in body:
                 self.ready_latency.append(now - sent)
+                self.ready_ids.add(uid)
                 self.pending[server].append(Update(uid, src, float(nbytes), version, now, norm))
                 if self.mode == "sync":
                     key = (server, version)
@@ -74,17 +89,21 @@ class SchedulerRole:
                     if n == len(self.workers):
                         # the iteration's last update: nothing else can join its batch, and the
                         # server waits for it, so it is planned now rather than at the next tick
-                        del self.iteration_ready[key]
-                        self._plan(server, now)
-            self.pushed += len(body)
+                        self._iteration_planned(server, version, now)
         elif kind == "pulls":
-            self._distribute(src, *body)
+            self._distribute(self.logical(src), *body)
         elif kind == "report":
             self.caps.update(src, *body)
         elif kind == "applied":
-            self.resolved += len(body)
+            self._resolve(body)
+        elif kind == "lost":            # work a failure took, found by a daemon (recovery.py)
+            self.lost(body)
         elif kind == "replicated":
-            self.replicated[rt.roles.server_of(src)] = body
+            s = next((s for s, r in self.replica.items() if r == src), None)
+            if s is not None:
+                self.replicated[s] = body
+        elif kind == "promoted":
+            self.promoted(src, *body)
         elif kind == "done":
             self.done[src] = body
         elif kind == "ledger":
@@ -93,51 +112,104 @@ class SchedulerRole:
             raise RuntimeError("scheduler: unexpected control message %r from rank %d"
                                % (kind, src))
 
+    def logical(self, rank):
+        """The logical server a rank serves."""
+        return next(s for s, r in self.rank_of.items() if r == rank)
+
+    def _resolve(self, ids, reason=None):
+        """ids are applied (reason None) or dropped for `reason`; each counts once."""
+        for uid in ids:
+            if reason is not None:
+                self.rt.ledger.dropped[uid] = reason
+            if uid not in self.resolved:
+                self.resolved.add(uid)
+                w = uid >> 32
+                self.resolved_of[w] = self.resolved_of.get(w, 0) + 1
+
     def tick(self, now_mono):
         rt = self.rt
         t = rt.now()
         if self.mode is not None and t >= self.next_batch:
             self.next_batch = t + rt.config.batch_interval
             for s in self.servers:
+                if s in self.promoting:
+                    continue
                 if self.pending[s]:
                     self._plan(s, t)
+                elif s in self.rstate and self.rstate[s].punted:
+                    # nothing new for the server: catch the replica up in full, it costs the
+                    # server nothing and the divergence gate may be holding the server back
+                    self._plan(s, t, catch_up=True)
             if self.batches % 10 == 0:
                 self.view.prune(t)
-        if not self.stopping and len(self.done) == len(self.workers):
-            pushed = sum(self.done.values())
-            if self.resolved == pushed and all(not p for p in self.pending.values()):
-                if not self._replicas_caught_up(t):
-                    return
-                self.stopping = True
-                for r in range(1, rt.size):
-                    rt.channel.send(r, "stop")
-                self.ledgers[0] = rt.ledger
-        if self.stopping and len(self.ledgers) == rt.size:
+        if not self.stopping and self._finished():
+            self.stopping = True
+            for r in range(1, rt.size):
+                rt.channel.send(r, "stop")
+            self.ledgers[0] = rt.ledger
+        if self.stopping and len(self.ledgers) == rt.size - len(rt.failed):
             self._summarize()
 
-    def _replicas_caught_up(self, t):
-        """Every replica has applied what its server applied; punted copies are planned now,
-        with Div_max = 0 (a full catch-up)."""
-        ok = True
-        for s, state in self.rstate.items():
-            if state.punted and t >= self.next_flush:
-                self._plan(s, t, flush=True)
-                self.next_flush = t + self.rt.config.batch_interval
-            if state.punted or self.replicated[s] < self.replica_planned[s]:
-                ok = False
-        return ok
+    def _finished(self):
+        """Every live worker is done and every update it pushed is resolved; nothing is pending
+        or being promoted; every replica has caught up with its server."""
+        if any(w not in self.done for w in self.workers) or self.promoting:
+            return False
+        if any(self.resolved_of.get(w, 0) < self.done[w] for w in self.workers):
+            return False
+        if self.ready_ids - self.resolved or any(self.pending.values()):
+            return False
+        return all(not st.punted and self.replicated[s] >= self.replica_planned[s]
+                   for s, st in self.rstate.items())
+
+    def waiting_for(self):
+        """Why the job has not ended yet, in words (for the timeout's error message)."""
+        parts = []
+        left = [w for w in self.workers if w not in self.done]
+        if left:
+            parts.append("workers %s have not finished" % left)
+        short = {w: self.done[w] - self.resolved_of.get(w, 0) for w in self.workers
+                 if w in self.done and self.resolved_of.get(w, 0) < self.done[w]}
+        if short:
+            parts.append("unresolved updates per worker %s" % short)
+        unresolved = self.ready_ids - self.resolved
+        if unresolved:
+            parts.append("%d reported updates neither applied nor dropped" % len(unresolved))
+        if any(self.pending.values()):
+            parts.append("updates waiting to be planned")
+        for s, st in self.rstate.items():
+            if st.punted or self.replicated[s] < self.replica_planned[s]:
+                parts.append("replica of server %d behind (%d punted, %d/%d applied)"
+                             % (s, len(st.punted), self.replicated[s], self.replica_planned[s]))
+        if self.promoting:
+            parts.append("promoting replicas of %s" % sorted(self.promoting))
+        if self.stopping:
+            parts.append("ledgers from ranks %s" % sorted(
+                set(range(self.rt.size)) - set(self.ledgers) - self.rt.failed))
+        return "; ".join(parts) or "nothing"
 
     def wake_in(self, now_mono):
         return max(0.0, self.next_batch - self.rt.now()) if self.mode is not None else 0.01
 
     # --- one batch ---------------------------------------------------------------------------------
-    def _plan(self, server, t, flush=False):
-        rt, cfg = self.rt, self.rt.config
+    def _iteration_planned(self, server, version, t):
+        """Sync: every live worker's update of iteration `version` is in; plan what is pending
+        and tell the server, which then steps once they have all arrived."""
+        self.iteration_ready.pop((server, version), None)
+        if self.pending[server]:
+            self._plan(server, t)
+        self.rt.channel.send(self.rank_of[server], "iteration", version)
+
+    def _plan(self, server, t, catch_up=False):
+        """Plan `server`'s pending updates (and its replica's copies); send the parts."""
+        cfg = self.rt.config
         t_start = time.perf_counter()
         updates, self.pending[server] = self.pending[server], []
+        updates = self._drop_orphans(server, updates)
+        srank = self.rank_of[server]
         state = self.rstate.get(server)
         replica = self.replica[server]
-        hosts, idx = [server], {server: 0}
+        hosts, idx = [srank], {srank: 0}
         extra = [] if state is None else [replica, *self.replica_aggregators,
                                            *(u.id >> 32 for u in state.punted)]
         for h in self.aggregators + extra + [u.worker for u in updates]:
@@ -145,41 +217,49 @@ class SchedulerRole:
                 idx[h] = len(hosts)
                 hosts.append(h)
         ups = [Update(u.id, idx[u.worker], u.size, u.version, t, u.norm) for u in updates]
-        if self.mode == "sync":
+        if self.mode == "sync" and ups:
             self.v_init[server] = max(self.v_init[server], max(u.version for u in ups))
         seed = cfg.seed * 1000003 + self.batches
         plan, net = schedule(ups, self.view.network(hosts, t), 0,
                              aggregators=[idx[a] for a in self.aggregators], tau_max=self.tau_max,
                              v_init=self.v_init[server], start=t, seed=seed, mode=self.mode,
                              after=self.after[server])
+        by_id = {u.id: u for u in updates}
         if state is not None:
             state = replace(state, punted=[replace(u, worker=idx[u.id >> 32])
                                            for u in state.punted])
-            by_punted = {u.id: u for u in state.punted}
+            for u in state.punted:
+                by_id.setdefault(u.id, replace(u, worker=u.id >> 32))
             plan, net, self.rstate[server] = replicate(
                 plan, net, idx[replica], [idx[a] for a in self.replica_aggregators], state,
-                div_max=0.0 if flush else self.div_max, gamma=cfg.gamma, seed=seed,
+                div_max=0.0 if catch_up else self.div_max, gamma=cfg.gamma, seed=seed,
                 sync=False, iteration_end=True)
         self.batches += 1
         if plan.commits:
             self.after[server] = plan.commits[-1].time
         if self.mode != "sync":
             self.v_init[server] += len(plan.order)
-        by_id = {u.id: u for u in updates}
-        if state is not None:
-            for uid, u in by_punted.items():
-                by_id.setdefault(uid, Update(uid, uid >> 32, u.size, u.version, u.ready, u.norm))
-        final = state is None   # with a replica, the worker keeps the update for its copy
-        sends = {}      # worker rank -> [(id, hop, destination, not_before, rate, final)]
-        aggs = {}       # aggregator rank -> [Assignment]
-        expect = []
+        self.planned[server].extend(plan.order)
         for tr in plan.transfers():
             self.view.book(hosts[tr.src], hosts[tr.dst], tr.segments)
+        self._send_parts(server, plan, hosts, by_id, state is None)
+        self.plan_time.append(time.perf_counter() - t_start)
+
+    def _send_parts(self, server, plan, hosts, by_id, final):
+        """Each daemon's part of a plan. `final`: no replica copy follows, so a worker frees its
+        update after this send (with a replica it keeps it for the copy)."""
+        rt = self.rt
+        srank = self.rank_of[server]
+        sends = {}      # worker rank -> [(id, hop, destination, not_before, rate, final)]
+        aggs = {}       # aggregator rank -> [Assignment]
+        expect = []     # the server's commits: (key, ids, versions, replica count needed, via)
+        gate = self.gate.get(server)
         for tr in plan.direct:
             uid = tr.ids[0]
-            sends.setdefault(by_id[uid].worker, []).append(
-                (uid, server, server, tr.start, _rate(tr), final))
-            expect.append((("u", uid), (uid,), (by_id[uid].version,), 0))
+            u = by_id[uid]
+            sends.setdefault(u.worker, []).append((uid, srank, server, tr.start, _rate(tr), final))
+            need = gate.commit((u.norm,)) if gate else 0
+            expect.append((("u", uid), (uid,), (u.version,), need, u.worker))
         for k, a in enumerate(plan.aggregates):
             for tr in a.inbound:
                 uid = tr.ids[0]
@@ -189,40 +269,47 @@ class SchedulerRole:
             version = by_id[a.members[0]].version if self.mode == "sync" else None
             aggs.setdefault(hosts[a.aggregator], []).append(Assignment(
                 key, server, a.members, a.transfer.start, _rate(a.transfer), version))
+            need = gate.commit([by_id[u].norm for u in a.members]) if gate else 0
             expect.append((("a", key), tuple(a.members),
-                           tuple(by_id[u].version for u in a.members), 0))
-        if state is not None:
-            self._replica_parts(server, plan.replica, hosts, by_id, sends, aggs, expect)
-        if self.mode != "sync":
-            rt.channel.send(server, "expect", expect)
+                           tuple(by_id[u].version for u in a.members), need, hosts[a.aggregator]))
+        if plan.replica is not None:
+            self._replica_parts(server, plan.replica, hosts, by_id, sends, aggs)
+            if expect:  # §5.3: the batch's last commit waits for the replica's planned catch-up
+                last = expect[-1]
+                expect[-1] = last[:3] + (max(last[3], self.replica_planned[server]),) + last[4:]
+        if expect:
+            rt.channel.send(srank, "expect", expect)
         for rank, entries in aggs.items():
             rt.channel.send(rank, "aggregate", entries)
         sent = rt.now()
         for rank, entries in sends.items():
             rt.channel.send(rank, "send", (sent, entries))
         if plan.dropped:
-            drops = {}
-            for uid, why in plan.dropped.items():
-                rt.ledger.dropped[uid] = why
-                drops.setdefault(by_id[uid].worker, []).append((uid, why))
-            for rank, entries in drops.items():
-                rt.channel.send(rank, "drop", entries)
-            rt.channel.send(server, "dropped", list(plan.dropped))
-            self.resolved += len(plan.dropped)
-        self.plan_time.append(time.perf_counter() - t_start)
+            self._drop(server, {uid: (by_id[uid].worker, why)
+                                for uid, why in plan.dropped.items()})
 
-    def _replica_parts(self, server, rp, hosts, by_id, sends, aggs, expect):
+    def _drop(self, server, drops, tell_server=True):
+        """Tell the workers and the server that these updates {id: (worker, reason)} are
+        dropped, and record them."""
+        per_worker = {}
+        for uid, (w, why) in drops.items():
+            self._resolve((uid,), why)
+            per_worker.setdefault(w, []).append((uid, why))
+        for w, entries in per_worker.items():
+            self.rt.channel.send(w, "drop", entries)
+        if tell_server:
+            self.rt.channel.send(self.rank_of[server], "dropped", list(drops))
+
+    def _replica_parts(self, server, rp, hosts, by_id, sends, aggs):
         """The replica's frozen transfers as plan parts: copies from workers (the update's last
-        send: the worker may then free it), its aggregators' sums, its commits in order; and the
-        server's last commit of the batch waits until the replica has applied them (§5.3)."""
-        rt = self.rt
+        send: the worker may then free it), its aggregators' sums, its commits in order."""
         replica = self.replica[server]
         keys = {}
         for tr in rp.direct:
             uid = tr.ids[0]
             sends.setdefault(uid >> 32, []).append(
                 (uid, replica, replica, tr.start, _rate(tr), True))
-            keys[(uid,)] = ("u", uid)
+            keys[(uid,)] = (("u", uid), uid >> 32)
         for k, a in enumerate(rp.aggregates):
             for tr in a.inbound:
                 uid = tr.ids[0]
@@ -231,15 +318,13 @@ class SchedulerRole:
             key = (self.batches, "r", k)
             aggs.setdefault(hosts[a.aggregator], []).append(Assignment(
                 key, replica, a.members, a.transfer.start, _rate(a.transfer), None))
-            keys[tuple(a.members)] = ("a", key)
-        commits = [(keys[tuple(c.ids)], tuple(c.ids), (None,) * len(c.ids), 0)
-                   for c in rp.commits]
+            keys[tuple(a.members)] = (("a", key), hosts[a.aggregator])
+        norm = {u.id: u.norm for u in by_id.values()}
+        commits = [(keys[tuple(c.ids)][0], tuple(c.ids), (None,) * len(c.ids), 0,
+                    keys[tuple(c.ids)][1], tuple(norm[u] for u in c.ids)) for c in rp.commits]
         self.replica_planned[server] += len(rp.applied)
         if commits:
-            rt.channel.send(replica, "expect", commits)
-        if expect:
-            last = expect[-1]
-            expect[-1] = (last[0], last[1], last[2], self.replica_planned[server])
+            self.rt.channel.send(replica, "expect", commits)
 
     # --- model distribution (§10.3) ------------------------------------------------------------------
     def _distribute(self, server, version, nbytes, requests):
@@ -248,7 +333,9 @@ class SchedulerRole:
         rt = self.rt
         t = rt.now()
         t_start = time.perf_counter()
-        hosts, idx = [server], {server: 0}
+        srank = self.rank_of[server]
+        requests = list(dict((w, r) for w, r in requests if w not in rt.failed).items())
+        hosts, idx = [srank], {srank: 0}
         for h in self.aggregators + [w for w, _ in requests]:
             if h not in idx:
                 idx[h] = len(hosts)
@@ -270,16 +357,18 @@ class SchedulerRole:
             forwards = [(hosts[w], rid[hosts[w]], out[hosts[w]].start if hosts[w] in out else t,
                          _rate(out[hosts[w]]) if hosts[w] in out else None) for w in d.workers]
             relays.append((hosts[d.host], d.inbound.start, _rate(d.inbound), forwards))
-        rt.channel.send(server, "distribute", (version, direct, relays))
+        rt.channel.send(srank, "distribute", (version, direct, relays))
         self.plan_time.append(time.perf_counter() - t_start)
 
     # --- the end -------------------------------------------------------------------------------------
     def _summarize(self):
         rt = self.rt
         ledgers = [self.ledgers.get(r) for r in range(rt.size)]
-        summary = summarize(ledgers, rt.roles.server_ranks, rt.roles.replica_ranks)
+        summary = summarize(ledgers, rt.roles.server_ranks, rt.roles.replica_ranks,
+                            dead=rt.failed, known=self.ready_ids)
         summary.control = {"ready_latency": self.ready_latency, "plan_time": self.plan_time,
                            "batches": self.batches}
+        summary.failovers = list(self.failovers)
         for r in range(1, rt.size):
             rt.channel.send(r, "summary", summary)
         rt.summary.set(summary)

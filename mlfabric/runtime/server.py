@@ -3,19 +3,24 @@ order in which updates are applied, and the answers to model requests.
 
 Scheduled asynchronous modes (mlfabric-A, SSP) apply in the plan's order: the scheduler sends the
 server each batch's commits in order ('expect'), and a payload that arrives before its predecessor
-waits (paper §3.1.1: order is enforced by the network; this only covers a late payload). Vanilla
-async applies whatever arrives, as it arrives. mlfabric-S sums an iteration's updates in whatever
-order they come and takes one step when all workers' updates are in (§6).
+waits (paper §3.1.1: order is enforced by the network; this only covers a late payload). With a
+replica, each commit also waits until the replica has applied enough (gate.py). Vanilla async
+applies whatever arrives, as it arrives. mlfabric-S sums an iteration's updates in whatever order
+they come and takes one step when all live workers' updates are in (§6).
 
 The version is the number of updates applied (async modes: an aggregate of m updates counts m, so
 every member keeps its delay) or of iterations (sync). Every applied update's delay
 tau = version before it - the version it was computed from is recorded for the accounting.
 """
 from collections import deque
+from math import inf
 
 import numpy as np
 
 from .. import kernels
+from .ledger import DROP_WORKER_FAILED
+
+DROP_AGGREGATOR_FAILED = "aggregator-failed"  # its aggregator died holding it
 
 
 def default_apply(gamma):
@@ -38,96 +43,153 @@ def default_apply(gamma):
 
 
 class ApplyInOrder:
-    """The commits of a plan applied strictly in order, each once its payload is in and, for a
-    batch's last commit when a replica exists, once the replica has applied as many updates as the
-    plan gave it by then (paper §5.3: the server's last transfer waits for the replica; here the
-    wait is enforced by the replica's progress reports, so a network slower than planned can cost
-    time but never break the divergence bound)."""
+    """The commits of a plan applied strictly in order, each once its payload is in and the
+    replica has applied as many updates as the commit's gate asks (paper §5.3; gate.py). The wait
+    is enforced by the replica's progress reports, so a network slower than planned can cost time
+    but never break the divergence bound."""
 
     def __init__(self):
-        self.expect = deque()    # (arrival key, ids, versions, replica count needed) in order
-        self.arrived = {}        # arrival key -> payload
+        self.expect = deque()    # (arrival key, ids, versions, replica count needed, via)
+        self.arrived = {}        # arrival key -> (ids, payload)
         self.replica_count = 0   # updates the replica has reported applied
 
     def add_plan(self, commits):
         self.expect.extend(commits)
 
-    def arrive(self, key, data):
-        self.arrived[key] = data
+    def arrive(self, key, ids, data):
+        self.arrived[key] = (ids, data)
 
-    def due(self):
+    def due(self, may=None):
         """Pop and yield (ids, versions, payload, replica count waited for) while the next
-        commit may be applied."""
+        commit may be applied (`may(entry, ids)`, if given, must agree too). The ids are the
+        payload's own: an aggregate whose aggregator lost a member to a failure carries fewer
+        than planned."""
         while (self.expect and self.expect[0][0] in self.arrived
                and self.replica_count >= self.expect[0][3]):
-            key, ids, versions, needed = self.expect.popleft()
-            yield ids, versions, self.arrived.pop(key), needed
+            if may is not None and not may(self.expect[0], self.arrived[self.expect[0][0]][0]):
+                return
+            key, planned, versions, needed, _ = self.expect.popleft()[:5]
+            ids, data = self.arrived.pop(key)
+            version_of = dict(zip(planned, versions))
+            yield ids, tuple(version_of[u] for u in ids), data, needed
+
+    def blocked_on_replica(self):
+        """The next commit's payload is in, and only the replica's progress holds it."""
+        return (bool(self.expect) and self.expect[0][0] in self.arrived
+                and self.replica_count < self.expect[0][3])
+
+    def forget(self, dead):
+        """Commits that can never arrive because rank `dead` died: a direct update it was to send,
+        or an aggregate it was to send. Removed; returns [(id, reason)]."""
+        lost, keep = [], deque()
+        for entry in self.expect:
+            key, ids, via = entry[0], entry[1], entry[4]
+            if via == dead and key not in self.arrived:
+                why = DROP_WORKER_FAILED if key[0] == "u" else DROP_AGGREGATOR_FAILED
+                lost.extend((u, why) for u in ids)
+            else:
+                keep.append(entry)
+        self.expect = keep
+        return lost
 
 
 class ServerRole:
-    def __init__(self, rt, model, on_update=None, on_request=None):
+    def __init__(self, rt, model, on_update=None, on_request=None, *, version=0, logical=None,
+                 replica="auto", processed=None):
         self.rt = rt
         cfg = rt.config
         self.model = model
-        self.version = 0
+        self.version = version
+        self.logical = rt.rank if logical is None else logical  # the server id workers use
         self.apply_fn = on_update or default_apply(cfg.gamma)
         self.request_fn = on_request
         self.mode = cfg.mode
-        self.workers = list(rt.roles.worker_ranks)
+        self.workers = [w for w in rt.roles.worker_ranks if w not in rt.failed]
         self.order = ApplyInOrder()
         self.processed = {w: 0 for w in self.workers}  # applied or dropped, per worker (SSP)
+        self.processed.update({w: n for w, n in (processed or {}).items() if w in self.processed})
         self.gets = []               # (worker, request id, clock) waiting for their condition
         self.distribution = cfg.distribution and cfg.sched_mode is not None
         self.snapshots = {}          # version -> [model copy, sends left] while distributed
-        # (ids, version after, job time, replica count waited for: > 0 at a batch's end with a
-        # replica): the order, for audits and tests
+        # (ids, version after, job time, replica count waited for): the order, for audits and tests
         self.applied_log = []
         self.unreported = []         # ids applied since the last 'applied' report
         self.iteration = None        # sync: [sum, members] of the open iteration
-        replica = rt.roles.replica_of(rt.rank)
+        self.planned_iterations = set()  # sync: iterations whose updates are all planned
+        self.sync_seen = set()       # sync: arrival keys seen (they may precede their plan)
+        if replica == "auto":
+            replica = rt.roles.replica_of(rt.rank)
+        self.replica = replica
+        self.told_replica = None     # (version, blocked) last sent to the replica
         if replica is not None:      # the replica starts from the same model
             rt.dp.send(replica, ("init", 0), model.copy())
+        else:
+            self.order.replica_count = inf
 
     # --- payloads ----------------------------------------------------------------------------------
     def on_data(self, msg):
         key = msg.key
         if key[0] == "u":
+            if key[3] != self.logical:
+                return  # a copy for the replica this rank was before its promotion
             ids, versions = (key[1],), (key[2],)
         elif key[0] == "a":
+            if "r" in key[1]:
+                return  # a replica aggregate planned before this rank's promotion
             ids, versions = key[2], (key[3],) * len(key[2])
         else:
             raise RuntimeError("server rank %d: unexpected payload %r" % (self.rt.rank, key))
-        self.rt.ledger.bytes_in += msg.data.nbytes
         if self.mode == "mlfabric-S":
+            self._arrived_sync(key[:2])
             self._sum_iteration(ids, msg.data)
         elif self.mode == "async":
             self._apply(ids, versions, msg.data)
         else:
-            self.order.arrive(key[:2], msg.data)
-            for ids, versions, data, needed in self.order.due():
-                self._apply(ids, versions, data, needed)
+            self.order.arrive(key[:2], ids, msg.data)
+            self._apply_due()
         self._answer_gets()
+
+    def _apply_due(self):
+        for ids, versions, data, needed in self.order.due():
+            self._apply(ids, versions, data, needed)
 
     def _apply(self, ids, versions, data, needed=0):
         rt = self.rt
-        self.apply_fn(self.model, data, ids)
+        if ids:  # an aggregate can come empty when failures took all its members
+            self.apply_fn(self.model, data, ids)
         for p, (uid, v) in enumerate(zip(ids, versions)):
             rt.ledger.delays.append((uid, self.version + p - v))
         self.version += len(ids)
         self._record(ids, needed)
 
     def _sum_iteration(self, ids, data):
-        if self.iteration is None:
-            self.iteration = [data.astype(self.model.dtype, copy=True), list(ids)]
-        else:
-            kernels.axpy_(self.iteration[0], 1.0, data)
-            self.iteration[1].extend(ids)
-        if len(self.iteration[1]) == len(self.workers):
-            total, members = self.iteration
+        if ids:
+            if self.iteration is None:
+                self.iteration = [data.astype(self.model.dtype, copy=True), list(ids)]
+            else:
+                kernels.axpy_(self.iteration[0], 1.0, data)
+                self.iteration[1].extend(ids)
+        self._close_iteration()
+
+    def _arrived_sync(self, key):
+        """Sync mode uses the plan only to know what is still to come (so a failure can be told
+        from a late payload): an arrival settles its entry, whichever came first."""
+        self.sync_seen.add(key)
+        self.order.expect = deque(e for e in self.order.expect if e[0] != key)
+
+    def _close_iteration(self):
+        """Take the step once the scheduler has planned every live worker's update of the open
+        iteration and none of them is still to come (arrived, or lost to a failure)."""
+        if self.version not in self.planned_iterations or self.order.expect:
+            return
+        self.planned_iterations.discard(self.version)
+        members = ()
+        if self.iteration is not None:
+            total, members = self.iteration[0], tuple(self.iteration[1])
             self.iteration = None
-            self.apply_fn(self.model, total, tuple(members))
-            self.version += 1
-            self._record(tuple(members))
+            self.apply_fn(self.model, total, members)
+        self.version += 1
+        self._record(members)
 
     def _record(self, ids, needed=0):
         rt = self.rt
@@ -135,29 +197,69 @@ class ServerRole:
         self.unreported.extend(ids)
         self.applied_log.append((ids, self.version, rt.now(), needed))
         for uid in ids:
-            self.processed[uid >> 32] += 1
+            w = uid >> 32
+            if w in self.processed:
+                self.processed[w] += 1
 
     # --- control ---------------------------------------------------------------------------------------
     def on_ctrl(self, src, kind, body):
         if kind == "expect":
-            self.order.add_plan(body)
-            for ids, versions, data, needed in self.order.due():
-                self._apply(ids, versions, data, needed)
+            if self.mode == "mlfabric-S":
+                self.order.add_plan(e for e in body if e[0] not in self.sync_seen)
+                self._close_iteration()
+            else:
+                self.order.add_plan(body)
+                self._apply_due()
+        elif kind == "iteration":     # sync: every update of this iteration is planned
+            self.planned_iterations.add(body)
+            self._close_iteration()
         elif kind == "replicated":
             self.order.replica_count = body
-            for ids, versions, data, needed in self.order.due():
-                self._apply(ids, versions, data, needed)
+            self._apply_due()
+        elif kind == "replica-gone":
+            self.order.replica_count = inf
+            self.replica = None
+            self._apply_due()
         elif kind == "dropped":
             for uid in body:
-                self.processed[uid >> 32] += 1
-        elif kind == "get":
+                if uid >> 32 in self.processed:
+                    self.processed[uid >> 32] += 1
+        elif kind == "get":  # a worker has one get at a time: a re-sent one supersedes
             rid, clock = body
-            self.gets.append((src, rid, clock))
+            self.gets = [g for g in self.gets if g[0] != src] + [(src, rid, clock)]
         elif kind == "distribute":
             self._distribute(*body)
         else:
             raise RuntimeError("server rank %d: unexpected control message %r from %d"
                                % (self.rt.rank, kind, src))
+        self._answer_gets()
+
+    def on_request(self, req):
+        pass
+
+    def on_promote(self, server, rank, processed):
+        pass  # another server's replica was promoted: nothing changes here
+
+    def peers_failed(self, ranks, lost):
+        """Workers (or aggregators) died: what they were to send is dropped and reported; a
+        sync iteration completes without them; the SSP gate stops waiting for them."""
+        rt = self.rt
+        gone = []
+        for r in ranks:
+            gone += self.order.forget(r)
+            if r in self.processed:
+                del self.processed[r]
+            if r in self.workers:
+                self.workers.remove(r)
+            self.gets = [g for g in self.gets if g[0] != r]
+            if r == self.replica:
+                self.order.replica_count = inf
+                self.replica = None
+        if gone:
+            rt.channel.send(0, "lost", gone)
+        if self.mode == "mlfabric-S":
+            self._close_iteration()
+        self._apply_due()
         self._answer_gets()
 
     def _answer_gets(self):
@@ -206,13 +308,18 @@ class ServerRole:
         if self.mode == "mlfabric-S":
             return self.version >= clock
         if self.mode == "ssp":
-            return min(self.processed.values()) >= clock - self.rt.config.slack
+            return min(self.processed.values(), default=clock) >= clock - self.rt.config.slack
         return True
 
     def tick(self, now):
         if self.unreported:
             self.rt.channel.send(0, "applied", self.unreported)
             self.unreported = []
+        if self.replica is not None and self.replica not in self.rt.failed:
+            state = (self.version, self.order.blocked_on_replica())
+            if state != self.told_replica:  # the replica bounds its own lead with it
+                self.told_replica = state
+                self.rt.channel.send(self.replica, "server-count", state)
 
     def stopped(self, error):
         pass

@@ -156,13 +156,14 @@ def case_replica_equals_server_and_divergence_is_bounded():
     r_order = [u for ids, *_ in replica[1] for u in ids]
     assert s_order == r_order  # the replica applies in the server's order
     # divergence measured exactly: at each server commit, the server's model minus the replica's
-    # (same host, one clock) is the sum of the updates the replica has not applied yet; the bound
-    # holds at every batch's end (the paper's check, §5.3), which is where the server waits
+    # (same host, one clock) is the sum of the updates the replica has not applied yet; the
+    # divergence gate keeps it within Div_max at every commit (stronger than the paper's check at
+    # batch ends, §5.3: a server may die at any instant)
     upd = default_update(SIZE, np.float64)
     vec = {u: upd(u >> 32, u & 0xFFFFFFFF, None) for u in s_order}
     r_times = [(t, n) for _, n, t, _ in replica[1]]
-    ends = [(version, t) for _, version, t, needed in server[1] if needed > 0]
-    assert ends, "no batch ended with a replica wait"
+    ends = [(version, t) for _, version, t, _ in server[1]]
+    assert any(needed > 0 for *_, needed in server[1]), "no server commit was gated on the replica"
     worst = 0.0
     for version, t in ends:
         have = max([n for tr, n in r_times if tr <= t], default=0)
@@ -170,4 +171,5 @@ def case_replica_equals_server_and_divergence_is_bounded():
         d = float(np.linalg.norm(sum((vec[u] for u in lead), np.zeros(SIZE))))
         worst = max(worst, d)
         assert d <= div_max + 1e-12, (d, div_max, version, have)
-    print("replica: worst divergence at a server commit %.3f (div_max %.3f)" % (worst, div_max))
+    if WORLD.rank == 0:
+        print("replica: worst divergence at a server commit %.3f (div_max %.3f)" % (worst, div_max))
