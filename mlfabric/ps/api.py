@@ -29,15 +29,19 @@ _state = {"config": None, "comm": None, "rt": None, "role": None, "pushes": {}, 
 
 
 def init(mode="mlfabric-A", *, servers=1, replicas=0, aggregators=None, batch_interval=0.1,
-         t_lag=0.2, slack=2, gamma=0.0, emulation=None, seed=0, comm=None):
+         t_lag=0.2, slack=2, gamma=0.0, emulation=None, seed=0, distribution=True,
+         checkpoint_every=0, checkpoint_dir=None, resume=False, comm=None):
     """Set the job's configuration (not collective: it only records it) and return this rank's
-    role: 'scheduler', 'server', 'replica' or 'worker' (mlfabric.runtime.roles says which)."""
+    role: 'scheduler', 'server', 'replica' or 'worker' (mlfabric.runtime.roles says which).
+    mlfabric.runtime.Config documents every setting."""
     from ..emulate import Emulation
     if _state["rt"] is not None:
         raise MlfabricError("mlfabric.ps is already running; init() once per job")
     cfg = Config(mode=mode, servers=servers, replicas=replicas, aggregators=aggregators,
                  batch_interval=batch_interval, t_lag=t_lag, slack=slack, gamma=gamma,
-                 emulation=emulation if emulation is not None else Emulation(), seed=seed)
+                 emulation=emulation if emulation is not None else Emulation(), seed=seed,
+                 distribution=distribution, checkpoint_every=checkpoint_every,
+                 checkpoint_dir=checkpoint_dir, resume=resume)
     comm = MPI.COMM_WORLD if comm is None else comm
     roles = Roles(comm.size, cfg.servers, cfg.replicas)
     _state.update(config=cfg, comm=comm, role=roles.role(comm.rank))
@@ -176,9 +180,21 @@ def register_as_server(model, on_update=None, on_request=None):
                         % (type(model).__name__ if not isinstance(model, np.ndarray)
                            else model.dtype))
     from ..runtime.server import ServerRole
+    from . import checkpoint
     model = np.ascontiguousarray(model)
-    rt = _start(SERVER, {"shape": model.shape, "dtype": model.dtype.str})
-    _state["server"] = ServerRole(rt, model, on_update, on_request)
+    cfg = _state["config"]
+    version = 0
+    if cfg is not None and cfg.resume:
+        got = checkpoint.load(cfg.checkpoint_dir, _state["comm"].rank)
+        if got is not None:
+            saved, version = got
+            if saved.shape != model.shape or saved.dtype != model.dtype:
+                raise MlfabricError("resume: the checkpoint in %s holds a %s %s model, this server "
+                                    "registered %s %s" % (cfg.checkpoint_dir, saved.dtype,
+                                                          saved.shape, model.dtype, model.shape))
+            model[...] = saved
+    rt = _start(SERVER, {"shape": model.shape, "dtype": model.dtype.str, "version": version})
+    _state["server"] = ServerRole(rt, model, on_update, on_request, version=version)
 
 
 def on_update(fn):

@@ -53,8 +53,9 @@ class JobResult:
 def run_job(mode="mlfabric-A", *, size=1000, iterations=10, compute_s=0.0, dtype=np.float64,
             emulation=None, tau_max=math.inf, div_max=math.inf, servers=1, replicas=0,
             aggregators=None, batch_interval=0.1, t_lag=0.2, slack=2, seed=0, update_fn=None,
-            model0=None, comm=None):
-    """Run one job on every rank of `comm` (default COMM_WORLD); returns this rank's JobResult."""
+            model0=None, comm=None, **settings):
+    """Run one job on every rank of `comm` (default COMM_WORLD); returns this rank's JobResult.
+    `settings` go to mlfabric.ps.init (distribution, checkpoint_every, checkpoint_dir, resume)."""
     comm = MPI.COMM_WORLD if comm is None else comm
     emulation = emulation or Emulation()
     update_fn = update_fn or default_update(size, dtype, seed)
@@ -65,7 +66,7 @@ def run_job(mode="mlfabric-A", *, size=1000, iterations=10, compute_s=0.0, dtype
                               replicas, update_fn, model0)
     role = api.init(mode, servers=servers, replicas=replicas, aggregators=aggregators,
                     batch_interval=batch_interval, t_lag=t_lag, slack=slack,
-                    emulation=emulation, seed=seed, comm=comm)
+                    emulation=emulation, seed=seed, comm=comm, **settings)
     roles = Roles(comm.size, servers, replicas)
     cuts = shards(size, servers)
     res = JobResult(role)

@@ -38,6 +38,9 @@ class Config:
     slack: int = 2               # SSP's K
     gamma: float = 0.0           # server momentum (eq. 2); the replica bound uses it
     distribution: bool = True    # answer simultaneous gets through distributors (§10.3)
+    checkpoint_every: int = 0    # servers write model + version every this many updates (0: off)
+    checkpoint_dir: str = None
+    resume: bool = False         # servers start from their checkpoint in checkpoint_dir
     emulation: Emulation = field(default_factory=Emulation)
     seed: int = 0
 
@@ -59,6 +62,11 @@ class Config:
         if self.replicas and self.mode not in ("mlfabric-A", "ssp"):
             raise MlfabricError("replicas follow the scheduler's plans (paper §5.3): they need "
                                 "mode 'mlfabric-A' or 'ssp', not %r" % (self.mode,))
+        if not (isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 0):
+            raise MlfabricError("checkpoint_every must be an int >= 0, got %r"
+                                % (self.checkpoint_every,))
+        if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
+            raise MlfabricError("checkpoint_every / resume need checkpoint_dir")
         if not isinstance(self.emulation, Emulation):
             raise MlfabricError("emulation must be an mlfabric.emulate.Emulation, got %r"
                                 % (self.emulation,))

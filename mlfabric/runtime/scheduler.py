@@ -52,7 +52,7 @@ class SchedulerRole(SchedulerRecovery):
         self.view = SchedulerView(self.caps, 0.0)
         self.pending = {s: [] for s in self.servers}   # Update (hosts are ranks) per server
         self.planned = {s: [] for s in self.servers}   # ids planned for each server (recovery)
-        self.v_init = {s: 0 for s in self.servers}
+        self.v_init = {s: rt.infos[s].get("version", 0) for s in self.servers}  # (resume)
         self.after = {s: 0.0 for s in self.servers}
         self.next_batch = rt.now() + cfg.batch_interval
         self.batches = 0

@@ -12,6 +12,7 @@ The version is the number of updates applied (async modes: an aggregate of m upd
 every member keeps its delay) or of iterations (sync). Every applied update's delay
 tau = version before it - the version it was computed from is recorded for the accounting.
 """
+import time
 from collections import deque
 from math import inf
 
@@ -117,6 +118,8 @@ class ServerRole:
         self.iteration = None        # sync: [sum, members] of the open iteration
         self.planned_iterations = set()  # sync: iterations whose updates are all planned
         self.sync_seen = set()       # sync: arrival keys seen (they may precede their plan)
+        self.checkpointed = version  # version of the last checkpoint written
+        self.checkpoint_s = 0.0      # seconds spent writing them
         if replica == "auto":
             replica = rt.roles.replica_of(rt.rank)
         self.replica = replica
@@ -191,8 +194,20 @@ class ServerRole:
         self.version += 1
         self._record(members)
 
+    def _checkpoint(self):
+        """Every checkpoint_every updates (or iterations), the model and version to disk."""
+        from ..ps import checkpoint
+        cfg = self.rt.config
+        if self.version // cfg.checkpoint_every > self.checkpointed // cfg.checkpoint_every:
+            t0 = time.perf_counter()
+            checkpoint.save(cfg.checkpoint_dir, self.logical, self.model, self.version)
+            self.checkpoint_s += time.perf_counter() - t0
+            self.checkpointed = self.version
+
     def _record(self, ids, needed=0):
         rt = self.rt
+        if rt.config.checkpoint_every:
+            self._checkpoint()
         rt.ledger.applied.update(ids)
         self.unreported.extend(ids)
         self.applied_log.append((ids, self.version, rt.now(), needed))

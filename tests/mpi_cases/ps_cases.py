@@ -173,3 +173,53 @@ def case_replica_equals_server_and_divergence_is_bounded():
         assert d <= div_max + 1e-12, (d, div_max, version, have)
     if WORLD.rank == 0:
         print("replica: worst divergence at a server commit %.3f (div_max %.3f)" % (worst, div_max))
+
+
+def case_checkpoint_then_resume():
+    import os
+    import tempfile
+    from mlfabric.ps import checkpoint
+    d = WORLD.bcast(tempfile.mkdtemp(prefix="mlfabric-ckpt-") if WORLD.rank == 0 else None)
+    roles = Roles(WORLD.size)
+    upd = default_update(SIZE, np.float64)
+    res = run_job("mlfabric-A", size=SIZE, iterations=5, emulation=FAST, batch_interval=0.02,
+                  checkpoint_every=3, checkpoint_dir=d)
+    _check_summary(res)
+    WORLD.Barrier()
+    saved, version = checkpoint.load(d, 1)
+    if res.role == "server":  # the checkpoint is the model after exactly `version` updates
+        order = [u for ids, *_ in res.applied_log for u in ids]
+        assert version % 3 == 0 or version == len(order), version
+        ref = sum((upd(u >> 32, u & 0xFFFFFFFF, None) for u in order[:version]), np.zeros(SIZE))
+        np.testing.assert_allclose(saved, ref, rtol=1e-12, atol=1e-14)
+    WORLD.Barrier()
+    res2 = run_job("mlfabric-A", size=SIZE, iterations=2, emulation=FAST, batch_interval=0.02,
+                   checkpoint_dir=d, resume=True, seed=1)
+    _check_summary(res2)
+    if res2.role == "server":
+        upd1 = default_update(SIZE, np.float64, seed=1)
+        applied = [u for ids, *_ in res2.applied_log for u in ids]
+        ref = saved + sum((upd1(u >> 32, u & 0xFFFFFFFF, None) for u in applied), np.zeros(SIZE))
+        np.testing.assert_allclose(res2.model, ref, rtol=1e-12, atol=1e-14)
+        assert res2.applied_log[0][1] > version  # versions continue from the checkpoint's
+    assert len(roles.worker_ranks) >= 1 and os.path.isdir(d)
+
+
+def case_paced_async_with_drops_and_aggregation():
+    """A slow emulated network (400 KB updates at 20 MB/s: 20 ms each) and a tight tau_max: the
+    scheduler drops stale updates and aggregates; every applied delay stays within tau_max and the
+    accounts balance."""
+    size, tau = 50_000, 1
+    res = run_job("mlfabric-A", size=size, iterations=4, tau_max=tau,
+                  emulation=Emulation(base_rate=20e6), batch_interval=0.05)
+    _check_summary(res)
+    s = res.summary
+    assert s.max_delay is None or s.max_delay <= tau, s
+    if res.role == "server":
+        applied = _server_ids(res)
+        assert len(applied) == s.applied
+        upd = default_update(size, np.float64)
+        ref = sum((upd(u >> 32, u & 0xFFFFFFFF, None) for u in applied), np.zeros(size))
+        np.testing.assert_allclose(res.model, ref, rtol=1e-12, atol=1e-14)
+    if WORLD.rank == 0:
+        print("paced async: %s" % s)

@@ -1,0 +1,90 @@
+"""The runtime's pure parts in one process: roles by rank, the job config's checks, the ledger's
+summary, the divergence gate, the emulated NIC's calendars."""
+import math
+
+import pytest
+
+from mlfabric.emulate import Emulation
+from mlfabric.errors import MlfabricError
+from mlfabric.runtime import Config, Ledger, Roles
+from mlfabric.runtime.gate import DivergenceGate
+from mlfabric.runtime.ledger import summarize
+
+
+def test_roles_by_rank():
+    r = Roles(8, servers=2, replicas=1)
+    assert [r.role(i) for i in range(8)] == ["scheduler", "server", "server", "replica",
+                                             "worker", "worker", "worker", "worker"]
+    assert r.replica_of(1) == 3 and r.replica_of(2) is None and r.server_of(3) == 1
+    assert r.worker_index(4) == 0 and r.worker_index(1) is None
+    with pytest.raises(MlfabricError, match="at least 5"):
+        Roles(4, servers=2, replicas=1)
+    with pytest.raises(MlfabricError, match="replicas"):
+        Roles(8, servers=1, replicas=2)
+
+
+def test_config_refuses_what_it_cannot_do():
+    with pytest.raises(MlfabricError, match="unknown mode"):
+        Config(mode="bogus")
+    with pytest.raises(MlfabricError, match="replicas"):
+        Config(mode="async", replicas=1)
+    with pytest.raises(MlfabricError, match="batch_interval"):
+        Config(batch_interval=0)
+    with pytest.raises(MlfabricError, match="checkpoint_dir"):
+        Config(checkpoint_every=5)
+    with pytest.raises(ValueError, match="unknown network preset"):
+        Emulation("C1", "N9")
+
+
+def test_summary_balances_on_ids():
+    w, s, sched = Ledger(), Ledger(), Ledger()
+    w.pushed = {1, 2, 3, 4}
+    s.applied = {1, 2}
+    sched.dropped = {3: "stale"}
+    out = summarize([sched, s, w])
+    assert not out.balanced and out.missing == [4]
+    sched.dropped[4] = "stale"
+    out = summarize([sched, s, w])
+    assert out.balanced and out.pushed == 4 and out.applied == 2 and out.dropped == {"stale": 2}
+    s.applied.add(3)  # applied and dropped: counted, and refused
+    assert summarize([sched, s, w]).twice == [3]
+
+
+def test_summary_knows_a_dead_workers_pushes():
+    s, sched = Ledger(), Ledger()
+    dead = 5
+    s.applied = {dead << 32 | 0}
+    sched.dropped = {dead << 32 | 1: "worker-failed"}
+    out = summarize([sched, s, None], dead={dead}, known={dead << 32 | 0, dead << 32 | 1})
+    assert out.balanced and out.pushed == 2 and out.failed == [dead]
+
+
+def test_divergence_gate_keeps_the_lead_within_div_max():
+    norms = [0.4, 0.3, 0.5, 0.2, 0.9, 0.1]
+    g = DivergenceGate(1.0)
+    prefix = [0.0]
+    for n in norms:
+        need = g.commit([n])
+        prefix.append(prefix[-1] + n)
+        p = len(prefix) - 1
+        assert prefix[p] - prefix[need] <= 1.0 + 1e-12          # within the bound
+        assert need == 0 or prefix[p] - prefix[need - 1] > 1.0  # and no stricter than needed
+    assert DivergenceGate(math.inf).commit([5.0, 7.0]) == 0
+
+
+def test_emulated_nic_books_back_to_back():
+    nic = Emulation(base_rate=1000.0).nic(None, 1, t0=0.0)
+    assert nic.egress_rate(0.0) == 1000.0
+    assert nic.take_egress(500, 10.0) == pytest.approx(10.5)
+    assert nic.take_egress(500, 10.1) == pytest.approx(11.0)   # behind the first
+    assert nic.take_egress(100, 20.0) == pytest.approx(20.1)   # idle calendar restarts at now
+    assert nic.bytes_out == 1100
+    free = Emulation(base_rate=None).nic(0, 1, t0=0.0)
+    assert free.take_ingress(10 ** 9, 3.0) == 3.0 and not free.paced
+
+
+def test_worker_nics_follow_the_preset_and_dedicated_ranks_do_not():
+    em = Emulation("C0", "N3", base_rate=100.0, period=1.0, seed=3)
+    rates = {em.nic(w, 4, 0.0).egress_rate(t) for w in range(4) for t in range(20)}
+    assert rates == {10.0, 100.0}               # N3: 1 or 10 Gbps, scaled
+    assert em.nic(None, 4, 0.0).egress_rate(7.0) == 100.0
