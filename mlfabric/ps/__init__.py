@@ -10,7 +10,7 @@ with dynamic aggregation), 'ssp' (stale synchronous, slack K), 'async' (vanilla 
 no scheduling, no aggregation), and the MPI baselines 'rr-sync' / 'tr-sync' (ring / binary-tree
 allreduce among the workers, mlfabric.ps.allreduce_baselines).
 """
-from .api import (applied_log, finish, get, init, local_model, on_request, on_update, push, register_as_replica,
+from .api import (allreduce, applied_log, finish, get, init, local_model, on_request, on_update, push, register_as_replica,
                   register_as_server, register_as_worker, role, serve)
 
 # the paper's names (Table 1)
@@ -19,8 +19,9 @@ registerAsServer = register_as_server
 registerAsReplica = register_as_replica
 registerUpdateCallback = on_update
 registerRequestCallback = on_request
+AllReduce = allreduce
 
 __all__ = ["init", "role", "register_as_worker", "push", "get", "finish", "register_as_server",
            "on_update", "on_request", "register_as_replica", "serve", "local_model", "applied_log",
            "registerAsWorker", "registerAsServer", "registerAsReplica", "registerUpdateCallback",
-           "registerRequestCallback"]
+           "registerRequestCallback", "allreduce", "AllReduce"]

@@ -102,6 +102,7 @@ def register_as_worker(tau_max=math.inf, div_max=math.inf):
     _state["pushes"] = {s: 0 for s in rt.roles.server_ranks}
     _state["versions"] = {s: 0 for s in rt.roles.server_ranks}
     _state["next_id"] = 0  # ids are (rank << 32) | n: unique within the job
+    _state["allreduce_calls"] = 0
     _launch(rt, WorkerRole(rt))
 
 
@@ -143,6 +144,27 @@ def get(server):
     _state["versions"][server] = version
     shape, _ = rt.spec(server)
     return model.reshape(shape), version
+
+
+def allreduce(update):
+    """The sum of `update` over all workers, on every worker (the paper's AllReduce, §6): pushed
+    to a root worker drawn for this call (the same on every worker), summed there with aggregation
+    planned by the scheduler, and sent back through a distribution tree. Collective over the
+    workers, which call it in the same order with the same shape and dtype. Returns a new array."""
+    from ..runtime.core import Future
+    rt = _running(WORKER, "allreduce")
+    if not isinstance(update, np.ndarray) or update.dtype.kind != "f":
+        raise TypeError("allreduce: update must be a floating numpy array, got %r"
+                        % (type(update).__name__ if not isinstance(update, np.ndarray)
+                           else update.dtype))
+    workers = [w for w in rt.roles.worker_ranks if w not in rt.failed]
+    k = _state["allreduce_calls"]
+    _state["allreduce_calls"] += 1
+    rng = np.random.default_rng([rt.config.seed, 0xA11, k])
+    root = workers[int(rng.integers(len(workers)))]
+    fut = Future("allreduce call %d (root rank %d)" % (k, root))
+    rt.submit("allreduce", fut, k, root, np.array(update, copy=True, order="C"), workers)
+    return fut.wait().reshape(update.shape)
 
 
 def finish():

@@ -66,6 +66,7 @@ class SchedulerRole(SchedulerRecovery):
         self.stopping = False
         self.iteration_ready = {}  # sync: (server, iteration) -> updates reported ready
         self.promoting = set()     # servers whose replica is being promoted (recovery.py)
+        self.allreduce_pending = {}  # ("ar", call, root) -> contributions reported ready
         self.failed_over = set()   # servers now served by their promoted replica
         self.failovers = []        # (server, new rank, updates in the promoted model, job time)
 
@@ -81,6 +82,9 @@ class SchedulerRole(SchedulerRecovery):
             now = rt.now()
             for uid, server, nbytes, version, norm, sent in body:
                 self.ready_latency.append(now - sent)
+                if isinstance(server, tuple):   # a contribution to allreduce call (k, root)
+                    self._allreduce_ready(server, Update(uid, src, float(nbytes), version, now))
+                    continue
                 self.ready_ids.add(uid)
                 self.pending[server].append(Update(uid, src, float(nbytes), version, now, norm))
                 if self.mode == "sync":
@@ -90,8 +94,8 @@ class SchedulerRole(SchedulerRecovery):
                         # the iteration's last update: nothing else can join its batch, and the
                         # server waits for it, so it is planned now rather than at the next tick
                         self._iteration_planned(server, version, now)
-        elif kind == "pulls":
-            self._distribute(self.logical(src), *body)
+        elif kind == "pulls":   # (tag, bytes, [(worker, key it receives)]) from a server/root
+            self._distribute(src, *body)
         elif kind == "report":
             self.caps.update(src, *body)
         elif kind == "applied":
@@ -327,37 +331,86 @@ class SchedulerRole(SchedulerRecovery):
             self.rt.channel.send(replica, "expect", commits)
 
     # --- model distribution (§10.3) ------------------------------------------------------------------
-    def _distribute(self, server, version, nbytes, requests):
-        """Plan one model version's delivery to `requests` [(worker, request id)] at once (a pull
-        batch is latency-critical: it is not held for the next update batch)."""
+    def _distribute(self, src, tag, nbytes, requests):
+        """Plan the delivery of one payload (a model version; an allreduce result) from rank `src`
+        to `requests` [(worker, the key it receives it under)] at once (a pull batch is
+        latency-critical: it is not held for the next update batch). The plan goes back to `src`
+        as (tag, direct sends, relays through distributors)."""
         rt = self.rt
         t = rt.now()
         t_start = time.perf_counter()
-        srank = self.rank_of[server]
-        requests = list(dict((w, r) for w, r in requests if w not in rt.failed).items())
-        hosts, idx = [srank], {srank: 0}
+        requests = list(dict((w, key) for w, key in requests if w not in rt.failed).items())
+        if not nbytes:  # nothing to move: a tree cannot help
+            rt.channel.send(src, "distribute", (tag, [(w, key, t, None) for w, key in requests],
+                                                []))
+            return
+        hosts, idx = [src], {src: 0}
         for h in self.aggregators + [w for w, _ in requests]:
             if h not in idx:
                 idx[h] = len(hosts)
                 hosts.append(h)
-        rid = dict(requests)
+        key_of = dict(requests)
         dist, _ = distribute([idx[w] for w, _ in requests], self.view.network(hosts, t), 0,
                              float(nbytes), distributors=[idx[a] for a in self.aggregators],
-                             start=t, seed=rt.config.seed * 1000003 + self.batches,
-                             version=version)
+                             start=t, seed=rt.config.seed * 1000003 + self.batches)
         for tr in dist.transfers():
             self.view.book(hosts[tr.src], hosts[tr.dst], tr.segments)
-        direct = [(hosts[tr.dst], rid[hosts[tr.dst]], tr.start, _rate(tr)) for tr in dist.direct]
+        direct = [(hosts[tr.dst], key_of[hosts[tr.dst]], tr.start, _rate(tr))
+                  for tr in dist.direct]
         # unreachable on the view (no capacity left, ever): sent directly all the same, the
         # real network decides
-        direct += [(hosts[h], rid[hosts[h]], t, None) for h in dist.unserved]
+        direct += [(hosts[h], key_of[hosts[h]], t, None) for h in dist.unserved]
         relays = []
         for d in dist.distributors:
             out = {hosts[tr.dst]: tr for tr in d.outbound}
-            forwards = [(hosts[w], rid[hosts[w]], out[hosts[w]].start if hosts[w] in out else t,
-                         _rate(out[hosts[w]]) if hosts[w] in out else None) for w in d.workers]
+            forwards = []
+            for w in map(hosts.__getitem__, d.workers):
+                tr = out.get(w)
+                forwards.append((w, key_of[w], tr.start if tr else t, _rate(tr) if tr else None))
             relays.append((hosts[d.host], d.inbound.start, _rate(d.inbound), forwards))
-        rt.channel.send(srank, "distribute", (version, direct, relays))
+        rt.channel.send(src, "distribute", (tag, direct, relays))
+        self.plan_time.append(time.perf_counter() - t_start)
+
+    # --- allreduce through push/get (§6) -------------------------------------------------------------
+    def _allreduce_ready(self, call, update):
+        """Collect the contributions to allreduce call (k, root); when every other live worker's
+        is in, plan them as one sync batch to the root, aggregators being the other workers."""
+        got = self.allreduce_pending.setdefault(call, [])
+        got.append(update)
+        if len(got) < len(self.workers) - 1:
+            return
+        del self.allreduce_pending[call]
+        _, k, root = call
+        t = self.rt.now()
+        t_start = time.perf_counter()
+        hosts, idx = [root], {root: 0}
+        for h in self.workers:
+            if h not in idx:
+                idx[h] = len(hosts)
+                hosts.append(h)
+        ups = [Update(u.id, idx[u.worker], u.size, k, t) for u in got]
+        plan, _ = schedule(ups, self.view.network(hosts, t), 0,
+                           aggregators=[idx[w] for w in self.aggregators if w != root],
+                           start=t, seed=self.rt.config.seed * 1000003 + self.batches,
+                           mode="sync")
+        self.batches += 1
+        for tr in plan.transfers():
+            self.view.book(hosts[tr.src], hosts[tr.dst], tr.segments)
+        sends, aggs = {}, {}
+        for tr in plan.direct:
+            sends.setdefault(hosts[tr.src], []).append(
+                (tr.ids[0], root, call, tr.start, _rate(tr), True))
+        for j, a in enumerate(plan.aggregates):
+            for tr in a.inbound:
+                sends.setdefault(hosts[tr.src], []).append(
+                    (tr.ids[0], hosts[a.aggregator], call, tr.start, _rate(tr), True))
+            aggs.setdefault(hosts[a.aggregator], []).append(Assignment(
+                ("ar", k, j), call, a.members, a.transfer.start, _rate(a.transfer), k))
+        for rank, entries in aggs.items():
+            self.rt.channel.send(rank, "aggregate", entries)
+        sent = self.rt.now()
+        for rank, entries in sends.items():
+            self.rt.channel.send(rank, "send", (sent, entries))
         self.plan_time.append(time.perf_counter() - t_start)
 
     # --- the end -------------------------------------------------------------------------------------

@@ -111,7 +111,7 @@ class ServerRole:
         self.processed.update({w: n for w, n in (processed or {}).items() if w in self.processed})
         self.gets = []               # (worker, request id, clock) waiting for their condition
         self.distribution = cfg.distribution and cfg.sched_mode is not None
-        self.snapshots = {}          # version -> [model copy, sends left] while distributed
+        self.snapshots = {}          # version -> the model copy a pull batch is planned for
         # (ids, version after, job time, replica count waited for): the order, for audits and tests
         self.applied_log = []
         self.unreported = []         # ids applied since the last 'applied' report
@@ -295,27 +295,12 @@ class ServerRole:
             for w, rid, _ in due:
                 self.rt.dp.send(w, ("m", rid, self.version), model)
             return
-        self.snapshots[self.version] = [model, 0]
+        self.snapshots[self.version] = model
         self.rt.channel.send(0, "pulls", (self.version, model.nbytes,
-                                          [(w, rid) for w, rid, _ in due]))
+                                          [(w, ("m", rid, self.version)) for w, rid, _ in due]))
 
     def _distribute(self, version, direct, relays):
-        """Send a planned distribution: the model straight to the direct group, and to each
-        distributor with the list of workers it forwards to."""
-        snap = self.snapshots[version]
-        model, dp, local = snap[0], self.rt.dp, self.rt.local
-
-        def sent():
-            snap[1] -= 1
-            if snap[1] == 0:
-                del self.snapshots[version]
-        snap[1] = len(direct) + len(relays)
-        for w, rid, start, rate in direct:
-            dp.send(w, ("m", rid, version), model, rate=rate, not_before=local(start),
-                    on_done=sent)
-        for d, start, rate, forwards in relays:
-            dp.send(d, ("d", version, forwards), model, rate=rate, not_before=local(start),
-                    on_done=sent)
+        send_distribution(self.rt, self.snapshots.pop(version), direct, relays)
 
     def _may_answer(self, clock):
         """sync: the worker's next iteration is done; SSP: the slowest worker is at most `slack`
@@ -338,3 +323,12 @@ class ServerRole:
 
     def stopped(self, error):
         pass
+
+
+def send_distribution(rt, payload, direct, relays):
+    """Send a planned distribution (scheduler._distribute): the payload straight to the direct
+    group under each one's key, and to each distributor with what it forwards to whom."""
+    for w, key, start, rate in direct:
+        rt.dp.send(w, key, payload, rate=rate, not_before=rt.local(start))
+    for d, start, rate, forwards in relays:
+        rt.dp.send(d, ("d", forwards), payload, rate=rate, not_before=rt.local(start))

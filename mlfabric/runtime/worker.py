@@ -5,15 +5,23 @@ with workers). Everything here runs on the daemon thread; the training thread on
 Servers are named by their logical id (the rank they started on); `server_rank` maps one to the
 rank serving it now (its promoted replica's after a failover, recovery.py).
 
+Allreduce (Table 1's AllReduce, §6) is push then get through one worker: call k's root is drawn
+from the seed (the same on every worker); the others push their contributions to it on a sync plan
+of the scheduler's (aggregators being the other workers), the root sums them with its own, and the
+result reaches everyone through a distribution tree (§10.3).
+
 Data-plane keys: ('u', id, version, destination) an update to its next hop (the destination is
-the server or replica its aggregate goes to); ('a', key, ids, version) an aggregate's sum;
-('m', request, version) a model reply; ('d', version, forwards) a model to relay to other
-workers (and to keep, when this worker asked for it too).
+the server, replica or ('ar', call, root) its aggregate goes to); ('a', key, ids, version) an
+aggregate's sum; ('m', request, version) a model reply; ('A', call) an allreduce result;
+('d', forwards) a payload to relay to other workers under their keys (and to keep, when one of
+them is this worker).
 """
 import numpy as np
 
 from .. import kernels
+from ..errors import MismatchError
 from .ledger import DROP_WORKER_FAILED
+from .server import send_distribution
 
 
 class Assignment:
@@ -40,6 +48,8 @@ class WorkerRole:
         self.assigned = {}
         self.pending_aggs = []   # Assignments with members still to come
         self.plan_latency = []   # seconds from the scheduler's send to our receipt (control plane)
+        self.allreduces = {}     # call -> Future of this worker's allreduce
+        self.root_of = {}        # call -> [sum, contributions in, expected] where we are root
 
     # --- from the training thread ----------------------------------------------------------------
     def on_request(self, req):
@@ -56,6 +66,16 @@ class WorkerRole:
         elif kind == "get":
             _, fut, server, clock = req
             self._get(fut, server, clock)
+        elif kind == "allreduce":
+            _, fut, k, root, payload, workers = req
+            self.allreduces[k] = fut
+            if root == rt.rank:
+                self._root_add(k, (rt.rank,), payload, workers)
+            else:
+                uid = (rt.rank << 32) | (1 << 31) | k  # bit 31: not a parameter-server update
+                self.outbox[uid] = [("ar", k, root), payload, k]
+                self.ready.append((uid, ("ar", k, root), payload.nbytes, k, float("inf"),
+                                   rt.now()))
         elif kind == "finish":
             self.flush()
             rt.channel.send(0, "done", len(rt.ledger.pushed))
@@ -91,6 +111,9 @@ class WorkerRole:
         elif kind in ("drop", "release"):   # dropped, or no replica copy will be asked for
             for item in body:
                 self.outbox.pop(item[0] if kind == "drop" else item, None)
+        elif kind == "distribute":   # we are an allreduce root: send the result out
+            tag, direct, relays = body
+            send_distribution(rt, self.root_of.pop(tag)[0], direct, relays)
         elif kind == "aggregate":
             for a in body:
                 self.pending_aggs.append(a)
@@ -106,15 +129,19 @@ class WorkerRole:
         kind = msg.key[0]
         if kind == "m":
             self._answer(msg.key[1], msg.data, msg.key[2])
-        elif kind == "d":  # we distribute this model version (§10.3)
-            _, version, forwards = msg.key
-            for w, rid, start, rate in forwards:
+        elif kind == "d":  # we relay this payload (§10.3)
+            for w, key, start, rate in msg.key[1]:
                 if w == self.rt.rank:
-                    self._answer(rid, msg.data, version)
+                    self.on_data(type(msg)(msg.src, key, msg.data, msg.arrived))
                 elif w not in self.rt.failed:
-                    self.rt.dp.send(w, ("m", rid, version), msg.data, rate=rate,
-                                    not_before=self.rt.local(start))
-        elif kind == "u":  # we aggregate it for its destination (a server or a replica)
+                    self.rt.dp.send(w, key, msg.data, rate=rate, not_before=self.rt.local(start))
+        elif kind == "A":
+            self.allreduces.pop(msg.key[1]).set(msg.data)
+        elif kind == "u" and isinstance(msg.key[3], tuple) and msg.key[3][2] == self.rt.rank:
+            self._root_add(msg.key[3][1], (msg.key[1],), msg.data)   # our allreduce call
+        elif kind == "a" and msg.key[1][0] == "ar":
+            self._root_add(msg.key[1][1], msg.key[2], msg.data)
+        elif kind == "u":  # we aggregate it for its destination (a server, replica or root)
             member = (msg.key[1], msg.key[3])
             self.stash[member] = msg.data
             a = self.assigned.get(member)
@@ -136,10 +163,41 @@ class WorkerRole:
             total = np.empty(0, np.uint8)
         else:
             total = parts[0].copy() if len(parts) == 1 else kernels.reduce(parts)
-        rt.ledger.aggregated.update(a.members)
-        dst = a.dst if a.dst not in self.server_rank else self.server_rank[a.dst]
+        if not isinstance(a.dst, tuple):  # allreduce contributions are not PS updates
+            rt.ledger.aggregated.update(a.members)
+        dst = (a.dst[2] if isinstance(a.dst, tuple) else
+               self.server_rank[a.dst] if a.dst in self.server_rank else a.dst)
         rt.dp.send(dst, ("a", a.key, a.members, a.version), total, rate=a.rate,
                    not_before=rt.local(a.not_before))
+
+    def _root_add(self, k, ids, data, workers=None):
+        """Allreduce call k, at its root: sum what comes (our own first or not); when every
+        worker's contribution is in, ask the scheduler to distribute the result."""
+        got = self.root_of.get(k)
+        if got is None:
+            got = self.root_of[k] = [None, 0, None]
+        if workers is not None:
+            got[2] = workers
+        if got[0] is None:
+            got[0] = np.array(data, copy=True)
+        else:
+            if data.shape != got[0].shape or data.dtype != got[0].dtype:
+                raise MismatchError(
+                    "allreduce call %d: workers disagree: %s %s (from ids %s) vs %s %s at the "
+                    "root (rank %d); every worker must pass the same shape and dtype"
+                    % (k, data.dtype, data.shape, [hex(u) for u in ids], got[0].dtype,
+                       got[0].shape, self.rt.rank))
+            kernels.axpy_(got[0].reshape(-1), 1.0, data.reshape(-1))
+        got[1] += len(ids)
+        if got[2] is not None and got[1] == len(got[2]):
+            result = got[0]
+            self.allreduces.pop(k).set(result.copy())
+            others = [w for w in got[2] if w != self.rt.rank and w not in self.rt.failed]
+            if others:
+                self.rt.channel.send(0, "pulls", (k, result.nbytes,
+                                                  [(w, ("A", k)) for w in others]))
+            else:
+                del self.root_of[k]
 
     def tick(self, now):
         self.flush()
@@ -187,7 +245,10 @@ class WorkerRole:
     def stopped(self, error):
         for fut, *_ in self.gets.values():
             fut.fail(error)
+        for fut in self.allreduces.values():
+            fut.fail(error)
         self.gets.clear()
+        self.allreduces.clear()
 
 
 def check_update(update, shape, dtype, server):

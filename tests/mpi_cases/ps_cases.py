@@ -223,3 +223,48 @@ def case_paced_async_with_drops_and_aggregation():
         np.testing.assert_allclose(res.model, ref, rtol=1e-12, atol=1e-14)
     if WORLD.rank == 0:
         print("paced async: %s" % s)
+
+
+def case_allreduce_through_push_and_get():
+    """Table 1's AllReduce: roots drawn per call, aggregation and distribution planned by the
+    scheduler; every worker gets the float64 sum, for several shapes, on a paced network."""
+    role = ps.init("mlfabric-A", emulation=Emulation(base_rate=50e6), batch_interval=0.02)
+    roles = Roles(WORLD.size)
+    if role == "worker":
+        ps.register_as_worker()
+        for k, shape in enumerate([(5,), (1000, 3), (70_001,), (0,)]):
+            x = np.random.default_rng([k, WORLD.rank]).standard_normal(shape)
+            ref = sum(np.random.default_rng([k, w]).standard_normal(shape)
+                      for w in roles.worker_ranks)
+            y = ps.allreduce(x)
+            np.testing.assert_allclose(y, ref, rtol=1e-12, atol=1e-12)
+            assert y.shape == shape
+        s = ps.finish()
+    elif role == "server":
+        ps.register_as_server(np.zeros(3))
+        s = ps.serve()
+    else:
+        s = ps.serve()
+    assert s.balanced and s.pushed == 0, s  # allreduce contributions are not PS updates
+
+
+def case_allreduce_mismatch_is_an_error_everywhere():
+    role = ps.init("mlfabric-A", emulation=FAST, batch_interval=0.02)
+    roles = Roles(WORLD.size)
+    try:
+        if role == "worker":
+            ps.register_as_worker()
+            n = 10 + (WORLD.rank == roles.worker_ranks[-1])  # the last worker passes 11
+            ps.allreduce(np.ones(n))
+            ps.allreduce(np.ones(n))  # (a root that got only matching shapes the first time)
+            ps.finish()
+        elif role == "server":
+            ps.register_as_server(np.zeros(3))
+            ps.serve()
+        else:
+            ps.serve()
+    except MlfabricError as e:
+        assert "disagree" in str(e), e
+        return
+    if len(roles.worker_ranks) > 1:
+        raise AssertionError("mismatched allreduce accepted")
