@@ -19,7 +19,10 @@ from .monitor import Reporter
 
 # MLFABRIC_DEBUG=1: every control message and failure, one line each on stderr
 DEBUG = os.environ.get("MLFABRIC_DEBUG", "") not in ("", "0")
-IDLE_S = 0.002  # longest sleep while nothing is timed: a control message waits at most this
+# Longest sleep while nothing is timed: a control message waits at most this. A role may ask for
+# less while it expects an answer (poll_s()): the scheduler always (it is the control plane's
+# hub, and it has a machine of its own in the paper), a worker while its updates wait for a plan.
+IDLE_S = 0.002
 # ULFM (mpirun --with-ft ulfm): a peer died (or a receive from any source cannot tell whether
 # the dead one would have sent), or the communicator was revoked
 FAILURE_CLASSES = {MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED}
@@ -101,7 +104,8 @@ class Daemon(threading.Thread):
         channel.progress(now)
         if self.stop:
             return
-        wait = min(dp.wake_in(now), IDLE_S)
+        poll = getattr(self.role, "poll_s", None)
+        wait = min(dp.wake_in(now), IDLE_S if poll is None else poll())
         wake_in = getattr(self.role, "wake_in", None)
         if wake_in is not None:
             wait = min(wait, wake_in(now))
@@ -113,8 +117,8 @@ class Daemon(threading.Thread):
         if DEBUG:
             _debug(rt, "from %d: %s %s" % (src, kind, _short(body)))
         if kind == "stop":
-            rt.ledger.bytes_out, rt.ledger.bytes_in = (rt.nic.bytes_out,
-                                                      max(rt.ledger.bytes_in, rt.nic.bytes_in))
+            rt.ledger.bytes_out, rt.ledger.bytes_in = rt.nic.bytes_out, rt.nic.bytes_in
+            rt.ledger.plan_latency = list(getattr(self.role, "plan_latency", ()))
             rt.channel.send(0, "ledger", rt.ledger)
         elif kind == "summary":
             rt.summary.set(body)

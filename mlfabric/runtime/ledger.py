@@ -21,6 +21,7 @@ class Ledger:
     delays: list = field(default_factory=list)       # (id, tau) of applied updates, async modes
     bytes_out: int = 0
     bytes_in: int = 0
+    plan_latency: list = field(default_factory=list)  # worker: scheduler's send -> our receipt (s)
 
     def merge(self, other):
         self.pushed |= other.pushed
@@ -31,6 +32,7 @@ class Ledger:
         self.delays.extend(other.delays)
         self.bytes_out += other.bytes_out
         self.bytes_in += other.bytes_in
+        self.plan_latency.extend(other.plan_latency)
 
 
 @dataclass

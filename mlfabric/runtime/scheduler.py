@@ -166,6 +166,9 @@ class SchedulerRole(SchedulerRecovery):
         return all(not st.punted and self.replicated[s] >= self.replica_planned[s]
                    for s, st in self.rstate.items())
 
+    def poll_s(self):
+        return 0.0001
+
     def waiting_for(self):
         """Why the job has not ended yet, in words (for the timeout's error message)."""
         parts = []
@@ -420,6 +423,7 @@ class SchedulerRole(SchedulerRecovery):
         summary = summarize(ledgers, rt.roles.server_ranks, rt.roles.replica_ranks,
                             dead=rt.failed, known=self.ready_ids)
         summary.control = {"ready_latency": self.ready_latency, "plan_time": self.plan_time,
+                           "plan_latency": [x for lg in ledgers if lg for x in lg.plan_latency],
                            "batches": self.batches}
         summary.failovers = list(self.failovers)
         for r in range(1, rt.size):

@@ -202,6 +202,10 @@ class WorkerRole:
     def tick(self, now):
         self.flush()
 
+    def poll_s(self):
+        """Alert while an answer is due (a plan for our updates, a model, an allreduce)."""
+        return 0.0001 if (self.outbox or self.gets or self.allreduces) else 0.002
+
     # --- failures (recovery.py) ----------------------------------------------------------------------
     def peers_failed(self, ranks, lost):
         """Workers died: members they were to send are cut from our aggregates (and reported
