@@ -7,9 +7,11 @@ is promoted: it becomes that server (recovery.py).
 The divergence is bounded both ways. The server's lead (what a failure would lose) by the gate;
 the replica's lead (its copies can arrive before the server's own updates) here: the replica
 applies a commit only if afterwards the updates it has and the server has not sum to at most
-Div_max in norm (the server reports its version), except when the server is itself waiting for
-the replica (then holding back would deadlock both: the replica goes ahead, and the bound can be
-exceeded until the server's next commit; the server says so in its report).
+Div_max in norm (the server reports its version), except as far as the server is itself waiting
+for the replica (it reports the count it needs): holding back then would deadlock both, so the
+replica goes ahead up to that count, and its lead can exceed Div_max until the server's next
+commit. That happens when one commit's updates alone weigh more than Div_max (Div_max = 0 is the
+extreme: one of the two must apply first).
 """
 from math import inf
 
@@ -29,7 +31,7 @@ class ReplicaRole:
         self.reported = 0
         self.applied_log = []       # (ids, count after, job time, 0)
         self.div_max = min((rt.infos[w]["div_max"] for w in rt.roles.worker_ranks), default=inf)
-        self.server_count, self.server_blocked = 0, False
+        self.server_count, self.server_need = 0, 0
         self.prefix = [0.0]         # prefix[p]: sum of the norms of the first p updates applied
         self._norms = {}            # ids -> their norms, for the commit being applied
 
@@ -50,7 +52,7 @@ class ReplicaRole:
             self.order.add_plan(body)
             self._apply_due()
         elif kind == "server-count":
-            self.server_count, self.server_blocked = body
+            self.server_count, self.server_need = body
             self._apply_due()
         else:
             raise RuntimeError("replica rank %d: unexpected control message %r from %d"
@@ -77,8 +79,7 @@ class ReplicaRole:
         """May the next commit (entry: its planned ids, norms last) be applied now?"""
         norms = dict(zip(entry[1], entry[5]))
         self._norms[ids] = tuple(norms[u] for u in ids)
-        if self.server_blocked:  # one commit to unblock it; the server's next report says more
-            self.server_blocked = False
+        if self.count < self.server_need:  # the server waits for us: no further than it needs
             return True
         p, c = self.server_count, self.count
         lead = self.prefix[c] - self.prefix[p] if p < c else 0.0

@@ -167,7 +167,7 @@ class SchedulerRole(SchedulerRecovery):
                    for s, st in self.rstate.items())
 
     def poll_s(self):
-        return 0.0001
+        return 0.0005
 
     def waiting_for(self):
         """Why the job has not ended yet, in words (for the timeout's error message)."""

@@ -74,10 +74,13 @@ class ApplyInOrder:
             version_of = dict(zip(planned, versions))
             yield ids, tuple(version_of[u] for u in ids), data, needed
 
-    def blocked_on_replica(self):
-        """The next commit's payload is in, and only the replica's progress holds it."""
-        return (bool(self.expect) and self.expect[0][0] in self.arrived
-                and self.replica_count < self.expect[0][3])
+    def replica_need(self):
+        """The replica count the next commit waits for when only the replica holds it (its
+        payload is in), else 0."""
+        if (self.expect and self.expect[0][0] in self.arrived
+                and self.replica_count < self.expect[0][3]):
+            return self.expect[0][3]
+        return 0
 
     def forget(self, dead):
         """Commits that can never arrive because rank `dead` died: a direct update it was to send,
@@ -123,7 +126,7 @@ class ServerRole:
         if replica == "auto":
             replica = rt.roles.replica_of(rt.rank)
         self.replica = replica
-        self.told_replica = None     # (version, blocked) last sent to the replica
+        self.told_replica = None     # (version, replica count needed) last sent to the replica
         if replica is not None:      # the replica starts from the same model
             rt.dp.send(replica, ("init", 0), model.copy())
         else:
@@ -316,7 +319,7 @@ class ServerRole:
             self.rt.channel.send(0, "applied", self.unreported)
             self.unreported = []
         if self.replica is not None and self.replica not in self.rt.failed:
-            state = (self.version, self.order.blocked_on_replica())
+            state = (self.version, self.order.replica_need())
             if state != self.told_replica:  # the replica bounds its own lead with it
                 self.told_replica = state
                 self.rt.channel.send(self.replica, "server-count", state)

@@ -204,7 +204,7 @@ class WorkerRole:
 
     def poll_s(self):
         """Alert while an answer is due (a plan for our updates, a model, an allreduce)."""
-        return 0.0001 if (self.outbox or self.gets or self.allreduces) else 0.002
+        return 0.0005 if (self.outbox or self.gets or self.allreduces) else 0.002
 
     # --- failures (recovery.py) ----------------------------------------------------------------------
     def peers_failed(self, ranks, lost):

@@ -1,7 +1,6 @@
 """Parameter-server jobs under real mpirun (run by tests/test_ps.py): every mode's numerics
 against float64 references, delay bounds, accounting, replicas, bad input. Each case is a whole
 job (init, register, train, finish) on every rank."""
-import math
 
 import numpy as np
 from mpi4py import MPI

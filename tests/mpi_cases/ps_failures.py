@@ -91,17 +91,23 @@ def server_replica(outdir):
         vec = lambda ids: sum((upd(u >> 32, u & 0xFFFFFFFF, None) for u in ids), np.zeros(SIZE))
         lost, ahead = dead[count:], order[len(dead):count]
         d = float(np.linalg.norm(vec(lost) - vec(ahead)))
+        lost_norm = float(np.linalg.norm(vec(lost)))
         print("failure after %d server commits: replica at %d, %d updates lost (norm %.4f), "
               "%d ahead; ||w_server - w_replica|| = %.4f (Div_max %.2f)"
-              % (len(dead), count, len(lost), float(np.linalg.norm(vec(lost))), len(ahead), d,
-                 DIV_MAX))
-        assert d <= DIV_MAX + 1e-12, (d, DIV_MAX)
+              % (len(dead), count, len(lost), lost_norm, len(ahead), d, DIV_MAX))
+        # the gate holds the server's lead within Div_max at every instant: what was lost
+        assert lost_norm <= DIV_MAX + 1e-12, (lost_norm, DIV_MAX)
+        # the replica's own lead too, except by one replica commit the server was waiting for
+        # (docs/runtime.md): when it is not ahead, the whole divergence is within the bound
+        if not ahead:
+            assert d <= DIV_MAX + 1e-12, (d, DIV_MAX)
     else:
         summary = ps.serve()
     assert summary.failed == [1], summary.failed
     assert summary.balanced, summary
     assert summary.pushed == ITERS * len(roles.worker_ranks), summary
-    assert summary.applied >= summary.pushed // 2, summary   # training went on after the failover
+    (_, _, count, _), = summary.failovers
+    assert summary.applied > count, summary   # training went on from the promoted replica
 
 
 def server_alone(outdir):
