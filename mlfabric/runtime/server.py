@@ -115,6 +115,8 @@ class ServerRole:
         self.gets = []               # (worker, request id, clock) waiting for their condition
         self.distribution = cfg.distribution and cfg.sched_mode is not None
         self.snapshots = {}          # version -> the model copy a pull batch is planned for
+        self.pulls = []              # requests due, waiting for the models still leaving
+        self.leaving = {}            # rank -> model sends to it in flight (0: a batch is planned)
         # (ids, version after, job time, replica count waited for): the order, for audits and tests
         self.applied_log = []
         self.unreported = []         # ids applied since the last 'applied' report
@@ -270,6 +272,8 @@ class ServerRole:
             if r in self.workers:
                 self.workers.remove(r)
             self.gets = [g for g in self.gets if g[0] != r]
+            self.pulls = [g for g in self.pulls if g[0] != r]
+            self.leaving.pop(r, None)  # their sends were dropped (DataPlane.forget_peer)
             if r == self.replica:
                 self.order.replica_count = inf
                 self.replica = None
@@ -281,29 +285,60 @@ class ServerRole:
         self._answer_gets()
 
     def _answer_gets(self):
-        """Answer the requests whose condition holds. Two or more at once go through the
-        scheduler as one distribution batch (§10.3: distributors relay the model so the server's
-        egress is not the bottleneck); a single one is answered directly."""
-        if not self.gets:
+        """Move the requests whose condition holds to the pull queue, and serve it."""
+        if self.gets:
+            due, keep = [], []
+            for g in self.gets:
+                (due if self._may_answer(g[2]) else keep).append(g)
+            self.gets = keep
+            self.pulls.extend(due)
+        self._serve_pulls()
+
+    def _serve_pulls(self):
+        """Pull batching (§10.3): while models are still leaving, requests wait; when the last
+        has left, everything waiting is answered with the model as it is then, two or more
+        through the scheduler as one distribution batch (distributors relay it, so the server's
+        egress is not the bottleneck), a single one directly. Simultaneous requests (the end of a
+        sync iteration) form a batch at once; asynchronous ones batch themselves exactly when
+        the server's egress is the bottleneck."""
+        if not self.pulls or self.leaving:
             return
-        due, keep = [], []
-        for g in self.gets:
-            (due if self._may_answer(g[2]) else keep).append(g)
-        self.gets = keep
-        if not due:
-            return
+        due, self.pulls = self.pulls, []
         model = np.array(self.request_fn(self.model, self.version) if self.request_fn
                          else self.model, copy=True)
         if len(due) == 1 or not self.distribution:
             for w, rid, _ in due:
-                self.rt.dp.send(w, ("m", rid, self.version), model)
+                self._leaves(w)
+                self.rt.dp.send(w, ("m", rid, self.version), model,
+                                on_done=lambda w=w: self._left(w))
             return
+        self.leaving[0] = 1  # the scheduler is planning the batch
         self.snapshots[self.version] = model
         self.rt.channel.send(0, "pulls", (self.version, model.nbytes,
                                           [(w, ("m", rid, self.version)) for w, rid, _ in due]))
 
+    def _leaves(self, rank):
+        self.leaving[rank] = self.leaving.get(rank, 0) + 1
+
+    def _left(self, rank):
+        """A model send to `rank` is done (or `rank` died: all of them are)."""
+        n = self.leaving.pop(rank, 0) - 1
+        if n > 0:
+            self.leaving[rank] = n
+        self._serve_pulls()
+
     def _distribute(self, version, direct, relays):
-        send_distribution(self.rt, self.snapshots.pop(version), direct, relays)
+        del self.leaving[0]
+        for rank in [x[0] for x in direct] + [x[0] for x in relays]:
+            self._leaves(rank)
+        payload = self.snapshots.pop(version)
+        for w, key, start, rate in direct:
+            self.rt.dp.send(w, key, payload, rate=rate, not_before=self.rt.local(start),
+                            on_done=lambda w=w: self._left(w))
+        for d, start, rate, forwards in relays:
+            self.rt.dp.send(d, ("d", forwards), payload, rate=rate,
+                            not_before=self.rt.local(start), on_done=lambda d=d: self._left(d))
+        self._serve_pulls()
 
     def _may_answer(self, clock):
         """sync: the worker's next iteration is done; SSP: the slowest worker is at most `slack`
