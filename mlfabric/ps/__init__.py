@@ -10,8 +10,8 @@ with dynamic aggregation), 'ssp' (stale synchronous, slack K), 'async' (vanilla 
 no scheduling, no aggregation), and the MPI baselines 'rr-sync' / 'tr-sync' (ring / binary-tree
 allreduce among the workers, mlfabric.ps.allreduce_baselines).
 """
-from .api import (allreduce, applied_log, finish, get, init, local_model, on_request, on_update, push, register_as_replica,
-                  register_as_server, register_as_worker, role, serve)
+from .api import (allreduce, applied_log, finish, get, init, local_model, on_request, on_update,
+                  push, register_as_replica, register_as_server, register_as_worker, role, serve)
 
 # the paper's names (Table 1)
 registerAsWorker = register_as_worker

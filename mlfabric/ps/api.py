@@ -77,7 +77,8 @@ def _running(as_role, call):
         raise NotInitializedError("%s: register first (this rank is %s; call register_as_%s)"
                                   % (call, _state["role"] or "not initialised", as_role))
     if rt.role != as_role:
-        raise MlfabricError("%s is a %s call; rank %d is the %s" % (call, as_role, rt.rank, rt.role))
+        raise MlfabricError("%s is a %s call; rank %d is the %s"
+                            % (call, as_role, rt.rank, rt.role))
     if rt.error is not None:
         raise rt.error
     return rt
@@ -89,7 +90,7 @@ def _launch(rt, role):
     rt.daemon.start()
 
 
-# --- worker ------------------------------------------------------------------------------------------
+# --- worker ---------------------------------------------------------------------------------------
 def register_as_worker(tau_max=math.inf, div_max=math.inf):
     """Join as a worker. tau_max: the largest delay an applied update may have (mlfabric-A);
     div_max: the largest server-replica divergence the job tolerates (with replicas)."""
@@ -194,7 +195,7 @@ def _end(rt):
     return summary
 
 
-# --- server, replica, scheduler -------------------------------------------------------------------------
+# --- server, replica, scheduler -------------------------------------------------------------------
 def register_as_server(model, on_update=None, on_request=None):
     """Join as a server holding `model` (a numpy float array; the server updates it in place)."""
     if not isinstance(model, np.ndarray) or model.dtype.kind != "f":
@@ -231,7 +232,8 @@ def on_update(fn):
 
 
 def on_request(fn):
-    """Server: fn(model, version) returns what get() delivers (default: the model). Before serve()."""
+    """Server: fn(model, version) returns what get() delivers (default: the model). Call it
+    before serve()."""
     role_obj = _state["server"]
     if role_obj is None or _state["rt"].daemon is not None or _state["rt"].role != SERVER:
         raise MlfabricError("on_request: register as a server first, and call it before serve()")
@@ -248,7 +250,8 @@ def register_as_replica(server, on_update=None):
 
 
 def serve():
-    """Server, replica or scheduler: run this rank's part until the job ends; returns the Summary."""
+    """Server, replica or scheduler: run this rank's part until the job ends; returns the
+    Summary."""
     if _state["rt"] is None and (_state["role"] in (None, SCHEDULER)):
         from ..runtime.scheduler import SchedulerRole
         rt = _start(SCHEDULER, {})

@@ -53,7 +53,7 @@ class Channel:
         try:
             # Open MPI makes progress inside a call: the first probe after a sleep moves what
             # arrived meanwhile, the second sees it (one probe alone costs a whole sleep period)
-            if not comm.Iprobe(MPI.ANY_SOURCE, TAG, st) and not comm.Iprobe(MPI.ANY_SOURCE, TAG, st):
+            if not (comm.Iprobe(MPI.ANY_SOURCE, TAG, st) or comm.Iprobe(MPI.ANY_SOURCE, TAG, st)):
                 return out
             while True:
                 src = st.Get_source()

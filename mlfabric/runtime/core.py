@@ -166,8 +166,8 @@ def _bounded_allgather(comm, obj):
     while not req.Test():
         if time.monotonic() > end:
             raise PeerTimeoutError(
-                "mlfabric.ps start-up: not every rank registered within MLFABRIC_TIMEOUT=%gs; every "
-                "rank must call its role's register_as_*() (or serve()) once" % limit)
+                "mlfabric.ps start-up: not every rank registered within MLFABRIC_TIMEOUT=%gs; "
+                "every rank must call its role's register_as_*() (or serve()) once" % limit)
         time.sleep(0.001)
     return comm.allgather(obj)
 

@@ -64,7 +64,9 @@ class Daemon(threading.Thread):
             failed.update(MPI.Group.Translate_ranks(g, list(range(g.Get_size())),
                                                     comm.Get_group()))
         new = sorted(failed - rt.failed)
-        if not new:
+        if not new:  # a flow with a peer already known dead: drop it too (forget is idempotent)
+            for r in rt.failed:
+                rt.dp.forget_peer(r)
             return
         rt.failed.update(new)
         if DEBUG:

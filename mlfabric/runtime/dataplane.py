@@ -151,6 +151,8 @@ class DataPlane:
         self._hdr_status = MPI.Status()
         self._hdr_req = self._post_header_recv()
         self._closed = False
+        self._dead = set()                   # peers known failed: nothing is sent to them
+        self._dead_done = []                 # on_done of sends to them, called in progress()
 
     # ------------------------------------------------------------------------------- public
 
@@ -193,6 +195,9 @@ class DataPlane:
         flow.hdr = self._header(flow)
         if dst == self.rank:
             self._local.append((nb, key, payload, on_done))
+        elif dst in self._dead:  # it died (forget_peer): nothing will ever take it
+            if on_done is not None:
+                self._dead_done.append(on_done)
         else:
             self._tx.append(flow)
 
@@ -205,6 +210,9 @@ class DataPlane:
         self._poll_headers(now)
         self._progress_rx(now)
         callbacks = self._progress_tx(now)
+        if self._dead_done:
+            callbacks += self._dead_done
+            self._dead_done = []
         if self._local:
             self._deliver_local(now, callbacks)
         if self._held:
@@ -341,14 +349,7 @@ class DataPlane:
         finished = []
         for f in self._rx:
             if f.reqs:
-                keep = []
-                for req, i in f.reqs:
-                    if req.Test():
-                        f.received += 1
-                        f.last = now
-                    else:
-                        keep.append((req, i))
-                f.reqs = keep
+                f.received += _retire(f, now)
                 if f.received == f.nchunks:
                     finished.append(f)
         for f in finished:
@@ -422,14 +423,7 @@ class DataPlane:
                 f.hdr_req = f.hdr = None
                 f.last = now
             if f.reqs:
-                keep = []
-                for req, i in f.reqs:
-                    if req.Test():
-                        f.taken += 1
-                        f.last = now
-                    else:
-                        keep.append((req, i))
-                f.reqs = keep
+                f.taken += _retire(f, now)
             while f.staged and f.staged[0][0] <= now:
                 self._post_chunk(f, f.staged.popleft()[1], now, comm)
             if f.taken == f.nchunks and f.hdr_req is None:
@@ -505,8 +499,10 @@ class DataPlane:
 
     def forget_peer(self, rank):
         """A peer is known dead (ULFM): drop every flow to or from it, keeping their requests
-        parked (MPI may still hold their buffers), and any header it left waiting. Returns the keys
-        of the dropped sends and receives, so the owner can account for them."""
+        parked (MPI may still hold their buffers), and any header it left waiting; later sends to
+        it are dropped at once (their on_done still called: they are over). Returns the keys of
+        the dropped sends and receives, so the owner can account for them. Idempotent."""
+        self._dead.add(rank)
         lost = []
         for f in [f for f in self._tx if f.dst == rank]:
             self._tx.remove(f)
@@ -564,6 +560,17 @@ class DataPlane:
     def _check_open(self):
         if self._closed:
             raise MlfabricError("data plane is closed")
+
+
+def _retire(f, now):
+    """Test a flow's posted requests: keep the unfinished ones, return how many finished (the
+    peer made progress: its clock for the timeout restarts)."""
+    keep = [item for item in f.reqs if not item[0].Test()]
+    done = len(f.reqs) - len(keep)
+    f.reqs = keep
+    if done:
+        f.last = now
+    return done
 
 
 def _min_rate(a, b):

@@ -25,7 +25,8 @@ class Reporter:
         nic = self.nic
         t, o, i = self.last
         if now > t and t > 0:
-            self.achieved.append((now, (nic.bytes_out - o) / (now - t), (nic.bytes_in - i) / (now - t)))
+            dt = now - t
+            self.achieved.append((now, (nic.bytes_out - o) / dt, (nic.bytes_in - i) / dt))
         self.last = (now, nic.bytes_out, nic.bytes_in)
         self.next = now + self.t_lag
         e, g = nic.egress_rate(now), nic.ingress_rate(now)

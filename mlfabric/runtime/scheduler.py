@@ -5,7 +5,8 @@ and when (or that an update is dropped), the aggregators what to sum, the server
 order. With a replica it also plans the replica's copies (mlfabric.sched.replicate) and the
 server's divergence gate (gate.py). It answers pull batches with distribution trees (§10.3),
 decides when the job is over (every live worker done, every pushed update applied or dropped) and
-gathers everyone's accounts into the job's summary. Failures are handled in recovery.py.
+gathers everyone's accounts into the job's summary. Pull batches and allreduce calls are planned
+in pulls.py, failures handled in recovery.py.
 
 Servers are named by their logical id (the rank they started on); `rank_of` maps a logical server
 to the rank that serves it now (its replica's, after a failover). Times are job time (seconds since
@@ -15,16 +16,17 @@ import time
 from dataclasses import replace
 from math import inf
 
-from ..sched import ReplicaState, Update, distribute, replicate, schedule
+from ..sched import ReplicaState, Update, replicate, schedule
 from ..sched.view import SchedulerView
 from .gate import DivergenceGate
 from .ledger import summarize
 from .monitor import UNPACED, ReportedCapacities
+from .pulls import SchedulerPulls, rate_of
 from .recovery import SchedulerRecovery
 from .worker import Assignment
 
 
-class SchedulerRole(SchedulerRecovery):
+class SchedulerRole(SchedulerRecovery, SchedulerPulls):
     def __init__(self, rt):
         self.rt = rt
         cfg = rt.config
@@ -198,7 +200,7 @@ class SchedulerRole(SchedulerRecovery):
     def wake_in(self, now_mono):
         return max(0.0, self.next_batch - self.rt.now()) if self.mode is not None else 0.01
 
-    # --- one batch ---------------------------------------------------------------------------------
+    # --- one batch --------------------------------------------------------------------------------
     def _iteration_planned(self, server, version, t):
         """Sync: every live worker's update of iteration `version` is in; plan what is pending
         and tell the server, which then steps once they have all arrived."""
@@ -264,18 +266,19 @@ class SchedulerRole(SchedulerRecovery):
         for tr in plan.direct:
             uid = tr.ids[0]
             u = by_id[uid]
-            sends.setdefault(u.worker, []).append((uid, srank, server, tr.start, _rate(tr), final))
+            sends.setdefault(u.worker, []).append(
+                (uid, srank, server, tr.start, rate_of(tr), final))
             need = gate.commit((u.norm,)) if gate else 0
             expect.append((("u", uid), (uid,), (u.version,), need, u.worker))
         for k, a in enumerate(plan.aggregates):
             for tr in a.inbound:
                 uid = tr.ids[0]
                 sends.setdefault(by_id[uid].worker, []).append(
-                    (uid, hosts[a.aggregator], server, tr.start, _rate(tr), final))
+                    (uid, hosts[a.aggregator], server, tr.start, rate_of(tr), final))
             key = (self.batches, k)
             version = by_id[a.members[0]].version if self.mode == "sync" else None
             aggs.setdefault(hosts[a.aggregator], []).append(Assignment(
-                key, server, a.members, a.transfer.start, _rate(a.transfer), version))
+                key, server, a.members, a.transfer.start, rate_of(a.transfer), version))
             need = gate.commit([by_id[u].norm for u in a.members]) if gate else 0
             expect.append((("a", key), tuple(a.members),
                            tuple(by_id[u].version for u in a.members), need, hosts[a.aggregator]))
@@ -315,16 +318,16 @@ class SchedulerRole(SchedulerRecovery):
         for tr in rp.direct:
             uid = tr.ids[0]
             sends.setdefault(uid >> 32, []).append(
-                (uid, replica, replica, tr.start, _rate(tr), True))
+                (uid, replica, replica, tr.start, rate_of(tr), True))
             keys[(uid,)] = (("u", uid), uid >> 32)
         for k, a in enumerate(rp.aggregates):
             for tr in a.inbound:
                 uid = tr.ids[0]
                 sends.setdefault(uid >> 32, []).append(
-                    (uid, hosts[a.aggregator], replica, tr.start, _rate(tr), True))
+                    (uid, hosts[a.aggregator], replica, tr.start, rate_of(tr), True))
             key = (self.batches, "r", k)
             aggs.setdefault(hosts[a.aggregator], []).append(Assignment(
-                key, replica, a.members, a.transfer.start, _rate(a.transfer), None))
+                key, replica, a.members, a.transfer.start, rate_of(a.transfer), None))
             keys[tuple(a.members)] = (("a", key), hosts[a.aggregator])
         norm = {u.id: u.norm for u in by_id.values()}
         commits = [(keys[tuple(c.ids)][0], tuple(c.ids), (None,) * len(c.ids), 0,
@@ -333,90 +336,7 @@ class SchedulerRole(SchedulerRecovery):
         if commits:
             self.rt.channel.send(replica, "expect", commits)
 
-    # --- model distribution (§10.3) ------------------------------------------------------------------
-    def _distribute(self, src, tag, nbytes, requests):
-        """Plan the delivery of one payload (a model version; an allreduce result) from rank `src`
-        to `requests` [(worker, the key it receives it under)] at once (a pull batch is
-        latency-critical: it is not held for the next update batch). The plan goes back to `src`
-        as (tag, direct sends, relays through distributors)."""
-        rt = self.rt
-        t = rt.now()
-        t_start = time.perf_counter()
-        requests = list(dict((w, key) for w, key in requests if w not in rt.failed).items())
-        if not nbytes:  # nothing to move: a tree cannot help
-            rt.channel.send(src, "distribute", (tag, [(w, key, t, None) for w, key in requests],
-                                                []))
-            return
-        hosts, idx = [src], {src: 0}
-        for h in self.aggregators + [w for w, _ in requests]:
-            if h not in idx:
-                idx[h] = len(hosts)
-                hosts.append(h)
-        key_of = dict(requests)
-        dist, _ = distribute([idx[w] for w, _ in requests], self.view.network(hosts, t), 0,
-                             float(nbytes), distributors=[idx[a] for a in self.aggregators],
-                             start=t, seed=rt.config.seed * 1000003 + self.batches)
-        for tr in dist.transfers():
-            self.view.book(hosts[tr.src], hosts[tr.dst], tr.segments)
-        direct = [(hosts[tr.dst], key_of[hosts[tr.dst]], tr.start, _rate(tr))
-                  for tr in dist.direct]
-        # unreachable on the view (no capacity left, ever): sent directly all the same, the
-        # real network decides
-        direct += [(hosts[h], key_of[hosts[h]], t, None) for h in dist.unserved]
-        relays = []
-        for d in dist.distributors:
-            out = {hosts[tr.dst]: tr for tr in d.outbound}
-            forwards = []
-            for w in map(hosts.__getitem__, d.workers):
-                tr = out.get(w)
-                forwards.append((w, key_of[w], tr.start if tr else t, _rate(tr) if tr else None))
-            relays.append((hosts[d.host], d.inbound.start, _rate(d.inbound), forwards))
-        rt.channel.send(src, "distribute", (tag, direct, relays))
-        self.plan_time.append(time.perf_counter() - t_start)
-
-    # --- allreduce through push/get (§6) -------------------------------------------------------------
-    def _allreduce_ready(self, call, update):
-        """Collect the contributions to allreduce call (k, root); when every other live worker's
-        is in, plan them as one sync batch to the root, aggregators being the other workers."""
-        got = self.allreduce_pending.setdefault(call, [])
-        got.append(update)
-        if len(got) < len(self.workers) - 1:
-            return
-        del self.allreduce_pending[call]
-        _, k, root = call
-        t = self.rt.now()
-        t_start = time.perf_counter()
-        hosts, idx = [root], {root: 0}
-        for h in self.workers:
-            if h not in idx:
-                idx[h] = len(hosts)
-                hosts.append(h)
-        ups = [Update(u.id, idx[u.worker], u.size, k, t) for u in got]
-        plan, _ = schedule(ups, self.view.network(hosts, t), 0,
-                           aggregators=[idx[w] for w in self.aggregators if w != root],
-                           start=t, seed=self.rt.config.seed * 1000003 + self.batches,
-                           mode="sync")
-        self.batches += 1
-        for tr in plan.transfers():
-            self.view.book(hosts[tr.src], hosts[tr.dst], tr.segments)
-        sends, aggs = {}, {}
-        for tr in plan.direct:
-            sends.setdefault(hosts[tr.src], []).append(
-                (tr.ids[0], root, call, tr.start, _rate(tr), True))
-        for j, a in enumerate(plan.aggregates):
-            for tr in a.inbound:
-                sends.setdefault(hosts[tr.src], []).append(
-                    (tr.ids[0], hosts[a.aggregator], call, tr.start, _rate(tr), True))
-            aggs.setdefault(hosts[a.aggregator], []).append(Assignment(
-                ("ar", k, j), call, a.members, a.transfer.start, _rate(a.transfer), k))
-        for rank, entries in aggs.items():
-            self.rt.channel.send(rank, "aggregate", entries)
-        sent = self.rt.now()
-        for rank, entries in sends.items():
-            self.rt.channel.send(rank, "send", (sent, entries))
-        self.plan_time.append(time.perf_counter() - t_start)
-
-    # --- the end -------------------------------------------------------------------------------------
+    # --- the end ----------------------------------------------------------------------------------
     def _summarize(self):
         rt = self.rt
         ledgers = [self.ledgers.get(r) for r in range(rt.size)]
@@ -433,9 +353,3 @@ class SchedulerRole(SchedulerRecovery):
 
     def stopped(self, error):
         pass
-
-
-def _rate(tr):
-    """The planned average rate of a transfer (bytes/s); None for an empty one."""
-    d = tr.end - tr.start
-    return tr.size / d if d > 0 and tr.size > 0 else None

@@ -134,7 +134,7 @@ class ServerRole:
         else:
             self.order.replica_count = inf
 
-    # --- payloads ----------------------------------------------------------------------------------
+    # --- payloads ---------------------------------------------------------------------------------
     def on_data(self, msg):
         key = msg.key
         if key[0] == "u":
@@ -221,7 +221,7 @@ class ServerRole:
             if w in self.processed:
                 self.processed[w] += 1
 
-    # --- control ---------------------------------------------------------------------------------------
+    # --- control ----------------------------------------------------------------------------------
     def on_ctrl(self, src, kind, body):
         if kind == "expect":
             if self.mode == "mlfabric-S":

@@ -96,7 +96,7 @@ class WorkerRole:
             self.rt.channel.send(0, "ready", self.ready)
             self.ready = []
 
-    # --- from the scheduler ------------------------------------------------------------------------
+    # --- from the scheduler -----------------------------------------------------------------------
     def on_ctrl(self, src, kind, body):
         rt = self.rt
         if kind == "send":
@@ -124,7 +124,7 @@ class WorkerRole:
             raise RuntimeError("worker rank %d: unexpected control message %r from %d"
                                % (rt.rank, kind, src))
 
-    # --- payloads ------------------------------------------------------------------------------------
+    # --- payloads ---------------------------------------------------------------------------------
     def on_data(self, msg):
         kind = msg.key[0]
         if kind == "m":
@@ -206,7 +206,7 @@ class WorkerRole:
         """Alert while an answer is due (a plan for our updates, a model, an allreduce)."""
         return 0.0005 if (self.outbox or self.gets or self.allreduces) else 0.002
 
-    # --- failures (recovery.py) ----------------------------------------------------------------------
+    # --- failures (recovery.py) -------------------------------------------------------------------
     def peers_failed(self, ranks, lost):
         """Workers died: members they were to send are cut from our aggregates (and reported
         lost when the aggregate was for a server); requests are sent again, since a distributor

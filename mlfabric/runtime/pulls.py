@@ -1,0 +1,101 @@
+"""The scheduler's plans for payloads that go from one rank to many, or many to one outside the
+parameter-server batches: pull batches answered through distribution trees (paper §10.3), and
+Table 1's AllReduce (§6), a sync batch to a root worker followed by a distribution of the sum.
+Mixed into SchedulerRole (scheduler.py); latency-critical, so planned when asked, not at a tick.
+"""
+import time
+
+from ..sched import Update, distribute, schedule
+from .worker import Assignment
+
+
+class SchedulerPulls:
+    def _distribute(self, src, tag, nbytes, requests):
+        """Plan the delivery of one payload (a model version; an allreduce result) from rank `src`
+        to `requests` [(worker, the key it receives it under)] at once (a pull batch is
+        latency-critical: it is not held for the next update batch). The plan goes back to `src`
+        as (tag, direct sends, relays through distributors)."""
+        rt = self.rt
+        t = rt.now()
+        t_start = time.perf_counter()
+        requests = list(dict((w, key) for w, key in requests if w not in rt.failed).items())
+        if not nbytes:  # nothing to move: a tree cannot help
+            rt.channel.send(src, "distribute", (tag, [(w, key, t, None) for w, key in requests],
+                                                []))
+            return
+        hosts, idx = [src], {src: 0}
+        for h in self.aggregators + [w for w, _ in requests]:
+            if h not in idx:
+                idx[h] = len(hosts)
+                hosts.append(h)
+        key_of = dict(requests)
+        dist, _ = distribute([idx[w] for w, _ in requests], self.view.network(hosts, t), 0,
+                             float(nbytes), distributors=[idx[a] for a in self.aggregators],
+                             start=t, seed=rt.config.seed * 1000003 + self.batches)
+        for tr in dist.transfers():
+            self.view.book(hosts[tr.src], hosts[tr.dst], tr.segments)
+        direct = [(hosts[tr.dst], key_of[hosts[tr.dst]], tr.start, rate_of(tr))
+                  for tr in dist.direct]
+        # unreachable on the view (no capacity left, ever): sent directly all the same, the
+        # real network decides
+        direct += [(hosts[h], key_of[hosts[h]], t, None) for h in dist.unserved]
+        relays = []
+        for d in dist.distributors:
+            out = {hosts[tr.dst]: tr for tr in d.outbound}
+            forwards = []
+            for w in map(hosts.__getitem__, d.workers):
+                tr = out.get(w)
+                forwards.append((w, key_of[w], tr.start if tr else t, rate_of(tr)))
+            relays.append((hosts[d.host], d.inbound.start, rate_of(d.inbound), forwards))
+        rt.channel.send(src, "distribute", (tag, direct, relays))
+        self.plan_time.append(time.perf_counter() - t_start)
+
+    # --- allreduce through push/get (§6) ------------------------------------------------------
+    def _allreduce_ready(self, call, update):
+        """Collect the contributions to allreduce call (k, root); when every other live worker's
+        is in, plan them as one sync batch to the root, aggregators being the other workers."""
+        got = self.allreduce_pending.setdefault(call, [])
+        got.append(update)
+        if len(got) < len(self.workers) - 1:
+            return
+        del self.allreduce_pending[call]
+        _, k, root = call
+        t = self.rt.now()
+        t_start = time.perf_counter()
+        hosts, idx = [root], {root: 0}
+        for h in self.workers:
+            if h not in idx:
+                idx[h] = len(hosts)
+                hosts.append(h)
+        ups = [Update(u.id, idx[u.worker], u.size, k, t) for u in got]
+        plan, _ = schedule(ups, self.view.network(hosts, t), 0,
+                           aggregators=[idx[w] for w in self.aggregators if w != root],
+                           start=t, seed=self.rt.config.seed * 1000003 + self.batches,
+                           mode="sync")
+        self.batches += 1
+        for tr in plan.transfers():
+            self.view.book(hosts[tr.src], hosts[tr.dst], tr.segments)
+        sends, aggs = {}, {}
+        for tr in plan.direct:
+            sends.setdefault(hosts[tr.src], []).append(
+                (tr.ids[0], root, call, tr.start, rate_of(tr), True))
+        for j, a in enumerate(plan.aggregates):
+            for tr in a.inbound:
+                sends.setdefault(hosts[tr.src], []).append(
+                    (tr.ids[0], hosts[a.aggregator], call, tr.start, rate_of(tr), True))
+            aggs.setdefault(hosts[a.aggregator], []).append(Assignment(
+                ("ar", k, j), call, a.members, a.transfer.start, rate_of(a.transfer), k))
+        for rank, entries in aggs.items():
+            self.rt.channel.send(rank, "aggregate", entries)
+        sent = self.rt.now()
+        for rank, entries in sends.items():
+            self.rt.channel.send(rank, "send", (sent, entries))
+        self.plan_time.append(time.perf_counter() - t_start)
+
+
+def rate_of(tr):
+    """The planned average rate of a transfer (bytes/s); None for an empty one."""
+    if tr is None:
+        return None
+    d = tr.end - tr.start
+    return tr.size / d if d > 0 and tr.size > 0 else None
