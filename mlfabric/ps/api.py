@@ -35,8 +35,14 @@ def init(mode="mlfabric-A", *, servers=1, replicas=0, aggregators=None, batch_in
     role: 'scheduler', 'server', 'replica' or 'worker' (mlfabric.runtime.roles says which).
     mlfabric.runtime.Config documents every setting."""
     from ..emulate import Emulation
-    if _state["rt"] is not None:
-        raise MlfabricError("mlfabric.ps is already running; init() once per job")
+    old = _state["rt"]
+    if old is not None:
+        if old.error is None:
+            raise MlfabricError("mlfabric.ps is already running; init() once per job")
+        # the last job failed (its error reached this rank): it is over, a new one may start
+        if old.daemon is not None:
+            old.daemon.join(timeout=5.0)
+        _state.update(rt=None, server=None)
     cfg = Config(mode=mode, servers=servers, replicas=replicas, aggregators=aggregators,
                  batch_interval=batch_interval, t_lag=t_lag, slack=slack, gamma=gamma,
                  emulation=emulation if emulation is not None else Emulation(), seed=seed,
@@ -44,7 +50,11 @@ def init(mode="mlfabric-A", *, servers=1, replicas=0, aggregators=None, batch_in
                  checkpoint_dir=checkpoint_dir, resume=resume)
     comm = MPI.COMM_WORLD if comm is None else comm
     roles = Roles(comm.size, cfg.servers, cfg.replicas)
-    _state.update(config=cfg, comm=comm, role=roles.role(comm.rank))
+    # (a duplicate left by a job that never started or failed is dropped, not freed: a barrier of
+    # its failed start-up may still be pending on it)
+    # The job's own duplicate (collective, like MPI's own start-up): its start-up handshake then
+    # never meets the user's collectives, even when it fails half way
+    _state.update(config=cfg, comm=comm.Dup(), role=roles.role(comm.rank))
     return _state["role"]
 
 
@@ -190,8 +200,9 @@ def _end(rt):
         _state["config"] = None
     # everyone has the summary: the job's communicators can go (collective, so only now)
     rt.dp.close(timeout=5.0)
-    rt.ctrl.Free()
-    rt.data.Free()
+    for comm in (rt.ctrl, rt.data, rt.comm):
+        comm.Free()
+    _state["comm"] = None
     return summary
 
 

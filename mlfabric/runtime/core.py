@@ -115,9 +115,10 @@ class Runtime:
         self.config = config
         self.roles = Roles(self.size, config.servers, config.replicas)
         self.role = self.roles.role(self.rank)
+        _bounded_barrier(comm)  # everyone is here: the collective calls below cannot hang
         self.ctrl = comm.Dup()
         self.data = comm.Dup()
-        everyone = _bounded_allgather(self.ctrl, (config, info))
+        everyone = self.ctrl.allgather((config, info))
         _check_agreement(everyone, self.roles)
         self.infos = [i for _, i in everyone]
         self.offset = clock_offsets(self.ctrl)
@@ -157,9 +158,10 @@ class Runtime:
         return self.infos[server]["shape"], self.infos[server]["dtype"]
 
 
-def _bounded_allgather(comm, obj):
-    """allgather after a barrier that waits at most MLFABRIC_TIMEOUT: a rank that never registers
-    becomes an error on the others instead of a hang."""
+def _bounded_barrier(comm):
+    """A barrier that waits at most MLFABRIC_TIMEOUT: a rank that never registers becomes an error
+    on the others instead of a hang. `comm` is the job's own duplicate (mlfabric.ps.init makes
+    it), so a barrier left pending by the error never meets the user's collectives."""
     req = comm.Ibarrier()
     limit = _config.timeout_s()
     end = time.monotonic() + limit
@@ -169,7 +171,6 @@ def _bounded_allgather(comm, obj):
                 "mlfabric.ps start-up: not every rank registered within MLFABRIC_TIMEOUT=%gs; "
                 "every rank must call its role's register_as_*() (or serve()) once" % limit)
         time.sleep(0.001)
-    return comm.allgather(obj)
 
 
 def _check_agreement(everyone, roles):

@@ -267,3 +267,53 @@ def case_allreduce_mismatch_is_an_error_everywhere():
         return
     if len(roles.worker_ranks) > 1:
         raise AssertionError("mismatched allreduce accepted")
+
+
+def case_wrong_role_or_disagreeing_settings_fail_on_every_rank():
+    import os
+    old = os.environ.get("MLFABRIC_TIMEOUT")
+    os.environ["MLFABRIC_TIMEOUT"] = "2"   # the ranks left waiting give up quickly
+    try:
+        # a worker that registers as a server: its own clear error at once; the others are not
+        # left hanging at start-up
+        role = ps.init("mlfabric-A")
+        last = Roles(WORLD.size).worker_ranks[-1]
+        try:
+            if WORLD.rank == last:
+                ps.register_as_server(np.zeros(3))
+            elif role == "worker":
+                ps.register_as_worker()
+            elif role == "server":
+                ps.register_as_server(np.zeros(3))
+            else:
+                ps.serve()
+        except MlfabricError as e:
+            if WORLD.rank == last:
+                assert "is the worker" in str(e) and "not a server" in str(e), e
+            else:
+                assert "not every rank registered" in str(e), e
+        else:
+            raise AssertionError("a rank registering the wrong role went unnoticed")
+        ps.api._state.update(rt=None, config=None, role=None, server=None)
+        WORLD.Barrier()
+        # workers that disagree on tau_max: the same error on every rank
+        role = ps.init("mlfabric-A")
+        try:
+            if role == "worker":
+                ps.register_as_worker(tau_max=WORLD.rank)
+            elif role == "server":
+                ps.register_as_server(np.zeros(3))
+            else:
+                ps.serve()
+        except MlfabricError as e:
+            assert "disagree on tau_max" in str(e) or len(Roles(WORLD.size).worker_ranks) == 1, e
+        else:
+            assert len(Roles(WORLD.size).worker_ranks) == 1, "disagreeing tau_max accepted"
+            ps.api._state.update(rt=None)
+        ps.api._state.update(rt=None, config=None, role=None, server=None)
+    finally:
+        if old is None:
+            del os.environ["MLFABRIC_TIMEOUT"]
+        else:
+            os.environ["MLFABRIC_TIMEOUT"] = old
+        WORLD.Barrier()
