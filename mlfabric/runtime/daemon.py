@@ -50,6 +50,10 @@ class Daemon(threading.Thread):
             except MPI.Exception as e:
                 if e.Get_error_class() not in FAILURE_CLASSES:
                     raise
+                if DEBUG:
+                    import traceback
+                    _debug(self.rt, "MPI error %d at %s" % (e.Get_error_class(), "".join(
+                        traceback.format_tb(e.__traceback__)[-2:]).replace("\n", " | ")))
                 self._peers_failed()
 
     def _peers_failed(self):

@@ -10,8 +10,9 @@ calls progress() when wake_in() says so, and gets back the messages that have ar
 Protocol, per message ("flow"):
 - The sender posts a small pickled header (key, dtype, shape, bytes, flow tag, chunk size) on
   HEADER_TAG with Issend, at the flow's `not_before` (not earlier: a receiver that saw the header
-  would start reserving ingress for bytes that cannot come yet). The receiver keeps one header
-  receive posted (any source), so a header is matched even while its owner is busy elsewhere.
+  would start reserving ingress for bytes that cannot come yet). The receiver probes for headers
+  from any source at every progress() (a probe, not a standing any-source receive: under ULFM
+  such a receive can keep failing after a peer's death was acknowledged).
 - The payload follows in chunks on the flow's tag (cycled per destination in
   [FLOW_TAG_BASE, FLOW_TAG_BASE + FLOW_TAGS), a tag is reused only once its old flow is done).
   Chunk size = clamp(rate * chunk_s, min_chunk, max_chunk) with rate = min(flow cap, egress rate)
@@ -149,7 +150,6 @@ class DataPlane:
         self._parked = []                    # requests of failed flows (keep their buffers alive)
         self._hdr_buf = bytearray(HEADER_MAX)
         self._hdr_status = MPI.Status()
-        self._hdr_req = self._post_header_recv()
         self._closed = False
         self._dead = set()                   # peers known failed: nothing is sent to them
         self._dead_done = []                 # on_done of sends to them, called in progress()
@@ -269,7 +269,7 @@ class DataPlane:
 
     def close(self, timeout=None):
         """Let in-flight sends finish (at most `timeout` seconds, default self.timeout), then
-        cancel every posted receive (the header receive included). Messages that arrive meanwhile
+        cancel every posted receive. Messages that arrive meanwhile
         are dropped. Raises PeerTimeoutError if sends were left unfinished (their requests are
         parked, so MPI never touches freed memory). Idempotent."""
         if self._closed:
@@ -285,7 +285,6 @@ class DataPlane:
             error = e
         finally:
             self._closed = True
-            self._cancel(self._hdr_req)
             for f in self._rx:
                 for req, _ in f.reqs:
                     self._cancel(req)
@@ -316,23 +315,33 @@ class DataPlane:
                              f"({len(hdr)} bytes pickled, at most {HEADER_MAX - 8})")
         return hdr
 
-    def _post_header_recv(self):
-        return self.comm.Irecv([self._hdr_buf, MPI.BYTE], MPI.ANY_SOURCE, HEADER_TAG)
-
     def _poll_headers(self, now):
-        st = self._hdr_status
-        while self._hdr_req.Test(st):
-            src, count = st.Get_source(), st.Get_count(MPI.BYTE)
+        """Headers are probed for, not received into a standing any-source receive: under ULFM
+        such a receive can keep failing (ERR_PROC_FAILED_PENDING) after a peer's death was
+        acknowledged, while a new probe works. The sender's Issend waits for the match either
+        way. Two probes: Open MPI moves what arrived during a sleep on the first."""
+        comm, st, any_source = self.comm, self._hdr_status, MPI.ANY_SOURCE
+        if not (comm.Iprobe(any_source, HEADER_TAG, st)
+                or comm.Iprobe(any_source, HEADER_TAG, st)):
+            return
+        while True:
+            src = st.Get_source()
+            comm.Recv([self._hdr_buf, MPI.BYTE], src, HEADER_TAG, st)
+            count = st.Get_count(MPI.BYTE)
             tag = int.from_bytes(self._hdr_buf[:4], "little")
             key, descr, shape, nbytes, chunk = pickle.loads(bytes(self._hdr_buf[8:count]))
-            self._hdr_req = self._post_header_recv()
-            hdr = (src, tag, key, descr, shape, nbytes, chunk)
-            if (src, tag) in self._rx_by_tag:
-                # The sender reused the tag as soon as its old flow was matched; we have not
-                # seen that flow's last receive complete yet. Start this one after it.
-                self._rx_deferred.setdefault((src, tag), []).append(hdr)
-            else:
-                self._start_rx(hdr, now)
+            self._take_header((src, tag, key, descr, shape, nbytes, chunk), now)
+            if not comm.Iprobe(any_source, HEADER_TAG, st):
+                return
+
+    def _take_header(self, hdr, now):
+        src, tag = hdr[0], hdr[1]
+        if (src, tag) in self._rx_by_tag:
+            # The sender reused the tag as soon as its old flow was matched; we have not seen
+            # that flow's last receive complete yet. Start this one after it.
+            self._rx_deferred.setdefault((src, tag), []).append(hdr)
+        else:
+            self._start_rx(hdr, now)
 
     def _start_rx(self, hdr, now):
         src, tag, key, descr, shape, nbytes, chunk = hdr

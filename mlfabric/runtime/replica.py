@@ -50,6 +50,8 @@ class ReplicaRole:
     def on_ctrl(self, src, kind, body):
         if kind == "expect":
             self.order.add_plan(body)
+            if self.rt.failed:  # planned before the scheduler knew of a death
+                self.peers_failed(sorted(self.rt.failed), [])
             self._apply_due()
         elif kind == "server-count":
             self.server_count, self.server_need = body

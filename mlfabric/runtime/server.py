@@ -226,9 +226,13 @@ class ServerRole:
         if kind == "expect":
             if self.mode == "mlfabric-S":
                 self.order.add_plan(e for e in body if e[0] not in self.sync_seen)
-                self._close_iteration()
             else:
                 self.order.add_plan(body)
+            if self.rt.failed:  # planned before the scheduler knew: from the dead, nothing comes
+                self.peers_failed(sorted(self.rt.failed), [])
+            elif self.mode == "mlfabric-S":
+                self._close_iteration()
+            else:
                 self._apply_due()
         elif kind == "iteration":     # sync: every update of this iteration is planned
             self.planned_iterations.add(body)

@@ -120,6 +120,8 @@ class WorkerRole:
                 for uid in a.members:
                     self.assigned[(uid, a.dst)] = a
                 self._try_aggregate(a)
+            if rt.failed:  # planned before the scheduler knew of a death
+                self.peers_failed(sorted(rt.failed), [], resend=False)
         else:
             raise RuntimeError("worker rank %d: unexpected control message %r from %d"
                                % (rt.rank, kind, src))
@@ -207,7 +209,7 @@ class WorkerRole:
         return 0.0005 if (self.outbox or self.gets or self.allreduces) else 0.002
 
     # --- failures (recovery.py) -------------------------------------------------------------------
-    def peers_failed(self, ranks, lost):
+    def peers_failed(self, ranks, lost, resend=True):
         """Workers died: members they were to send are cut from our aggregates (and reported
         lost when the aggregate was for a server); requests are sent again, since a distributor
         that died may have been relaying our model."""
@@ -225,7 +227,8 @@ class WorkerRole:
             self._try_aggregate(a)
         if gone:
             self.rt.channel.send(0, "lost", gone)
-        self._resend_gets(lambda server: True)
+        if resend:
+            self._resend_gets(lambda server: True)
 
     def on_promote(self, server, rank, processed):
         """`server` is now served by `rank` (its replica): aggregates planned for the old server
