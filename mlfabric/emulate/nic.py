@@ -48,13 +48,9 @@ class Emulation:
         return EmulatedNic(trace, worker_index, workers + worker_index, t0)
 
     def compute_trace(self, workers, base_time):
+        """The compute preset's step times for `workers` workers of nominal step base_time
+        (ComputeTrace.time(worker, iteration); a straggling step takes s times as long)."""
         return ComputeTrace(self.compute, workers, base_time, self.seed)
-
-    def compute_time(self, worker_index, iteration, base_time, workers=1):
-        """Seconds worker `worker_index` spends on its `iteration`-th step of nominal length
-        base_time under the compute preset (a straggling step takes s times as long)."""
-        return ComputeTrace(self.compute, max(workers, worker_index + 1), base_time,
-                            self.seed).time(worker_index, iteration)
 
 
 class EmulatedNic:

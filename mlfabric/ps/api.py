@@ -13,7 +13,6 @@ and it checks that all ranks agree on the config and on their roles. Everything 
 MLFABRIC_TIMEOUT seconds.
 """
 import math
-import threading
 
 import numpy as np
 from mpi4py import MPI
@@ -23,9 +22,8 @@ from ..errors import MlfabricError, NotInitializedError, PeerTimeoutError
 from ..runtime.core import Config, Runtime
 from ..runtime.roles import REPLICA, SCHEDULER, SERVER, WORKER, Roles
 
-_lock = threading.Lock()
 _state = {"config": None, "comm": None, "rt": None, "role": None, "pushes": {}, "versions": {},
-          "next_id": 0, "server": None}
+          "next_id": 0, "handler": None}  # handler: the role object serve() drives
 
 
 def init(mode="mlfabric-A", *, servers=1, replicas=0, aggregators=None, batch_interval=0.1,
@@ -42,7 +40,7 @@ def init(mode="mlfabric-A", *, servers=1, replicas=0, aggregators=None, batch_in
         # the last job failed (its error reached this rank): it is over, a new one may start
         if old.daemon is not None:
             old.daemon.join(timeout=5.0)
-        _state.update(rt=None, server=None)
+        _state.update(rt=None, handler=None)
     cfg = Config(mode=mode, servers=servers, replicas=replicas, aggregators=aggregators,
                  batch_interval=batch_interval, t_lag=t_lag, slack=slack, gamma=gamma,
                  emulation=emulation if emulation is not None else Emulation(), seed=seed,
@@ -228,13 +226,13 @@ def register_as_server(model, on_update=None, on_request=None):
                                                           saved.shape, model.dtype, model.shape))
             model[...] = saved
     rt = _start(SERVER, {"shape": model.shape, "dtype": model.dtype.str, "version": version})
-    _state["server"] = ServerRole(rt, model, on_update, on_request, version=version)
+    _state["handler"] = ServerRole(rt, model, on_update, on_request, version=version)
 
 
 def on_update(fn):
     """Server or replica: fn(model, update, ids) applies an update (or an aggregate: ids lists its
     members in order) to the model in place. Default: model += update. Call before serve()."""
-    role_obj = _state["server"]
+    role_obj = _state["handler"]
     if role_obj is None or _state["rt"].daemon is not None:
         raise MlfabricError("on_update: register as a server or replica first, and call it "
                             "before serve()")
@@ -245,7 +243,7 @@ def on_update(fn):
 def on_request(fn):
     """Server: fn(model, version) returns what get() delivers (default: the model). Call it
     before serve()."""
-    role_obj = _state["server"]
+    role_obj = _state["handler"]
     if role_obj is None or _state["rt"].daemon is not None or _state["rt"].role != SERVER:
         raise MlfabricError("on_request: register as a server first, and call it before serve()")
     role_obj.request_fn = fn
@@ -257,7 +255,7 @@ def register_as_replica(server, on_update=None):
     server's order, at most div_max (the workers' setting) behind."""
     from ..runtime.replica import ReplicaRole
     rt = _start(REPLICA, {"server": server})
-    _state["server"] = ReplicaRole(rt, server, on_update)
+    _state["handler"] = ReplicaRole(rt, server, on_update)
 
 
 def serve():
@@ -266,21 +264,21 @@ def serve():
     if _state["rt"] is None and (_state["role"] in (None, SCHEDULER)):
         from ..runtime.scheduler import SchedulerRole
         rt = _start(SCHEDULER, {})
-        _state["server"] = SchedulerRole(rt)
+        _state["handler"] = SchedulerRole(rt)
     rt = _state["rt"]
     if rt is None:
         raise NotInitializedError("serve(): register first (this rank is the %s)" % _state["role"])
     if rt.role == WORKER:
         raise MlfabricError("serve() is for servers, replicas and the scheduler; a worker calls "
                             "finish()")
-    role_obj = _state["server"]
+    role_obj = _state["handler"]
     _launch(rt, role_obj)
     try:
         return _end(rt)
     finally:
         _state["final_model"] = getattr(role_obj, "model", None)
         _state["applied_log"] = list(getattr(role_obj, "applied_log", []))
-        _state["server"] = None
+        _state["handler"] = None
 
 
 def applied_log():

@@ -3,16 +3,23 @@ own (paper §4), so a large payload never delays a control message. Messages are
 sent pickled with non-blocking sends; the channel keeps each send's request until it completes and
 gives up on a peer that takes no message for MLFABRIC_TIMEOUT seconds.
 
-Kinds (body in brackets):
-  worker -> scheduler   ready [(id, server, nbytes, version, norm), ...]; done [pushed count]
-  scheduler -> worker   send [(id, hop, not_before, rate), ...]; drop [(id, reason), ...];
-                        aggregate [Assignment, ...] (members to sum, then where to send the sum)
-  scheduler -> server   expect [(key, ids, via, versions), ...] commits in plan order; dropped [ids]
-  server -> scheduler   applied [(ids, version)]
-  worker -> server      get [(request id, worker clock)]
-  any -> scheduler      report [(egress rate, ingress rate, bytes out, bytes in)] (the monitor)
-  scheduler -> all      stop []; summary [Summary]; any -> scheduler ledger [Ledger]
-  any -> all            error [text] (a daemon failed: everyone stops with that message)
+Kinds (body in brackets; job times are the scheduler's):
+  worker -> scheduler    ready [(id, server, bytes, version, norm, sent at), ...]; done [pushed];
+                         lost [(id, reason), ...] (members a failure took from its aggregates)
+  scheduler -> worker    send [(sent at, [(id, hop, destination, not_before, rate, last send)])];
+                         drop [(id, reason), ...]; release [ids] (no replica copy will be asked);
+                         aggregate [Assignment, ...]; promote [(server, new rank, None)]
+  scheduler -> server    expect [(key, ids, versions, replica count needed, via), ...] in commit
+                         order (a replica's carry the norms sixth); dropped [ids];
+                         iteration [version] (sync: all of it planned); replica-gone [];
+                         distribute [(tag, direct sends, relays)] (a pull batch's plan)
+  server -> scheduler    applied [ids]; pulls [(tag, bytes, [(worker, key), ...])]; lost [...]
+  server <-> replica     server-count [(version, count it waits for)]; replicated [count]
+  replica <-> scheduler  promote [(server, rank, SSP counts)]; promoted [(server, applied ids)]
+  worker -> server       get [(request id, worker clock)]
+  any -> scheduler       report [(egress, ingress available, out, in achieved)] (the monitor)
+  scheduler -> all       stop []; summary [Summary]; any -> scheduler: ledger [Ledger]
+  any -> all             error [text] (a daemon failed: everyone stops with that message)
 """
 import time
 
@@ -51,9 +58,7 @@ class Channel:
         out, self._inbox = self._inbox, []
         comm, st = self.comm, self._status
         try:
-            # Open MPI makes progress inside a call: the first probe after a sleep moves what
-            # arrived meanwhile, the second sees it (one probe alone costs a whole sleep period)
-            if not (comm.Iprobe(MPI.ANY_SOURCE, TAG, st) or comm.Iprobe(MPI.ANY_SOURCE, TAG, st)):
+            if not probe(comm, TAG, st):
                 return out
             while True:
                 src = st.Get_source()
@@ -89,6 +94,13 @@ class Channel:
             self.progress(time.monotonic())
             time.sleep(0.0005)
         return not self.inflight
+
+
+def probe(comm, tag, status):
+    """Is a message with `tag` waiting, from any source (status says whose)? Open MPI makes
+    progress inside a call: the first probe after a sleep moves what arrived meanwhile and the
+    second sees it, so one probe alone would cost a whole sleep period of latency."""
+    return comm.Iprobe(MPI.ANY_SOURCE, tag, status) or comm.Iprobe(MPI.ANY_SOURCE, tag, status)
 
 
 def clock_offsets(comm, root=0, rounds=4):

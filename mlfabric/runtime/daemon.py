@@ -11,6 +11,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 
 from mpi4py import MPI
 
@@ -51,7 +52,6 @@ class Daemon(threading.Thread):
                 if e.Get_error_class() not in FAILURE_CLASSES:
                     raise
                 if DEBUG:
-                    import traceback
                     _debug(self.rt, "MPI error %d at %s" % (e.Get_error_class(), "".join(
                         traceback.format_tb(e.__traceback__)[-2:]).replace("\n", " | ")))
                 self._peers_failed()

@@ -57,6 +57,7 @@ from mpi4py import MPI
 from .. import _config
 from ..emulate.nic import EmulatedNic
 from ..errors import MlfabricError, PeerTimeoutError
+from .control import probe
 
 HEADER_TAG = 1
 FLOW_TAG_BASE = 2
@@ -319,10 +320,9 @@ class DataPlane:
         """Headers are probed for, not received into a standing any-source receive: under ULFM
         such a receive can keep failing (ERR_PROC_FAILED_PENDING) after a peer's death was
         acknowledged, while a new probe works. The sender's Issend waits for the match either
-        way. Two probes: Open MPI moves what arrived during a sleep on the first."""
-        comm, st, any_source = self.comm, self._hdr_status, MPI.ANY_SOURCE
-        if not (comm.Iprobe(any_source, HEADER_TAG, st)
-                or comm.Iprobe(any_source, HEADER_TAG, st)):
+        way."""
+        comm, st = self.comm, self._hdr_status
+        if not probe(comm, HEADER_TAG, st):
             return
         while True:
             src = st.Get_source()
@@ -331,7 +331,7 @@ class DataPlane:
             tag = int.from_bytes(self._hdr_buf[:4], "little")
             key, descr, shape, nbytes, chunk = pickle.loads(bytes(self._hdr_buf[8:count]))
             self._take_header((src, tag, key, descr, shape, nbytes, chunk), now)
-            if not comm.Iprobe(any_source, HEADER_TAG, st):
+            if not comm.Iprobe(MPI.ANY_SOURCE, HEADER_TAG, st):
                 return
 
     def _take_header(self, hdr, now):
@@ -377,12 +377,8 @@ class DataPlane:
             t = self._slot(nic.ingress_free, now)
             if t is None:
                 break
-            for _ in range(len(rx)):
-                f = rx[0]
-                rx.rotate(-1)
-                if f.posted < f.nchunks and len(f.reqs) < WINDOW:
-                    break
-            else:
+            f = _next_turn(rx, lambda f: f.posted < f.nchunks and len(f.reqs) < WINDOW)
+            if f is None:
                 break
             i = f.posted
             lo = i * f.chunk
@@ -448,13 +444,9 @@ class DataPlane:
             t = self._slot(nic.egress_free, now)
             if t is None:
                 break
-            for _ in range(len(tx)):
-                f = tx[0]
-                tx.rotate(-1)
-                if (f.tag is not None and f.booked < f.nchunks and f.outstanding() < WINDOW
-                        and f.cap_ready <= now):
-                    break
-            else:
+            f = _next_turn(tx, lambda f: (f.tag is not None and f.booked < f.nchunks
+                                          and f.outstanding() < WINDOW and f.cap_ready <= now))
+            if f is None:
                 break
             i = f.booked
             lo = i * f.chunk
@@ -569,6 +561,17 @@ class DataPlane:
     def _check_open(self):
         if self._closed:
             raise MlfabricError("data plane is closed")
+
+
+def _next_turn(flows, may):
+    """Round robin: rotate `flows` past the next one that `may` take a turn, and return it
+    (None when none may)."""
+    for _ in range(len(flows)):
+        f = flows[0]
+        flows.rotate(-1)
+        if may(f):
+            return f
+    return None
 
 
 def _retire(f, now):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 DROP_SERVER_FAILED = "server-failed"   # applied only at a server that died, never at its replica
 DROP_WORKER_FAILED = "worker-failed"   # its worker died before the update could be sent
-DROP_SHUTDOWN = "shutdown"             # still queued when the job was stopped
+DROP_AGGREGATOR_FAILED = "aggregator-failed"  # its aggregator died holding it
 
 
 @dataclass

@@ -15,22 +15,22 @@ class Reporter:
     def __init__(self, nic, t_lag):
         self.nic, self.t_lag = nic, t_lag
         self.next = 0.0
-        self.last = (0.0, 0, 0)  # (time, bytes out, bytes in) of the last report
-        self.achieved = []       # (time, out bytes/s, in bytes/s) per report
+        self.last = (None, 0, 0)  # (time, bytes out, bytes in) of the last report
 
     def due(self, now):
         return now >= self.next
 
     def report(self, now):
+        """(available egress, available ingress, achieved out, achieved in), bytes/s; the
+        achieved rates are over the time since the last report (0 for the first)."""
         nic = self.nic
         t, o, i = self.last
-        if now > t and t > 0:
-            dt = now - t
-            self.achieved.append((now, (nic.bytes_out - o) / dt, (nic.bytes_in - i) / dt))
+        dt = now - t if t is not None and now > t else None
         self.last = (now, nic.bytes_out, nic.bytes_in)
         self.next = now + self.t_lag
         e, g = nic.egress_rate(now), nic.ingress_rate(now)
-        return (UNPACED if e is None else e, UNPACED if g is None else g)
+        return (UNPACED if e is None else e, UNPACED if g is None else g,
+                (nic.bytes_out - o) / dt if dt else 0.0, (nic.bytes_in - i) / dt if dt else 0.0)
 
 
 class ReportedCapacities:
@@ -40,10 +40,12 @@ class ReportedCapacities:
     def __init__(self, hosts, initial):
         self.hosts = hosts
         self.caps = [float(initial)] * (2 * hosts)
+        self.achieved = {}  # rank -> (out, in) bytes/s in its last report
 
-    def update(self, rank, egress, ingress):
+    def update(self, rank, egress, ingress, out=0.0, into=0.0):
         self.caps[rank] = float(egress)
         self.caps[self.hosts + rank] = float(ingress)
+        self.achieved[rank] = (out, into)
 
     def capacities(self, t):
         return self.caps

@@ -33,7 +33,6 @@ class ReplicaRole:
         self.div_max = min((rt.infos[w]["div_max"] for w in rt.roles.worker_ranks), default=inf)
         self.server_count, self.server_need = 0, 0
         self.prefix = [0.0]         # prefix[p]: sum of the norms of the first p updates applied
-        self._norms = {}            # ids -> their norms, for the commit being applied
 
     def on_data(self, msg):
         key = msg.key
@@ -67,25 +66,22 @@ class ReplicaRole:
         if self.model is None:
             return
         rt = self.rt
-        for ids, _versions, data, _ in self.order.due(self._within_bound):
+        for ids, norms, data, _ in self.order.due(self._within_bound, values=5):
             if ids:
                 self.apply_fn(self.model, data, ids)
-            norms = self._norms.pop(ids, None) or (0.0,) * len(ids)
             for n in norms:
                 self.prefix.append(self.prefix[-1] + n)
             self.count += len(ids)
             rt.ledger.replicated.update(ids)
             self.applied_log.append((ids, self.count, rt.now(), 0))
 
-    def _within_bound(self, entry, ids):
-        """May the next commit (entry: its planned ids, norms last) be applied now?"""
-        norms = dict(zip(entry[1], entry[5]))
-        self._norms[ids] = tuple(norms[u] for u in ids)
+    def _within_bound(self, norms):
+        """May the next commit, whose updates have these norms, be applied now?"""
         if self.count < self.server_need:  # the server waits for us: no further than it needs
             return True
         p, c = self.server_count, self.count
         lead = self.prefix[c] - self.prefix[p] if p < c else 0.0
-        lead += sum(n for k, n in enumerate(self._norms[ids], c + 1) if k > p)
+        lead += sum(n for k, n in enumerate(norms, c + 1) if k > p)
         return lead <= self.div_max
 
     def tick(self, now):

@@ -19,9 +19,13 @@ from math import inf
 import numpy as np
 
 from .. import kernels
-from .ledger import DROP_WORKER_FAILED
+from .ledger import DROP_AGGREGATOR_FAILED, DROP_WORKER_FAILED
 
-DROP_AGGREGATOR_FAILED = "aggregator-failed"  # its aggregator died holding it
+
+def _pick(planned, values, ids):
+    """values (one per planned id) of the ids that came, in their order."""
+    of = dict(zip(planned, values))
+    return tuple(of[u] for u in ids)
 
 
 def default_apply(gamma):
@@ -60,19 +64,21 @@ class ApplyInOrder:
     def arrive(self, key, ids, data):
         self.arrived[key] = (ids, data)
 
-    def due(self, may=None):
-        """Pop and yield (ids, versions, payload, replica count waited for) while the next
-        commit may be applied (`may(entry, ids)`, if given, must agree too). The ids are the
-        payload's own: an aggregate whose aggregator lost a member to a failure carries fewer
-        than planned."""
+    def due(self, may=None, values=2):
+        """Pop and yield (ids, their values, payload, replica count waited for) while the next
+        commit may be applied. The values are a field of the plan entry, one per planned id:
+        versions (field 2) by default, norms (field 5) in a replica's plan; `may(norms)`, if
+        given, must agree too. The ids are the payload's own: an aggregate whose aggregator lost a
+        member to a failure carries fewer than planned."""
         while (self.expect and self.expect[0][0] in self.arrived
                and self.replica_count >= self.expect[0][3]):
-            if may is not None and not may(self.expect[0], self.arrived[self.expect[0][0]][0]):
+            entry = self.expect[0]
+            ids = self.arrived[entry[0]][0]
+            if may is not None and not may(_pick(entry[1], entry[5], ids)):
                 return
-            key, planned, versions, needed, _ = self.expect.popleft()[:5]
-            ids, data = self.arrived.pop(key)
-            version_of = dict(zip(planned, versions))
-            yield ids, tuple(version_of[u] for u in ids), data, needed
+            self.expect.popleft()
+            data = self.arrived.pop(entry[0])[1]
+            yield ids, _pick(entry[1], entry[values], ids), data, entry[3]
 
     def replica_need(self):
         """The replica count the next commit waits for when only the replica holds it (its
@@ -335,13 +341,7 @@ class ServerRole:
         del self.leaving[0]
         for rank in [x[0] for x in direct] + [x[0] for x in relays]:
             self._leaves(rank)
-        payload = self.snapshots.pop(version)
-        for w, key, start, rate in direct:
-            self.rt.dp.send(w, key, payload, rate=rate, not_before=self.rt.local(start),
-                            on_done=lambda w=w: self._left(w))
-        for d, start, rate, forwards in relays:
-            self.rt.dp.send(d, ("d", forwards), payload, rate=rate,
-                            not_before=self.rt.local(start), on_done=lambda d=d: self._left(d))
+        send_distribution(self.rt, self.snapshots.pop(version), direct, relays, self._left)
         self._serve_pulls()
 
     def _may_answer(self, clock):
@@ -367,10 +367,14 @@ class ServerRole:
         pass
 
 
-def send_distribution(rt, payload, direct, relays):
-    """Send a planned distribution (scheduler._distribute): the payload straight to the direct
-    group under each one's key, and to each distributor with what it forwards to whom."""
+def send_distribution(rt, payload, direct, relays, left=None):
+    """Send a planned distribution (pulls.py): the payload straight to the direct group under
+    each one's key, and to each distributor with what it forwards to whom. left(rank), if given,
+    is called as each send is done."""
+    def done(rank):
+        return None if left is None else (lambda: left(rank))
     for w, key, start, rate in direct:
-        rt.dp.send(w, key, payload, rate=rate, not_before=rt.local(start))
+        rt.dp.send(w, key, payload, rate=rate, not_before=rt.local(start), on_done=done(w))
     for d, start, rate, forwards in relays:
-        rt.dp.send(d, ("d", forwards), payload, rate=rate, not_before=rt.local(start))
+        rt.dp.send(d, ("d", forwards), payload, rate=rate, not_before=rt.local(start),
+                   on_done=done(d))

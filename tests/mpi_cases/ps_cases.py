@@ -204,10 +204,11 @@ def case_checkpoint_then_resume():
     assert len(roles.worker_ranks) >= 1 and os.path.isdir(d)
 
 
-def case_paced_async_with_drops_and_aggregation():
-    """A slow emulated network (400 KB updates at 20 MB/s: 20 ms each) and a tight tau_max: the
-    scheduler drops stale updates and aggregates; every applied delay stays within tau_max and the
-    accounts balance."""
+def case_paced_async_keeps_delays_within_tau_max():
+    """A slow emulated network (400 KB updates at 20 MB/s: 20 ms each) and a tight tau_max, where
+    stale drops and aggregation happen (how many depends on timing, so it is printed, not
+    asserted): every applied delay stays within tau_max, the model is exactly the sum of what was
+    applied, and the accounts balance."""
     size, tau = 50_000, 1
     res = run_job("mlfabric-A", size=size, iterations=4, tau_max=tau,
                   emulation=Emulation(base_rate=20e6), batch_interval=0.05)
@@ -294,7 +295,7 @@ def case_wrong_role_or_disagreeing_settings_fail_on_every_rank():
                 assert "not every rank registered" in str(e), e
         else:
             raise AssertionError("a rank registering the wrong role went unnoticed")
-        ps.api._state.update(rt=None, config=None, role=None, server=None)
+        ps.api._state.update(rt=None, config=None, role=None, handler=None)
         WORLD.Barrier()
         # workers that disagree on tau_max: the same error on every rank
         role = ps.init("mlfabric-A")
@@ -310,7 +311,7 @@ def case_wrong_role_or_disagreeing_settings_fail_on_every_rank():
         else:
             assert len(Roles(WORLD.size).worker_ranks) == 1, "disagreeing tau_max accepted"
             ps.api._state.update(rt=None)
-        ps.api._state.update(rt=None, config=None, role=None, server=None)
+        ps.api._state.update(rt=None, config=None, role=None, handler=None)
     finally:
         if old is None:
             del os.environ["MLFABRIC_TIMEOUT"]
