@@ -531,6 +531,23 @@ def test_punted_updates_travel_with_the_next_batch_and_aggregate_there():
     assert rp.replica_bytes < sum(u.size for u in b1 + b2)  # aggregated at h5 on the way
 
 
+def test_norm_cap_splits_the_replica_aggregates():
+    # the same punted-then-caught-up batch: uncapped, h5 aggregates all four copies of norm 1;
+    # with norm_cap=1.5 no replica commit holds more than one of them, and all four still arrive
+    nw0 = Network([10.0] * 6, [10.0, 2.0, 10.0, 10.0, 10.0, 10.0])
+    b1 = [Update(i, 2 + i % 2, 10.0, 0, norm=1.0) for i in range(2)]
+    b2 = [Update(2 + i, 2 + i % 2, 10.0, 2, ready=0.5, norm=1.0) for i in range(2)]
+    for cap, most in ((inf, 4), (1.5, 1)):
+        plan, after = schedule(b1, nw0, 0)
+        new, nw, st_ = replicate(plan, after, 1, [5], ReplicaState(), div_max=inf, gamma=0.0,
+                                 norm_cap=cap)
+        plan2, after2 = schedule(b2, nw, 0, v_init=2, start=0.5)
+        new2, _, _ = replicate(plan2, after2, 1, [5], st_, div_max=0.0, gamma=0.0, norm_cap=cap)
+        rp = new2.replica
+        assert rp.applied == [0, 1, 2, 3]
+        assert max(len(c.ids) for c in rp.commits) == most, (cap, rp.commits)
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(replica=0), "server's host"),
     (dict(replica=9), "replica 9"),

@@ -7,11 +7,12 @@ is promoted: it becomes that server (recovery.py).
 The divergence is bounded both ways. The server's lead (what a failure would lose) by the gate;
 the replica's lead (its copies can arrive before the server's own updates) here: the replica
 applies a commit only if afterwards the updates it has and the server has not sum to at most
-Div_max in norm (the server reports its version), except as far as the server is itself waiting
-for the replica (it reports the count it needs): holding back then would deadlock both, so the
-replica goes ahead up to that count, and its lead can exceed Div_max until the server's next
-commit. That happens when one commit's updates alone weigh more than Div_max (Div_max = 0 is the
-extreme: one of the two must apply first).
+Div_max in norm (the server reports its version). Holding back while the server is itself
+waiting for the replica (it reports the count it needs) would deadlock both, so the replica then
+goes ahead up to that count; that cannot take its lead past Div_max, because the scheduler caps
+every commit, server's and replica's, at Div_max in summed norm (aggregation.py, norm_cap). Only a
+single update heavier than Div_max (or Div_max = 0) opens a wider gap, for one commit: one of the
+two sides must apply it first.
 """
 from math import inf
 

@@ -229,10 +229,12 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
         if self.mode == "sync" and ups:
             self.v_init[server] = max(self.v_init[server], max(u.version for u in ups))
         seed = cfg.seed * 1000003 + self.batches
+        # with a replica, no commit on either side may weigh more than Div_max (aggregation.py)
+        cap = self.div_max if state is not None else inf
         plan, net = schedule(ups, self.view.network(hosts, t), 0,
                              aggregators=[idx[a] for a in self.aggregators], tau_max=self.tau_max,
                              v_init=self.v_init[server], start=t, seed=seed, mode=self.mode,
-                             after=self.after[server])
+                             after=self.after[server], norm_cap=cap)
         by_id = {u.id: u for u in updates}
         if state is not None:
             state = replace(state, punted=[replace(u, worker=idx[u.id >> 32])
@@ -242,7 +244,7 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
             plan, net, self.rstate[server] = replicate(
                 plan, net, idx[replica], [idx[a] for a in self.replica_aggregators], state,
                 div_max=0.0 if catch_up else self.div_max, gamma=cfg.gamma, seed=seed,
-                sync=False, iteration_end=True)
+                sync=False, iteration_end=True, norm_cap=cap)
         self.batches += 1
         if plan.commits:
             self.after[server] = plan.commits[-1].time

@@ -18,6 +18,12 @@ the paper leaves a choice open:
   one by one would (see docs/sched/replication.md); 1 for plain sums. It leaves the aggregator when
   its last member has arrived.
 - Aggregators are pre-assigned to groups in a random order from `seed` (§5.2), once per batch.
+- `norm_cap` (not in the paper; default inf = the paper's rule): an update whose norm would take
+  its group's summed member norms above the cap closes the group, as a late arrival does. A
+  replicated server uses Div_max: a commit is applied at once, so a server or replica commit that
+  weighs more than Div_max would put the two models more than Div_max apart for as long as the
+  other side has not applied it, whatever the order (a single update heavier than Div_max still
+  goes alone). Only the reference loops take a cap (scheduler.schedule picks them when one is set).
 """
 import random
 from dataclasses import dataclass
@@ -78,7 +84,8 @@ def _transfer(src, dst, size, end, segs, what, ids):
     return Transfer(src, dst, size, segs[0].t0 if segs else end, end, segs, what, ids)
 
 
-def det_agg(n, order, updates, network, server, aggs, start, record=False, agg_scale=1.0):
+def det_agg(n, order, updates, network, server, aggs, start, record=False, agg_scale=1.0,
+            norm_cap=inf):
     """DetAgg(n): makespan of case n, and with record=True the groups (direct, aggregates, network).
     `network` is not modified."""
     nw = network.copy()
@@ -95,12 +102,15 @@ def det_agg(n, order, updates, network, server, aggs, start, record=False, agg_s
     for agg in aggs:
         if i >= len(order):
             break
-        members, inbound = [], []
+        members, inbound, weight = [], [], 0.0
         while i < len(order):
             u = updates[order[i]]
+            if members and weight + u.norm > norm_cap:
+                break
             end, segs = nw.t_en(u.worker, agg, u.size, max(u.ready, start))
             if end == inf or (constrained and end > t_max):
                 break
+            weight += u.norm
             if segs:
                 nw.reserve(u.worker, agg, segs)
             members.append(u.id)
@@ -126,19 +136,24 @@ def det_agg(n, order, updates, network, server, aggs, start, record=False, agg_s
     return t_max, (direct, aggregates, nw)
 
 
-def aggregate(order, updates, network, server, aggs, *, start=0.0, agg_scale=1.0):
+def aggregate(order, updates, network, server, aggs, *, start=0.0, agg_scale=1.0, norm_cap=inf):
     """Alg. 3: enumerate the |U|+1 cases and keep the first with the least makespan. `updates` maps
-    id -> Update; `aggs` is the pre-assigned aggregator order (see group_order)."""
+    id -> Update; `aggs` is the pre-assigned aggregator order (see group_order); `norm_cap`: the
+    most an aggregate's members' norms may sum to (module header)."""
     if server in aggs:
         raise ValueError("the server's host %d cannot be one of its aggregators" % server)
     if not agg_scale >= 1.0:
         raise ValueError("agg_scale must be >= 1, got %r" % (agg_scale,))
-    cases = [det_agg(n, order, updates, network, server, aggs, start, agg_scale=agg_scale)[0]
+    if not norm_cap >= 0:
+        raise ValueError("norm_cap must be >= 0, got %r" % (norm_cap,))
+    cases = [det_agg(n, order, updates, network, server, aggs, start, agg_scale=agg_scale,
+                     norm_cap=norm_cap)[0]
              for n in range(len(order) + 1)]
     best = min(range(len(cases)), key=lambda n: (cases[n], n))
     if cases[best] == inf:
         raise ValueError("some of updates %r can never reach host %d: no capacity on the path"
                          % (order, server))
     makespan, (direct, aggregates, nw) = det_agg(best, order, updates, network, server, aggs,
-                                                 start, record=True, agg_scale=agg_scale)
+                                                 start, record=True, agg_scale=agg_scale,
+                                                 norm_cap=norm_cap)
     return Grouping(best, direct, aggregates, nw, makespan, cases)

@@ -144,7 +144,7 @@ def _fmt(x):
 
 
 def replicate(plan, network, replica, aggregators, state, *, div_max, gamma, seed=0, sync=False,
-              iteration_end=True):
+              iteration_end=True, norm_cap=inf):
     """§5.3 for one batch.
 
     plan: the server's tentative Plan (scheduler.schedule); network: the network after the server's
@@ -152,7 +152,9 @@ def replicate(plan, network, replica, aggregators, state, *, div_max, gamma, see
     state: the ReplicaState carried from the previous batch; div_max: Div_max (L2, in the model's
     units; inf: never delay); gamma: the server's momentum; seed: the random pre-assignment of the
     replica's aggregators (§5.2); sync: the bound must hold only at an iteration's end (§6), and
-    iteration_end says whether this batch ends one.
+    iteration_end says whether this batch ends one. norm_cap: the most a replica aggregate's
+    members' norms may sum to (aggregation.py; the runtime passes Div_max so that no single commit
+    at the replica can open a gap wider than Div_max; default inf, the paper's grouping).
 
     Returns (plan, network, state): a new Plan whose `replica` is the ReplicaPlan and whose last
     server transfer and commit are moved when delayed (the input plan is not modified); the network
@@ -173,7 +175,8 @@ def replicate(plan, network, replica, aggregators, state, *, div_max, gamma, see
     # with momentum (and outside sync's plain per-iteration sums) an aggregate carries two weighted
     # sums, so it applies exactly like its members in order (divergence.aggregate_weights)
     agg_scale = 2.0 if gamma > 0 and not sync else 1.0
-    t_direct, t_aggregates = _tentative(seq, network, replica, aggs, seed, plan.start, agg_scale)
+    t_direct, t_aggregates = _tentative(seq, network, replica, aggs, seed, plan.start, agg_scale,
+                                        norm_cap)
     order = [u.id for u in seq]
     groups = [(t, None) for t in t_direct] + [(a.transfer, a) for a in t_aggregates]
     # in the order groups are listed; none before the replica's last commit of earlier batches
@@ -223,7 +226,7 @@ def replicate(plan, network, replica, aggregators, state, *, div_max, gamma, see
 
 
 # --- the steps ------------------------------------------------------------------------------------
-def _tentative(seq, network, replica, aggs, seed, start, agg_scale):
+def _tentative(seq, network, replica, aggs, seed, start, agg_scale, norm_cap):
     """Alg. 3 to the replica: (direct transfers, Aggregates). When some update can never reach the
     replica (its path has no capacity left, ever), every case of Alg. 3 is infinite; then the
     all-direct case is kept, whose finite prefix is still worth freezing (aggregation.aggregate
@@ -236,7 +239,7 @@ def _tentative(seq, network, replica, aggs, seed, start, agg_scale):
     if end == inf:
         return rec[0], rec[1]
     g = aggregation.aggregate(order, updates, network, replica, aggs, start=start,
-                              agg_scale=agg_scale)
+                              agg_scale=agg_scale, norm_cap=norm_cap)
     return g.direct, g.aggregates
 
 
