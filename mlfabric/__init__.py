@@ -23,7 +23,8 @@ from .errors import MismatchError, MlfabricError, NotInitializedError, PeerTimeo
 # (and torch, for tensor support) takes seconds, and mlfabric.sched / mlfabric.sim are pure
 # computation that must not pay for it or start MPI.
 _LAZY = {name: ".collectives" for name in (
-    "Handle", "allgather", "allgather_async", "allreduce", "allreduce_async", "barrier",
+    "Handle", "allgather", "allgather_async", "allreduce", "allreduce_async", "alltoall",
+    "alltoall_async", "barrier",
     "broadcast", "broadcast_async", "recv", "reduce", "reduce_scatter", "reduce_scatter_async",
     "send")}
 _LAZY.update({name: ".context" for name in ("finalize", "init", "initialized")})
@@ -82,4 +83,4 @@ __all__ = ["init", "finalize", "initialized", "rank", "size", "local_rank", "loc
            "allgather_async", "reduce_scatter", "reduce_scatter_async", "barrier", "send", "recv",
            "Handle", "shared_empty", "shared_zeros", "is_shared", "cuda_built", "nccl_built",
            "MlfabricError", "MismatchError", "NotInitializedError", "PeerTimeoutError",
-           "__version__"]
+           "__version__", "alltoall", "alltoall_async"]

@@ -420,3 +420,115 @@ def recv(x, source, tag=0):
 __all__ = ["allreduce", "allreduce_async", "reduce", "broadcast", "broadcast_async", "allgather",
            "allgather_async", "reduce_scatter", "reduce_scatter_async", "barrier", "send", "recv",
            "Handle"]
+
+
+# --- alltoall -----------------------------------------------------------------------------------
+# Rows of x (axis 0) are split into one block per rank (splits[j] rows go to rank j, in rank order)
+# and every rank gets the blocks addressed to it, concatenated in rank order. Ranks may send
+# different numbers of rows; the dtype and the shape of one row must agree. It runs over MPI
+# (Ialltoall of the split counts, then Ialltoallv of the rows) on every kind of host.
+
+# The header's kind word: header.py names the kinds it knows; alltoall takes the next free code
+# (or its own, should header.py come to list it) so it never matches another collective.
+_ALLTOALL_KIND = header.KIND_CODES.get("alltoall", len(header.KINDS))
+
+
+def _alltoall_header(code, row_shape):
+    # header.make("barrier", ...) lays out dtype and shape; the kind word is then alltoall's.
+    # The shape carried is one row's (the first dimension may differ between ranks).
+    hdr = header.make("barrier", code, 0, False, 0, row_shape)
+    hdr[0] = _ALLTOALL_KIND
+    return hdr
+
+
+def _alltoall_splits(splits, rows, n):
+    """Rows each rank gets, as an int64 array of n; ValueError when they do not fit x."""
+    if splits is None:
+        if rows % n:
+            raise ValueError(f"alltoall without splits sends shape[0] / size rows to each rank: "
+                             f"shape[0]={rows} is not divisible by size={n}; pass splits")
+        return np.full(n, rows // n, np.int64)
+    if _buffers.is_torch(splits):
+        splits = splits.detach().cpu().numpy()
+    arr = np.asarray(splits)
+    if arr.ndim != 1 or arr.size != n or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"alltoall: splits must be {n} integers (one per rank), got {splits!r}")
+    arr = arr.astype(np.int64)
+    if (arr < 0).any() or int(arr.sum()) != rows:
+        raise ValueError(f"alltoall: splits {arr.tolist()} must be non-negative and add up to "
+                         f"shape[0]={rows}")
+    return arr
+
+
+def _alltoall(x, splits, async_):
+    what = "alltoall"
+
+    def body(ctx, xb, send_rows, hdr):
+        _exchange_headers(ctx, what, hdr)
+        n = ctx.size
+        recv_rows = np.empty(n, np.int64)
+        p2p.wait([ctx.comm.Ialltoall(send_rows, recv_rows)], list(range(n)),
+                 f"{what} (split exchange)")
+        rest = tuple(xb.shape[1:])
+        res, ob = _buffers.empty_like(xb, (int(recv_rows.sum()), *rest))
+        row_bytes = int(np.prod(rest, dtype=np.int64)) * _dtypes.ITEMSIZE[xb.code]
+        if row_bytes and (send_rows.any() or recv_rows.any()):
+            # Counts in rows of a contiguous row type: no 2**31 limit on the bytes moved.
+            row = MPI.BYTE.Create_contiguous(row_bytes).Commit()
+            try:
+                sdispl = np.concatenate(([0], np.cumsum(send_rows)[:-1]))
+                rdispl = np.concatenate(([0], np.cumsum(recv_rows)[:-1]))
+                req = ctx.comm.Ialltoallv(
+                    [p2p.as_bytes(xb.arr), (send_rows.astype(np.int32), sdispl.astype(np.int32)),
+                     row],
+                    [p2p.as_bytes(ob.arr), (recv_rows.astype(np.int32), rdispl.astype(np.int32)),
+                     row])
+                p2p.wait([req], list(range(n)), what)
+            finally:
+                row.Free()
+        return _finish(res, ob), recv_rows
+
+    def call(ctx):
+        try:
+            xb = _buffers.wrap(x)
+            if not xb.shape:
+                raise ValueError("alltoall needs an array with at least one dimension")
+            send_rows = _alltoall_splits(splits, xb.shape[0], ctx.size)
+            hdr = _alltoall_header(xb.code, tuple(xb.shape[1:]))
+        except (TypeError, ValueError, MlfabricError) as exc:
+            # Like _run(): a rank that refuses its arguments still joins the header round.
+            rejected = [header.REJECTED, _ALLTOALL_KIND] + [0] * (header.WORDS - 2)
+            try:
+                _exchange_headers(ctx, what, rejected)
+            except MlfabricError:
+                pass
+            raise exc
+        try:
+            return body(ctx, xb, send_rows, hdr)
+        except MismatchError as exc:
+            # header.py describes kinds it does not list as "?": on this side that is alltoall.
+            msg = str(exc).replace("kind: ? on", "kind: alltoall on")
+            if "disagree on shape" in msg:
+                msg += " (alltoall compares the shape of one row: the dimensions after the first)"
+            raise MismatchError(msg) from None
+
+    ctx = context.get()
+    if async_:
+        return ctx.executor.submit(what, lambda: call(ctx))
+    return ctx.executor.run(what, lambda: call(ctx))
+
+
+def alltoall(x, splits=None):
+    """Send splits[j] rows of x (axis 0, in order) to rank j and receive every rank's rows for
+    this one; returns (out, recv_splits): the received rows concatenated in rank order, and how
+    many came from each rank (int64 array). splits=None sends shape[0] / size rows to each rank.
+    Ranks must agree on the dtype and on the shape of one row (a MismatchError otherwise)."""
+    return _alltoall(x, splits, False)
+
+
+def alltoall_async(x, splits=None):
+    """Non-blocking alltoall: returns a Handle; handle.wait() returns (out, recv_splits)."""
+    return _alltoall(x, splits, True)
+
+
+__all__ += ["alltoall", "alltoall_async"]

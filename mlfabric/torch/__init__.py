@@ -1,0 +1,150 @@
+"""mlfabric.torch: Horovod's PyTorch API on mlfabric's collectives.
+
+`import mlfabric.torch as hvd` in place of `import horovod.torch as hvd`, and a script written for
+Horovod runs on mlfabric:
+
+    hvd.init(); hvd.rank(); hvd.size(); hvd.local_rank(); hvd.local_size(); hvd.shutdown()
+    hvd.allreduce / allreduce_ / allreduce_async / allreduce_async_   (default op: Average)
+    hvd.grouped_allreduce (+ _ / _async / _async_), hvd.allgather (+ _async),
+    hvd.broadcast / broadcast_ (+ _async), hvd.alltoall (+ _async), hvd.synchronize, hvd.poll,
+    hvd.join, hvd.barrier, hvd.Average / Sum / Min / Max / Product, hvd.Compression,
+    hvd.DistributedOptimizer, hvd.broadcast_parameters, hvd.broadcast_optimizer_state,
+    hvd.broadcast_object, hvd.allgather_object
+
+Parameter-server training (ps_optimizer.py): ps_init(mode, ...), serve_model(model) on the
+scheduler/server/replica ranks, PSOptimizer(optimizer, params, tau_max=...) on the workers.
+torch.distributed backend (backend.py): importing mlfabric.torch registers "mlfabric", so
+torch.distributed.init_process_group("mlfabric") and DistributedDataParallel run on mlfabric.
+
+This module owns the process-level calls (init, shutdown, the queries); ops.py the tensor
+collectives, optimizer.py DistributedOptimizer, functions.py the whole-model helpers,
+compression.py the compressors. Differences from Horovod: CPU tensors only (GPU tensors are
+refused with an error); collectives are matched by the order ranks issue them, not by name
+(names, when every rank gives one, are checked to agree); Adasum is not provided.
+"""
+from mpi4py import MPI as _MPI
+
+import mlfabric as _mf
+
+from ..errors import MismatchError, MlfabricError, NotInitializedError, PeerTimeoutError
+from .compression import Compression
+from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
+                        broadcast_parameters)
+from .ops import (Average, Max, Min, Product, Sum, allgather, allgather_async, allreduce,
+                  allreduce_, allreduce_async, allreduce_async_, alltoall, alltoall_async,
+                  barrier, broadcast, broadcast_, broadcast_async, broadcast_async_,
+                  grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
+                  grouped_allreduce_async_, join, poll, synchronize)
+from .optimizer import DistributedOptimizer
+from .ps_optimizer import PSOptimizer, ps_init, serve_model
+from . import backend as _backend  # noqa: F401  (registers the "mlfabric" process-group backend)
+from . import ops as _ops
+
+
+def init(comm=None):
+    """Initialise on comm: None (MPI.COMM_WORLD), an mpi4py communicator, or a list of ranks of
+    MPI.COMM_WORLD (every listed rank calls init with the same list). Collective. Calling it
+    again with the same communicator does nothing."""
+    if isinstance(comm, (list, tuple)):
+        world = _MPI.COMM_WORLD
+        ranks = [int(r) for r in comm]
+        if world.rank not in ranks:
+            raise ValueError(f"init(comm={ranks}): this rank ({world.rank} of MPI.COMM_WORLD) is "
+                             "not in the list; only the listed ranks call init")
+        comm = world.Create_group(world.Get_group().Incl(ranks))
+    _mf.init(comm)
+    _ops._state()
+
+
+def shutdown():
+    """Finish queued calls and release mlfabric (collective). init() may be called again."""
+    _ops._drain()
+    _mf.finalize()
+
+
+def is_initialized():
+    return _mf.initialized()
+
+
+def rank():
+    """This process's rank; NotInitializedError before init()."""
+    return _mf.rank()
+
+
+def size():
+    """Number of ranks; NotInitializedError before init()."""
+    return _mf.size()
+
+
+def local_rank():
+    """This process's rank among the ranks on its host."""
+    return _mf.local_rank()
+
+
+def local_size():
+    """Number of ranks on this host."""
+    return _mf.local_size()
+
+
+# Build queries, as Horovod's: what a script may test to pick a code path.
+def mpi_built():
+    return True
+
+
+def mpi_enabled():
+    return True
+
+
+def mpi_threads_supported():
+    return _MPI.Query_thread() == _MPI.THREAD_MULTIPLE
+
+
+def gloo_built():
+    return False
+
+
+def gloo_enabled():
+    return False
+
+
+def nccl_built():
+    """False: tensors move through host memory (GPU tensors are refused)."""
+    return False
+
+
+def cuda_built():
+    """False: mlfabric.torch collectives take CPU tensors only."""
+    return False
+
+
+def rocm_built():
+    return False
+
+
+def ddl_built():
+    return False
+
+
+def ccl_built():
+    return False
+
+
+def __getattr__(name):
+    if name == "Adasum":
+        raise AttributeError("mlfabric.torch has no Adasum: the Adasum reduction is not "
+                             "supported; use op=Average (or Sum)")
+    raise AttributeError(f"module 'mlfabric.torch' has no attribute {name!r}")
+
+
+__all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
+           "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
+           "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
+           "grouped_allreduce_async_", "allgather", "allgather_async", "broadcast",
+           "broadcast_", "broadcast_async", "broadcast_async_", "alltoall", "alltoall_async",
+           "synchronize", "poll", "join", "barrier", "Average", "Sum", "Min", "Max", "Product",
+           "Compression", "DistributedOptimizer", "broadcast_parameters",
+           "broadcast_optimizer_state", "broadcast_object", "allgather_object", "mpi_built",
+           "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built",
+           "cuda_built", "rocm_built", "ddl_built", "ccl_built", "MlfabricError",
+           "MismatchError", "NotInitializedError", "PeerTimeoutError", "PSOptimizer", "ps_init",
+           "serve_model"]

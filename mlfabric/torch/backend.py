@@ -1,0 +1,687 @@
+"""torch.distributed backend "mlfabric": importing this module registers it, so that
+
+    torch.distributed.init_process_group("mlfabric")     # under mpirun, no env vars needed
+    DistributedDataParallel(model)                        # runs unchanged, on mlfabric
+
+work on CPU tensors. Owns the ProcessGroup subclass (MlfabricProcessGroup), its Work objects,
+the "mlfabric://" rendezvous and the registrations with torch; the data moves through mlfabric's
+public collectives (mlfabric/collectives.py), which also turn a shape, dtype or op that differs
+between ranks into an error on every rank.
+
+Ranks and world size come from MPI (mlfabric.init() on MPI.COMM_WORLD if not yet initialised).
+Rendezvous: init_method="mlfabric://" asks MPI, and so does the default init_method ("env://")
+when none of MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE is set (torch would raise there). Either
+way every rank gets a real TCPStore (rank 0 serves it on a free port, MPI tells the others where),
+so torch code that needs a store (gloo groups beside this one, TORCH_DIST_INIT_BARRIER=1) works.
+A rank or world size passed to init_process_group must agree with MPI's, else an error.
+
+Groups: every mlfabric group spans all ranks of mlfabric's communicator (a new_group of every
+rank is fine); a proper subset is refused. GPU tensors are refused with an error (mlfabric has no
+NCCL path yet); a "cpu:mlfabric,cuda:nccl" spec does not help, as torch lets a Python
+ProcessGroup replace the whole group. torch's timeout argument is not used: mlfabric's own bound
+(MLFABRIC_TIMEOUT) applies.
+
+Calls: every torch call is one mlfabric call, in the order issued. Collectives are non-blocking:
+Work.wait() returns, and the Work's future completes, when mlfabric is done; send, recv, reduce
+and barrier complete before they return (mlfabric has no non-blocking forms of them). Future
+callbacks run on a small thread pool, so one may wait for another collective; but a collective
+issued from a callback races the training thread for its place in the issue order, which must
+be the same on every rank, so hooks that do that (PowerSGD) are not supported. all_to_all needs
+equal splits and moves its data with one allgather (size times the bytes of a true
+all-to-all). Reductions: SUM, AVG, PRODUCT, MIN, MAX on float32/64, float16, bfloat16, int32,
+int64; calls that only move data carry any dtype (narrow ones widened, complex as pairs).
+"""
+import concurrent.futures
+import functools
+import importlib
+import os
+import socket
+from datetime import timedelta
+from urllib.parse import parse_qsl, urlparse
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import (AllreduceCoalescedOptions, AllreduceOptions,
+                                        BroadcastOptions, GatherOptions, ReduceOp, ReduceOptions,
+                                        ReduceScatterOptions, ScatterOptions)
+
+import mlfabric as mf
+from mlfabric import context as _context
+from mlfabric.errors import MlfabricError
+
+BACKEND = "mlfabric"
+INIT_METHOD = "mlfabric://"
+
+_OPS = ((ReduceOp.SUM, "sum"), (ReduceOp.AVG, "avg"), (ReduceOp.PRODUCT, "prod"),
+        (ReduceOp.MIN, "min"), (ReduceOp.MAX, "max"))
+# What mlfabric carries as is; other dtypes are widened for the calls that do not reduce.
+_WIRE_DTYPES = frozenset((torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                          torch.int32, torch.int64))
+_ENV_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+# The module (torch.distributed.rendezvous is also the name of a function in torch.distributed).
+_rdzv = importlib.import_module("torch.distributed.rendezvous")
+
+
+# --- Work -----------------------------------------------------------------------------------------
+
+class MlfabricWork(dist.Work):
+    """One call in flight. wait() blocks until mlfabric has finished it (raising its error) and
+    its future is complete; get_future() gives that torch Future, whose value is the output
+    tensors (what DDP and its communication hooks chain on)."""
+
+    def __init__(self, handle, future):
+        super().__init__()
+        self._handle = handle      # mlfabric Handle; None for a call already complete
+        self._future = future
+
+    def wait(self, timeout=None):
+        if self._handle is not None:
+            self._handle.wait(_seconds(timeout))
+            self._future.wait()  # set just after the handle completes (see _launch)
+        return True
+
+    def is_completed(self):
+        return self._future.done()
+
+    def get_future(self):
+        return self._future
+
+    def result(self):
+        self.wait()
+        return self._future.value()
+
+
+def _seconds(timeout):
+    """Work.wait's timeout (C++ passes a timedelta; zero means none) in seconds, or None."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, timedelta):
+        timeout = timeout.total_seconds()
+    return timeout if timeout > 0 else None
+
+
+# Futures are completed here, not on mlfabric's communication thread: completing one runs its
+# callbacks, and a callback that issues a collective and waits for it (a DDP communication hook
+# may) would otherwise block the very thread that has to run that collective. The pool adds a
+# thread when all of its threads are busy, so such a callback cannot starve the next completion.
+_completer = concurrent.futures.ThreadPoolExecutor(max_workers=32,
+                                                   thread_name_prefix="mlfabric-futures")
+
+
+def _launch(what, handle, finish):
+    """Work of an mlfabric call in flight. finish(result of the call) runs after it on mlfabric's
+    communication thread (queued now, so in issue order; it issues nothing itself), puts the
+    results in place, and returns the tensors the future gives."""
+    future = torch.futures.Future()
+
+    def complete():
+        try:
+            out = finish(handle.wait())
+        except BaseException as exc:
+            _completer.submit(future.set_exception, exc)
+            raise
+        _completer.submit(future.set_result, out)
+        return out
+
+    return MlfabricWork(_context.get().executor.submit(what, complete), future)
+
+
+def _completed(out):
+    future = torch.futures.Future()
+    future.set_result(out)
+    return MlfabricWork(None, future)
+
+
+# --- argument checks ------------------------------------------------------------------------------
+
+class _Refused(Exception):
+    """A local argument error, raised through _refuse so the peers do not wait for this rank."""
+
+    def __init__(self, exc):
+        super().__init__(str(exc))
+        self.exc = exc
+
+
+def _refuse(exc):
+    """Raise exc on this rank after making the peers' matching call fail too.
+
+    An mlfabric call whose own arguments are invalid still joins the header exchange, marked
+    'rejected', so every peer's call fails at once with a MismatchError naming this rank instead
+    of waiting for it (collectives._run). An allreduce with an unknown op is such a call; its own
+    error on this rank is dropped in favour of exc."""
+    mf.allreduce_async(np.zeros(1), op="refused: see the error on that rank")
+    raise exc
+
+
+def _checked(fn):
+    """For a collective: turn the _Refused raised by fn's argument checks into _refuse(error)."""
+    @functools.wraps(fn)
+    def call(self, *args, **kwargs):
+        try:
+            return fn(self, *args, **kwargs)
+        except _Refused as r:
+            _refuse(r.exc)
+    return call
+
+
+def _checked_p2p(fn):
+    """For send / recv: argument errors are this rank's alone (no collective to fail with it:
+    the peer's matching call ends by mlfabric's timeout, as with mlfabric.send / recv)."""
+    @functools.wraps(fn)
+    def call(self, *args, **kwargs):
+        try:
+            return fn(self, *args, **kwargs)
+        except _Refused as r:
+            raise r.exc from None
+    return call
+
+
+def _fail(exc):
+    raise _Refused(exc)
+
+
+def _tensor(t, what):
+    if not isinstance(t, torch.Tensor):
+        _fail(TypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}"))
+    if t.device.type != "cpu":
+        _fail(MlfabricError(
+            f"{what}: tensor is on {t.device}; the mlfabric backend handles CPU tensors only "
+            "(GPU tensors need the NCCL transport, which mlfabric does not provide yet)"))
+    if t.layout != torch.strided:
+        _fail(TypeError(f"{what}: {t.layout} tensors are not supported, only dense ones"))
+    return t
+
+
+def _tensors(ts, what, n=None):
+    """ts as a list of checked CPU tensors (a single tensor counts as a list of one)."""
+    ts = [ts] if isinstance(ts, torch.Tensor) else list(ts)
+    if n is not None and len(ts) != n:
+        _fail(ValueError(f"{what}: expected {n} tensor(s), got {len(ts)}"))
+    return [_tensor(t, what) for t in ts]
+
+
+def _one(ts, what):
+    """The single tensor of a per-device list (the mlfabric backend is one CPU device)."""
+    ts = _tensors(ts, what)
+    if len(ts) != 1:
+        _fail(ValueError(f"{what}: expected a list of one tensor, got {len(ts)}"))
+    return ts[0]
+
+
+def _same(ts, like, what, numel=None, role="tensor"):
+    """Every tensor of ts has like's dtype and numel (or the given numel)."""
+    want = like.numel() if numel is None else numel
+    for t in ts:
+        if t.dtype != like.dtype:
+            _fail(TypeError(f"{what}: tensors must share one dtype, got {t.dtype} and "
+                            f"{like.dtype}"))
+        if t.numel() != want:
+            _fail(ValueError(f"{what}: {role} has {t.numel()} elements, {want} expected"))
+
+
+def _op(opts, what):
+    """mlfabric's op name for an options object's reduceOp (or a ReduceOp given directly)."""
+    rop = getattr(opts, "reduceOp", opts)
+    for red, name in _OPS:
+        if rop == red:
+            return name
+    label = getattr(getattr(rop, "op", rop), "name", rop)
+    _fail(ValueError(f"{what}: the mlfabric backend supports ReduceOp SUM, AVG, PRODUCT, MIN, "
+                     f"MAX; got {label}"))
+
+
+def _wire(t):
+    """t, or a copy mlfabric can carry (calls that do not reduce): small integer and bool types
+    are widened to int32, complex ones viewed as their float pairs."""
+    if t.dtype in _WIRE_DTYPES:
+        return t
+    if t.is_complex():
+        return torch.view_as_real(t.resolve_conj() if t.is_conj() else t)
+    if t.is_floating_point() or t.element_size() > 4:
+        _fail(TypeError(f"dtype {t.dtype} is not supported by the mlfabric backend"))
+    return t.to(torch.int32)
+
+
+def _copied(w, t):
+    """True when _wire(t) made a copy (results must be put back), not a view of t."""
+    return w.dtype != t.dtype and w.data_ptr() != t.data_ptr()
+
+
+def _flat(t):
+    return t.reshape(-1)
+
+
+def _put(dst, src):
+    """Copy src's elements into dst (any layout; src may be wider or a real view: cast back)."""
+    if dst.is_complex() and not src.is_complex():
+        src = torch.view_as_complex(src.reshape(*dst.shape, 2).contiguous())
+    dst.copy_(src.reshape(dst.shape))
+
+
+# --- the process group ----------------------------------------------------------------------------
+
+class MlfabricProcessGroup(dist.ProcessGroup):
+    """A torch.distributed ProcessGroup whose collectives are mlfabric's (CPU tensors).
+
+    Created by init_process_group("mlfabric") / new_group(backend="mlfabric"); its rank and size
+    are mlfabric's. Each method takes torch's usual (tensors, options) and returns a Work."""
+
+    def __init__(self, rank, size):
+        super().__init__(rank, size)
+        self._rank, self._size = rank, size
+
+    def getBackendName(self):
+        return BACKEND
+
+    def __repr__(self):
+        return f"MlfabricProcessGroup(rank={self._rank}, size={self._size})"
+
+    # --- reductions ---
+
+    @_checked
+    def allreduce(self, tensors, opts=None):
+        """Reduce over ranks in place. Several tensors (gloo's per-device form) must share shape
+        and dtype; each gets the reduction over every rank and every tensor of the list."""
+        what = "allreduce"
+        op = _op(opts if opts is not None else AllreduceOptions(), what)
+        ts = _tensors(tensors, what)
+        if not ts:
+            _fail(ValueError(f"{what}: empty tensor list"))
+        if len(ts) == 1:
+            t = ts[0]
+            return _launch(what, mf.allreduce_async(t, op=op, out=t), lambda _: ts)
+        _same(ts, ts[0], what)
+        if any(t.shape != ts[0].shape for t in ts):
+            _fail(ValueError(f"{what}: the tensors of one call must share one shape"))
+        if op == "avg":
+            _fail(ValueError(f"{what}: AVG over a list of several tensors is ambiguous; "
+                             "pass one tensor"))
+        stack = torch.stack([t.detach() for t in ts])
+        local = {"sum": lambda s: s.sum(0), "prod": lambda s: s.prod(0),
+                 "min": lambda s: s.amin(0), "max": lambda s: s.amax(0)}[op](stack)
+        local = local.to(ts[0].dtype).contiguous()
+
+        def finish(res):
+            for t in ts:
+                t.copy_(res)
+            return ts
+        return _launch(what, mf.allreduce_async(local, op=op, out=local), finish)
+
+    @_checked
+    def allreduce_coalesced(self, tensors, opts=None):
+        """Reduce several tensors of one dtype in one call (packed into one buffer)."""
+        what = "allreduce_coalesced"
+        op = _op(opts if opts is not None else AllreduceCoalescedOptions(), what)
+        ts = _tensors(tensors, what)
+        if not ts:
+            return _completed([])
+        for t in ts:
+            if t.dtype != ts[0].dtype:
+                _fail(TypeError(f"{what}: tensors must share one dtype, got {t.dtype} and "
+                                f"{ts[0].dtype}"))
+        flat = torch.cat([_flat(t.detach()) for t in ts])
+
+        def finish(res):
+            off = 0
+            for t in ts:
+                _put(t, res[off:off + t.numel()])
+                off += t.numel()
+            return ts
+        return _launch(what, mf.allreduce_async(flat, op=op, out=flat), finish)
+
+    @_checked
+    def reduce(self, tensors, opts=None):
+        """Reduce onto opts.rootRank, in place there (other ranks' tensors are left alone);
+        complete on return (mlfabric's reduce blocks)."""
+        what = "reduce"
+        opts = opts if opts is not None else ReduceOptions()
+        op = _op(opts, what)
+        t = _one(tensors, what)
+        root = self._root(opts.rootRank, what)
+        mf.reduce(t, root=root, op=op, out=t if self._rank == root else None)
+        return _completed([t])
+
+    @_checked
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        """Rank r's output gets the reduction of every rank's input_tensors[0][r]."""
+        what = "reduce_scatter"
+        op = _op(opts if opts is not None else ReduceScatterOptions(), what)
+        out = _one(output_tensors, what)
+        ins = [_tensors(x, what, self._size) for x in input_tensors]
+        if len(ins) != 1:
+            _fail(ValueError(f"{what}: expected one list of {self._size} input tensors"))
+        _same(ins[0], out, what, role="input")
+        stack = torch.stack([_flat(x.detach()) for x in ins[0]])  # (size, numel): row r to rank r
+        return _launch(what, mf.reduce_scatter_async(stack, op=op, out=out), lambda _: [out])
+
+    @_checked
+    def reduce_scatter_single(self, output, input, opts=None):
+        """Rank r's output gets the reduction of every rank's r-th 1/size of input."""
+        what = "reduce_scatter_single"
+        op = _op(opts if opts is not None else ReduceScatterOptions(), what)
+        out, inp = _tensor(output, what), _tensor(input, what)
+        _same([inp], out, what, out.numel() * self._size, "input")
+        rows = inp.detach().reshape(self._size, out.numel())
+        return _launch(what, mf.reduce_scatter_async(rows, op=op, out=out), lambda _: [out])
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    @_checked
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        """reduce_scatter_single of several (output, input) pairs of one dtype, in one call."""
+        what = "reduce_scatter_single_coalesced"
+        op = _op(opts if opts is not None else ReduceScatterOptions(), what)
+        outs, ins = _tensors(outputs, what), _tensors(inputs, what, len(outputs))
+        if not outs:
+            return _completed([])
+        for o, i in zip(outs, ins):
+            _same([o], outs[0], what, o.numel())
+            _same([i], o, what, o.numel() * self._size, "input")
+        # Every input as (size, numel), side by side: row r is everything rank r gets.
+        rows = torch.cat([i.detach().reshape(self._size, o.numel()) for o, i in zip(outs, ins)],
+                         dim=1)
+
+        def finish(res):
+            off = 0
+            for o in outs:
+                _put(o, res[0, off:off + o.numel()])
+                off += o.numel()
+            return outs
+        return _launch(what, mf.reduce_scatter_async(rows, op=op), finish)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    # --- data movement ---
+
+    @_checked
+    def broadcast(self, tensors, opts=None):
+        """Copy opts.rootRank's tensor into every rank's, in place."""
+        what = "broadcast"
+        opts = opts if opts is not None else BroadcastOptions()
+        t = _one(tensors, what)
+        if opts.rootTensor != 0:
+            _fail(ValueError(f"{what}: rootTensor must be 0 (one tensor per call)"))
+        root = self._root(opts.rootRank, what)
+        w = _wire(t)
+
+        def finish(_):
+            if _copied(w, t):
+                _put(t, w)
+            return [t]
+        return _launch(what, mf.broadcast_async(w, root=root), finish)
+
+    @_checked
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        """output_tensors[0][r] gets rank r's input_tensors[0]; every rank's input has one shape."""
+        what = "allgather"
+        inp = _one(input_tensors, what)
+        outs = [_tensors(o, what, self._size) for o in output_tensors]
+        if len(outs) != 1:
+            _fail(ValueError(f"{what}: expected one list of {self._size} output tensors"))
+        _same(outs[0], inp, what, role="output")
+        flat = _flat(_wire(inp.detach()))
+        n = flat.numel()
+
+        def finish(res):
+            for r, o in enumerate(outs[0]):
+                _put(o, res[r * n:(r + 1) * n])
+            return outs[0]
+        return _launch(what, mf.allgather_async(flat), finish)
+
+    @_checked
+    def all_gather_single(self, output, input, opts=None):
+        """output (size x input's elements) gets every rank's input, in rank order."""
+        what = "all_gather_single"
+        out, inp = _tensor(output, what), _tensor(input, what)
+        _same([out], inp, what, inp.numel() * self._size, "output")
+        w = _wire(inp.detach())
+        if w.dtype == inp.dtype:  # straight into output, no staging copy
+            return _launch(what, mf.allgather_async(_flat(w), out=out), lambda _: [out])
+
+        def finish(res):
+            _put(out, res)
+            return [out]
+        return _launch(what, mf.allgather_async(_flat(w)), finish)
+
+    _allgather_base = all_gather_single
+
+    @_checked
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        """all_gather_single of several (output, input) pairs of one dtype, in one call."""
+        what = "all_gather_single_coalesced"
+        outs, ins = _tensors(outputs, what), _tensors(inputs, what, len(outputs))
+        if not outs:
+            return _completed([])
+        for o, i in zip(outs, ins):
+            _same([i], ins[0], what, i.numel())
+            _same([o], i, what, i.numel() * self._size, "output")
+        wires = [_flat(_wire(i.detach())) for i in ins]
+        flat = torch.cat(wires)
+
+        def finish(res):
+            rows = res.reshape(self._size, flat.numel())  # row r: rank r's inputs, packed
+            off = 0
+            for o, w in zip(outs, wires):
+                _put(o, rows[:, off:off + w.numel()])
+                off += w.numel()
+            return outs
+        return _launch(what, mf.allgather_async(flat), finish)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    @_checked
+    def gather(self, output_tensors, input_tensors, opts=None):
+        """opts.rootRank's output_tensors[0][r] gets rank r's input (one allgather)."""
+        what = "gather"
+        opts = opts if opts is not None else GatherOptions()
+        inp = _one(input_tensors, what)
+        root = self._root(opts.rootRank, what)
+        outs = [_tensors(o, what, self._size) for o in output_tensors]
+        if self._rank == root:
+            if len(outs) != 1:
+                _fail(ValueError(f"{what}: root needs one list of {self._size} output tensors"))
+            _same(outs[0], inp, what, role="output")
+        flat = _flat(_wire(inp.detach()))
+        n = flat.numel()
+
+        def finish(res):
+            if self._rank != root:
+                return []
+            for r, o in enumerate(outs[0]):
+                _put(o, res[r * n:(r + 1) * n])
+            return outs[0]
+        return _launch(what, mf.allgather_async(flat), finish)
+
+    @_checked
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        """Rank r's output gets opts.rootRank's input_tensors[0][r] (one broadcast)."""
+        what = "scatter"
+        opts = opts if opts is not None else ScatterOptions()
+        out = _one(output_tensors, what)
+        root = self._root(opts.rootRank, what)
+        w = _wire(out.detach())
+        rows = torch.empty((self._size, w.numel()), dtype=w.dtype)  # row r goes to rank r
+        if self._rank == root:
+            ins = [_tensors(x, what, self._size) for x in input_tensors]
+            if len(ins) != 1:
+                _fail(ValueError(f"{what}: root needs one list of {self._size} input tensors"))
+            _same(ins[0], out, what, role="input")
+            for r, x in enumerate(ins[0]):
+                rows[r].copy_(_flat(_wire(x.detach())))
+
+        def finish(_):
+            _put(out, rows[self._rank])
+            return [out]
+        return _launch(what, mf.broadcast_async(rows, root=root), finish)
+
+    @_checked
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
+                          opts=None):
+        """Equal splits only: rank r's output block j is rank j's input block r. Carried by one
+        allgather (size times the bytes of a true all-to-all)."""
+        what = "all_to_all_single"
+        out, inp = _tensor(output, what), _tensor(input, what)
+        for name, splits in (("output", output_split_sizes), ("input", input_split_sizes)):
+            if splits and len(set(splits)) != 1:
+                _fail(NotImplementedError(
+                    f"{what}: the mlfabric backend supports equal splits only, got {name} "
+                    f"split sizes {list(splits)}"))
+        if inp.numel() % self._size:
+            _fail(ValueError(f"{what}: input of {inp.numel()} elements does not split into "
+                             f"{self._size} equal blocks"))
+        _same([out], inp, what, role="output")
+        return self._all_to_all(what, [out], _flat(_wire(inp.detach())))
+
+    alltoall_base = all_to_all_single
+
+    @_checked
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        """Rank r's output_tensors[j] gets rank j's input_tensors[r]; all of one size and dtype."""
+        what = "alltoall"
+        outs = _tensors(output_tensors, what, self._size)
+        ins = _tensors(input_tensors, what, self._size)
+        _same(outs + ins, ins[0], what)
+        flat = torch.cat([_flat(_wire(x.detach())) for x in ins])
+        return self._all_to_all(what, outs, flat)
+
+    def _all_to_all(self, what, outs, flat):
+        """Allgather every rank's flat input (size blocks); keep block `rank` of each."""
+        size, rank = self._size, self._rank
+        block = flat.numel() // size
+
+        def finish(res):
+            mine = res.reshape(size, size, block)[:, rank]   # (source rank, block)
+            if len(outs) == 1:
+                _put(outs[0], mine)
+            else:
+                for j, o in enumerate(outs):
+                    _put(o, mine[j])
+            return outs
+        return _launch(what, mf.allgather_async(flat), finish)
+
+    # --- synchronisation and point to point ---
+
+    def barrier(self, opts=None):
+        """Return once every rank has called barrier (complete on return)."""
+        mf.barrier()
+        return _completed([])
+
+    @_checked_p2p
+    def send(self, tensors, dst, tag=0):
+        """Send one tensor to rank dst; complete on return (mlfabric's send blocks)."""
+        t = _one(tensors, "send")
+        mf.send(_wire(t.detach()).contiguous(), int(dst), tag=int(tag))
+        return _completed([t])
+
+    @_checked_p2p
+    def recv(self, tensors, src, tag=0):
+        """Receive into one tensor from rank src; complete on return."""
+        t = _one(tensors, "recv")
+        w = _wire(t)
+        mf.recv(w, int(src), tag=int(tag))
+        if _copied(w, t):
+            _put(t, w)
+        return _completed([t])
+
+    def recv_anysource(self, tensors, tag=0):
+        raise NotImplementedError("recv from any source (dist.recv(src=None)) is not supported "
+                                  "by the mlfabric backend; name the source rank")
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        raise NotImplementedError("allgather_coalesced is not supported by the mlfabric backend "
+                                  "(it is deprecated in torch); use all_gather_into_tensor")
+
+    def _root(self, root, what):
+        if not 0 <= root < self._size:
+            _fail(ValueError(f"{what}: root rank {root} is not in [0, {self._size})"))
+        return int(root)
+
+
+# --- creation, rendezvous, registration -----------------------------------------------------------
+
+def _ensure_mlfabric():
+    if not mf.initialized():
+        mf.init()
+    return mf.rank(), mf.size()
+
+
+def _check_agrees(rank, size, where):
+    """rank / world size asked for by torch (-1: not given) against MPI's."""
+    my_rank, my_size = _ensure_mlfabric()
+    if (size not in (-1, None) and size != my_size) or (rank not in (-1, None)
+                                                         and rank != my_rank):
+        raise MlfabricError(
+            f"{where}: rank={rank}, world_size={size} disagree with MPI, which runs this process "
+            f"as rank {my_rank} of {my_size}; with the mlfabric backend leave them out (MPI "
+            "decides) or pass MPI's values")
+    return my_rank, my_size
+
+
+def _create(store, rank, size, timeout):
+    """Backend creator torch calls for init_process_group / new_group. The store is not needed
+    (MPI connects the ranks); timeout is mlfabric's own (MLFABRIC_TIMEOUT)."""
+    my_rank, my_size = _ensure_mlfabric()
+    if dist.is_initialized() and size != my_size:
+        raise NotImplementedError(
+            f"the mlfabric backend runs on groups of every rank ({my_size}); a group of {size} "
+            "ranks is not supported (use gloo for it)")
+    _check_agrees(rank, size, "mlfabric process group")
+    return MlfabricProcessGroup(my_rank, my_size)
+
+
+def _shared_store(rank, size, timeout):
+    """A TCPStore served by rank 0 on a free port; MPI tells the other ranks where."""
+    comm = _context.get().user_comm
+    hosts = comm.allgather(socket.gethostname())
+    host = "127.0.0.1" if len(set(hosts)) == 1 else hosts[0]
+    store, port = None, None
+    if rank == 0:
+        try:
+            store = dist.TCPStore(host, 0, size, True, timeout=timeout, wait_for_workers=False)
+            port = store.port
+        except Exception as exc:  # noqa: BLE001 - reported on every rank below
+            port = f"{type(exc).__name__}: {exc}"
+    port = comm.bcast(port, root=0)
+    if not isinstance(port, int):
+        raise MlfabricError(f"mlfabric rendezvous: rank 0 could not start a TCPStore: {port}")
+    if rank != 0:
+        store = dist.TCPStore(host, port, size, False, timeout=timeout)
+    return store
+
+
+def _mpi_rendezvous(url, timeout=dist.default_pg_timeout, **kwargs):
+    """Rendezvous handler of mlfabric:// (torch's interface: a generator of (store, rank,
+    world_size)). Ranks come from MPI; rank / world_size in the URL must agree with them."""
+    query = dict(parse_qsl(urlparse(url).query))
+    rank, size = _check_agrees(int(query.get("rank", -1)), int(query.get("world_size", -1)),
+                               "init_process_group")
+    yield _shared_store(rank, size, timeout), rank, size
+    raise RuntimeError("mlfabric:// rendezvous cannot run twice: MPI fixes the ranks of a job")
+
+
+def _env_or_mpi(env_handler):
+    def handler(url, **kwargs):
+        # Only where env:// would fail for want of every one of its variables: under mpirun,
+        # init_process_group(backend) then works with nothing set.
+        if not any(os.environ.get(v) for v in _ENV_VARS):
+            return _mpi_rendezvous(url, **kwargs)
+        return env_handler(url, **kwargs)
+    handler._mlfabric_fallback = True
+    return handler
+
+
+def _register():
+    if BACKEND.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])
+    handlers = _rdzv._rendezvous_handlers
+    if "mlfabric" not in handlers:
+        _rdzv.register_rendezvous_handler("mlfabric", _mpi_rendezvous)
+    env = handlers.get("env")
+    if env is not None and not getattr(env, "_mlfabric_fallback", False):
+        handlers["env"] = _env_or_mpi(env)
+
+
+_register()
+
+__all__ = ["BACKEND", "INIT_METHOD", "MlfabricProcessGroup", "MlfabricWork"]

@@ -1,0 +1,187 @@
+"""Whole-model helpers of mlfabric.torch, as in horovod.torch: broadcast_parameters,
+broadcast_optimizer_state, broadcast_object, allgather_object.
+
+Owns the model-consistency check: before broadcasting parameters (or optimizer state) the ranks
+compare a summary of what they hold (names, dtypes, shapes), first as one hash each, and in full
+only when the hashes differ; a difference is a MismatchError on every rank naming the parameter,
+raised before any data moves. Objects travel pickled (cloudpickle when installed, as Horovod)
+in int64 tensors.
+"""
+import io
+import pickle
+import zlib
+
+import numpy as np
+import torch
+
+from ..errors import MismatchError
+from . import ops
+
+try:  # Horovod pickles with cloudpickle (lambdas, local classes); fall back to pickle
+    import cloudpickle as _pickler
+except ImportError:  # pragma: no cover - depends on the environment
+    _pickler = pickle
+
+
+# --- objects ------------------------------------------------------------------------------------
+
+def _to_words(obj):
+    """obj pickled into a writable int64 tensor (zero-padded to whole words), and its length."""
+    buf = io.BytesIO()
+    _pickler.dump(obj, buf)
+    data = buf.getvalue()
+    words = bytearray(data) + bytearray(-len(data) % 8)
+    return torch.from_numpy(np.frombuffer(words, dtype=np.int64)), len(data)
+
+
+def _from_words(words, nbytes):
+    return pickle.loads(words.numpy().tobytes()[:nbytes])
+
+
+def broadcast_object(obj, root_rank=0, name=None):
+    """root_rank's obj on every rank (pickled; the root gets its own obj back)."""
+    name = name or "broadcast_object"
+    if ops._state().ctx.rank == root_rank:
+        words, nbytes = _to_words(obj)
+    else:
+        words, nbytes = None, 0
+    size = ops.broadcast_(torch.tensor([nbytes], dtype=torch.int64), root_rank, f"{name}.size")
+    nbytes = int(size[0])
+    if words is None:
+        words = torch.empty((nbytes + 7) // 8, dtype=torch.int64)
+    ops.broadcast_(words, root_rank, f"{name}.data")
+    return obj if ops._state().ctx.rank == root_rank else _from_words(words, nbytes)
+
+
+def allgather_object(obj, name=None):
+    """Every rank's obj, as a list in rank order (pickled)."""
+    name = name or "allgather_object"
+    words, nbytes = _to_words(obj)
+    sizes = ops.allgather(torch.tensor([nbytes], dtype=torch.int64), f"{name}.sizes")
+    gathered = ops.allgather(words, f"{name}.data")
+    out, off = [], 0
+    for n in sizes.tolist():
+        k = (n + 7) // 8
+        out.append(_from_words(gathered[off:off + k], n))
+        off += k
+    return out
+
+
+# --- consistency checks ---------------------------------------------------------------------------
+
+def _same_everywhere(summary, root_rank, what, describe):
+    """Raise MismatchError on every rank when a rank's summary differs from root_rank's.
+
+    summary: a picklable description of what this rank holds (or ('invalid', message) from a
+    rank whose input is unusable); describe(root_summary, other_summary) says how they differ."""
+    h = zlib.crc32(pickle.dumps(summary))
+    root = root_rank if isinstance(root_rank, int) and not isinstance(root_rank, bool) else -1
+    got = ops.allgather(torch.tensor([[h, root]], dtype=torch.int64), f"{what}.summary_hash")
+    roots = got[:, 1].tolist()
+    if len(set(roots)) > 1 or not 0 <= roots[0] < len(roots):
+        raise ValueError(f"{what}: root_rank must be the same rank in [0, {len(roots)}) on every "
+                         f"rank, got {roots} (by rank)")
+    hashes = got[:, 0]
+    if (hashes == hashes[root_rank]).all():
+        return
+    every = allgather_object(summary, f"{what}.summary")
+    problems = []
+    for r, s in enumerate(every):
+        if r == root_rank or s == every[root_rank]:
+            continue
+        if isinstance(s, tuple) and s and s[0] == "invalid":
+            problems.append(f"rank {r} passed invalid input ({s[1]})")
+        elif isinstance(every[root_rank], tuple) and every[root_rank][0] == "invalid":
+            problems.append(f"the root rank {root_rank} passed invalid input "
+                            f"({every[root_rank][1]})")
+            break
+        else:
+            problems.append(f"rank {r}: {describe(every[root_rank], s)}")
+    raise MismatchError(f"{what}: ranks hold different models; compared with root rank "
+                        f"{root_rank}: " + "; ".join(problems))
+
+
+def _describe_params(root, other):
+    """First difference between two parameter summaries [(name, dtype, shape), ...]."""
+    root_by, other_by = {e[0]: e for e in root}, {e[0]: e for e in other}
+    for name, dtype, shape in other:
+        if name not in root_by:
+            return f"parameter {name!r} is not on the root"
+        _, rdtype, rshape = root_by[name]
+        if (dtype, shape) != (rdtype, rshape):
+            return (f"parameter {name!r} is {dtype} {list(shape)} there and {rdtype} "
+                    f"{list(rshape)} on the root")
+    for name, _, _ in root:
+        if name not in other_by:
+            return f"parameter {name!r} of the root is missing"
+    return "the parameters come in a different order"
+
+
+def _named(params):
+    """[(name, tensor)] from a state_dict (sorted by name, as Horovod) or an iterable of
+    (name, tensor) pairs or tensors."""
+    if isinstance(params, dict):
+        return sorted(params.items())
+    if isinstance(params, torch.Tensor) or not hasattr(params, "__iter__"):
+        raise TypeError(f"params must be a state_dict or (name, tensor) pairs such as "
+                        f"model.named_parameters(), got {type(params).__name__}")
+    out = []
+    for i, p in enumerate(params):
+        name, t = p if isinstance(p, tuple) and len(p) == 2 else (f"params[{i}]", p)
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"parameter {name!r} is a {type(t).__name__}, not a tensor")
+        out.append((str(name), t))
+    return out
+
+
+def broadcast_parameters(params, root_rank):
+    """Copy root_rank's parameters into every rank's, in place. params: model.state_dict() or
+    model.named_parameters() (or a list of (name, tensor) pairs). Ranks holding a different
+    model (names, dtypes, shapes) get a MismatchError naming the parameter, on every rank."""
+    what = "broadcast_parameters"
+    try:
+        named = _named(params)
+        summary = [(n, str(t.dtype).replace("torch.", ""), tuple(t.shape)) for n, t in named]
+    except TypeError as exc:
+        named, summary, error = None, ("invalid", str(exc)), exc
+    else:
+        error = None
+    _same_everywhere(summary, root_rank, what, _describe_params)
+    if error is not None:  # every rank agrees, so every rank holds this error
+        raise error
+    # In place, fused into buffers per dtype. Tied weights (one tensor under two names) are
+    # simply written twice with the same values.
+    ops._grouped_broadcast_call([t.detach() for _, t in named], root_rank, what)
+
+
+def broadcast_optimizer_state(optimizer, root_rank):
+    """Make every rank's optimizer state and hyperparameters root_rank's (its state_dict(),
+    loaded with load_state_dict()). The optimizers must have the same parameter groups (a
+    MismatchError on every rank otherwise). An optimizer whose state is still empty stays empty
+    everywhere and is then created identically on every rank by its first step()."""
+    what = "broadcast_optimizer_state"
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        summary = ("invalid", f"optimizer must be a torch.optim.Optimizer, got "
+                              f"{type(optimizer).__name__}")
+    else:
+        summary = [type(optimizer).__name__] + [
+            [(str(p.dtype).replace("torch.", ""), tuple(p.shape)) for p in g["params"]]
+            for g in optimizer.param_groups]
+    _same_everywhere(summary, root_rank, what, _describe_groups)
+    if summary[0] == "invalid":
+        raise TypeError(summary[1])
+    state = broadcast_object(optimizer.state_dict() if ops._state().ctx.rank == root_rank
+                             else None, root_rank, what)
+    if ops._state().ctx.rank != root_rank:
+        optimizer.load_state_dict(state)
+
+
+def _describe_groups(root, other):
+    if root[0] != other[0]:
+        return f"a {other[0]} optimizer there, a {root[0]} on the root"
+    if len(root) != len(other):
+        return f"{len(other) - 1} parameter group(s) there, {len(root) - 1} on the root"
+    for g, (a, b) in enumerate(zip(root[1:], other[1:])):
+        if a != b:
+            return f"parameter group {g} holds {b} there and {a} on the root"
+    return "different parameter groups"  # pragma: no cover - the summaries differ somewhere

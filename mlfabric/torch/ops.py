@@ -1,0 +1,904 @@
+"""mlfabric.torch's tensor collectives, with horovod.torch's names and semantics: allreduce,
+grouped_allreduce, allgather, broadcast, alltoall (and their in-place `_` and `_async` forms),
+synchronize / poll on integer handles, join and barrier, on top of mlfabric's collectives.
+
+Owns:
+- issue order. Every call goes through one queue per process, in the order it was issued (as on
+  every rank: mlfabric matches collectives by order, not by name). A blocking call runs on the
+  caller's thread when nothing is queued; *_async calls run on the queue's thread, so
+  communication overlaps the caller's work (the engine releases the GIL).
+- the control round. In front of every call each rank contributes a small descriptor of it (kind,
+  dtype, op, root, shape, name; see _desc) to an allgather. From the table every rank decides the
+  same thing: go ahead, or raise MismatchError naming the ranks and what each passed (so every
+  rank fails together, before any data moves). A rank inside join() contributes 'joined' and
+  learns from the others' descriptors which call to take part in, and how.
+- join semantics (Horovod's): a joined rank takes part in the others' calls until every rank has
+  joined. In an allreduce it contributes the op's identity (zeros for Sum and Average, as in
+  Horovod; +inf / -inf / 1 for Min / Max / Product), and Average still divides by size(), the
+  joined ranks included: Horovod averages over all ranks too. In an allgather or alltoall it
+  contributes no rows; in a broadcast it receives (a joined root is an error on every rank).
+  While joined, a rank waits for the others' next call at most MLFABRIC_TIMEOUT seconds.
+- dtypes: float32, float64, float16, bfloat16, int32 and int64 travel as they are; uint8, int8,
+  int16 and bool travel widened to int64 and come back narrowed (exact: integer sums wrap the way
+  the dtype does). Average needs a floating tensor.
+- autograd: allreduce, grouped_allreduce, allgather, broadcast and alltoall are differentiable as
+  in Horovod (>= 0.22): the gradient of an allreduce is the allreduce (same op and factors) of
+  the gradient; of an allgather, this rank's rows of the averaged gradient; of a broadcast, the
+  averaged gradient on the root and zeros elsewhere; of an alltoall, the alltoall back.
+"""
+import atexit
+import itertools
+import math
+import os
+import threading
+import zlib
+
+import numpy as np
+import torch
+
+from .. import collectives as _coll
+from .. import context as _context
+from ..comm.executor import Executor
+from ..errors import MismatchError, MlfabricError
+from .compression import Compression, check as _check_compression
+
+# --- reduction ops --------------------------------------------------------------------------------
+
+Average = "average"
+Sum = "sum"
+Min = "min"
+Max = "max"
+Product = "product"
+
+_OP_NAMES = {"average": Average, "avg": Average, "sum": Sum, "min": Min, "max": Max,
+             "product": Product, "prod": Product}
+# mlfabric's core ops, by code in the descriptor.
+_CORE_OPS = ("sum", "avg", "min", "max", "prod")
+_CORE_OF = {Sum: "sum", Min: "min", Max: "max", Product: "prod"}
+
+
+def _resolve_op(op, average):
+    """Horovod's rule: op wins, average (deprecated) maps True/False to Average/Sum, and the
+    default is Average."""
+    if op is not None and average is not None:
+        raise ValueError("pass op or average (deprecated), not both")
+    if op is None:
+        return Average if average is None or average else Sum
+    if isinstance(op, str) and op.lower() == "adasum":
+        raise ValueError("op Adasum is not supported by mlfabric; use Average or Sum")
+    name = _OP_NAMES.get(op.lower()) if isinstance(op, str) else None
+    if name is None:
+        raise ValueError(f"unknown reduction op {op!r}; expected one of Average, Sum, Min, Max, "
+                         "Product (mlfabric.torch.Average, ...)")
+    return name
+
+
+# --- dtypes ---------------------------------------------------------------------------------------
+
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64,
+           torch.uint8, torch.int8, torch.int16, torch.bool)
+_DTYPE_CODE = {dt: i for i, dt in enumerate(_DTYPES)}
+_NATIVE = 6  # the first six travel as they are; the others widened to int64
+
+
+def _wire(dtype):
+    return dtype if _DTYPE_CODE[dtype] < _NATIVE else torch.int64
+
+
+def _dtype_name(code):
+    return str(_DTYPES[code]).replace("torch.", "")
+
+
+def _check_tensor(t, what, arg="tensor"):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise MlfabricError(f"{what}: {arg} is on {t.device}; mlfabric.torch moves CPU tensors "
+                            "only (GPU tensors need the NCCL transport, not built yet)")
+    if t.layout != torch.strided:
+        raise TypeError(f"{what}: {arg} has layout {t.layout}; only dense tensors are supported")
+    if t.dtype not in _DTYPE_CODE:
+        raise TypeError(f"{what}: unsupported dtype {t.dtype}; mlfabric.torch supports "
+                        f"{', '.join(_dtype_name(c) for c in range(len(_DTYPES)))}")
+    return _DTYPE_CODE[t.dtype]
+
+
+def _identity(core, wire, n):
+    """n elements that leave a reduction unchanged: what a joined rank contributes."""
+    if core in ("sum", "avg"):
+        return torch.zeros(n, dtype=wire)
+    if core == "prod":
+        return torch.ones(n, dtype=wire)
+    if wire.is_floating_point:
+        value = float("inf") if core == "min" else float("-inf")
+    else:
+        info = torch.iinfo(wire)
+        value = info.max if core == "min" else info.min
+    return torch.full((n,), value, dtype=wire)
+
+
+# --- the control round ----------------------------------------------------------------------------
+
+_W = 20  # int64 words per descriptor
+(_STATE, _JOINED_AT, _KIND, _DTYPE, _OP, _ROOT, _ROWS, _ROW_LEN, _NDIM, _SHAPE_HASH, _ROW_HASH,
+ _NAME_HASH) = range(12)
+_DIMS, _MAX_DIMS = 12, 8  # words 12..19: the first dimensions, for messages
+_SAME = [_KIND, _DTYPE, _OP, _ROOT, _ROW_LEN, _ROW_HASH, _NAME_HASH]  # equal when all agree
+_ACTIVE, _JOINED, _REJECTED = 1, 0, -1
+_KINDS = ("barrier", "allreduce", "allgather", "broadcast", "alltoall")
+_BARRIER, _ALLREDUCE, _ALLGATHER, _BROADCAST, _ALLTOALL = range(5)
+
+
+def _hash(value):
+    return zlib.crc32(repr(value).encode())
+
+
+def _desc(kind, dtype=0, op=0, root=0, shape=(), name=None, layout=None):
+    """This rank's descriptor of a call. shape: the tensor's (0-d counts as (1,)); layout: what
+    else must agree (the member shapes of a grouped allreduce)."""
+    shape = tuple(int(s) for s in shape) or (1,)
+    d = np.zeros(_W, np.int64)
+    d[_STATE], d[_KIND], d[_DTYPE], d[_OP], d[_ROOT] = _ACTIVE, kind, dtype, op, root
+    d[_ROWS] = shape[0]
+    d[_ROW_LEN] = math.prod(shape[1:])
+    d[_NDIM] = len(shape)
+    d[_SHAPE_HASH] = _hash(shape if layout is None else (shape, layout))
+    d[_ROW_HASH] = _hash(shape[1:])
+    d[_NAME_HASH] = -1 if name is None else _hash(name)
+    k = min(len(shape), _MAX_DIMS)
+    d[_DIMS:_DIMS + k] = shape[:k]
+    return d
+
+
+def _shape_of(d, rows=True):
+    nd = int(d[_NDIM])
+    dims = tuple(int(v) for v in d[_DIMS:_DIMS + min(nd, _MAX_DIMS)])
+    dims += ("...",) if nd > _MAX_DIMS else ()
+    return dims if rows else dims[1:]
+
+
+def _groups(table, ranks, key):
+    """Lists of ranks that agree on key(descriptor), in order of first appearance."""
+    groups = {}
+    for r in ranks:
+        groups.setdefault(key(table[r]), []).append(int(r))
+    return list(groups.values())
+
+
+def _disagreement(table, what):
+    """The error every rank raises for this control round, or None (the same on every rank:
+    it depends on the table alone)."""
+    states = table[:, _STATE]
+    # The usual case, checked at numpy speed: every rank active and describing the same call.
+    if (states == _ACTIVE).all() and (table[:, _SAME] == table[0, _SAME]).all() and (
+            table[0, _KIND] in (_ALLGATHER, _ALLTOALL)
+            or (table[:, _SHAPE_HASH] == table[0, _SHAPE_HASH]).all()):
+        return None
+    bad = np.flatnonzero(states == _REJECTED)
+    if bad.size:
+        return (f"{what}: rank(s) {bad.tolist()} rejected their arguments (see the error on those "
+                "ranks); nothing was exchanged")
+    active = np.flatnonzero(states == _ACTIVE)
+    if not active.size:
+        return None
+    kinds = _groups(table, active, lambda d: int(d[_KIND]))
+    if len(kinds) == 1 and (table[active, _NAME_HASH] != -1).all():
+        names = _groups(table, active, lambda d: int(d[_NAME_HASH]))
+        if len(names) > 1:
+            return (f"{what}: the ranks' tensor names differ (ranks grouped by name: "
+                    f"{' | '.join(map(str, names))}): they issued different calls at this point. "
+                    "mlfabric matches collectives by the order ranks issue them, so every rank "
+                    "must issue the same calls in the same order")
+    checks = [("call", lambda d: int(d[_KIND]), lambda d: _KINDS[int(d[_KIND])]),
+              ("dtype", lambda d: int(d[_DTYPE]), lambda d: _dtype_name(int(d[_DTYPE])))]
+    kind = int(table[active[0], _KIND])
+    if kind == _ALLREDUCE:
+        checks.append(("op", lambda d: int(d[_OP]), lambda d: _CORE_OPS[int(d[_OP])]))
+    if kind == _BROADCAST:
+        checks.append(("root", lambda d: int(d[_ROOT]), lambda d: str(int(d[_ROOT]))))
+    if kind in (_ALLREDUCE, _BROADCAST):
+        checks.append(("shape", lambda d: int(d[_SHAPE_HASH]), lambda d: str(_shape_of(d))))
+    elif kind in (_ALLGATHER, _ALLTOALL):
+        checks.append(("shape of a row (the dimensions after the first)",
+                       lambda d: int(d[_ROW_HASH]), lambda d: str(_shape_of(d, rows=False))))
+    for field, key, show in checks:
+        groups = _groups(table, active, key)
+        if len(groups) > 1:
+            parts = "; ".join(f"{show(table[g[0]])} on rank(s) {g}" for g in groups)
+            return f"{what}: ranks disagree on {field}: {parts}"
+    if kind == _BROADCAST:
+        root = int(table[active[0], _ROOT])
+        if states[root] != _ACTIVE:
+            return f"{what}: the root rank {root} has joined; a joined rank cannot broadcast"
+    return None
+
+
+class _State:
+    """Per-initialisation state: the queue, the handles, the count of control rounds."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.queue = Executor()
+        self.handles = {}
+        self.ids = itertools.count()
+        self.rounds = 0  # control rounds so far: the same on every rank (all take part in each)
+
+
+_S = None
+_S_LOCK = threading.Lock()
+
+
+def _state():
+    """The state of the current mlfabric initialisation; NotInitializedError before init()."""
+    global _S
+    ctx = _context.get()
+    s = _S
+    if s is None or s.ctx is not ctx:
+        with _S_LOCK:
+            if _S is None or _S.ctx is not ctx:
+                _S = _State(ctx)
+            s = _S
+    return s
+
+
+def _drain():
+    """Let queued calls finish and forget the state (before finalize)."""
+    global _S
+    with _S_LOCK:
+        s, _S = _S, None
+    if s is not None:
+        s.queue.shutdown()
+
+
+# Registered after mlfabric.context's finalize (imported above), so it runs before it at exit.
+atexit.register(_drain)
+
+
+def _control(st, desc):
+    table = _coll.allgather(desc).reshape(st.ctx.size, _W)
+    st.rounds += 1
+    return table
+
+
+def _agree(st, desc, what):
+    """Control round of an active rank: the table, or the MismatchError every rank raises."""
+    table = _control(st, desc)
+    msg = _disagreement(table, what)
+    if msg is not None:
+        raise MismatchError(msg)
+    return table
+
+
+def _what(kind, name):
+    return f"{kind} '{name}'" if name is not None else kind
+
+
+def _check_name(name):
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"name must be a string or None, got {type(name).__name__}")
+
+
+def _issue(what, plan, job, async_):
+    """Validate (plan() -> its result, or raise) and run job(st, planned) in order.
+
+    A rank whose arguments are bad still takes part in the control round, as 'rejected', so its
+    peers fail at once with a MismatchError naming it; then it raises its own error."""
+    st = _state()
+    try:
+        planned = plan(st)
+    except (TypeError, ValueError, MlfabricError) as exc:
+        _reject(st, what, async_)
+        raise exc
+    if async_:
+        handle = st.queue.submit(what, lambda: job(st, planned))
+        hid = next(st.ids)
+        st.handles[hid] = handle
+        return hid
+    return st.queue.run(what, lambda: job(st, planned))
+
+
+def _reject(st, what, async_):
+    desc = np.zeros(_W, np.int64)
+    desc[_STATE] = _REJECTED
+
+    def job():
+        try:
+            _control(st, desc)
+        except MlfabricError:
+            pass  # the peers' view of this call; this rank's own error is the one to raise
+
+    if async_:
+        st.queue.submit(what, job)
+    else:
+        st.queue.run(what, job)
+
+
+# --- handles --------------------------------------------------------------------------------------
+
+def synchronize(handle):
+    """Wait for an *_async call and return its result (what the blocking form returns; for
+    alltoall_async, (output, received_splits)). Raises the call's error, if any."""
+    st = _state()
+    h = st.handles.pop(handle, None)
+    if h is None:
+        raise ValueError(f"unknown handle {handle!r}: not from an *_async call since init(), or "
+                         "already synchronized")
+    return h.wait()
+
+
+def poll(handle):
+    """True once the call behind handle has finished (synchronize() then returns at once)."""
+    st = _state()
+    h = st.handles.get(handle)
+    if h is None:
+        raise ValueError(f"unknown handle {handle!r}: not from an *_async call since init(), or "
+                         "already synchronized")
+    return h.done()
+
+
+# --- allreduce ------------------------------------------------------------------------------------
+
+class _ReducePlan:
+    """How one allreduce runs: the core op, the prescale, and the scaling after the sum."""
+    __slots__ = ("op", "core", "pre", "after")
+
+    def __init__(self, op, dtype, pre, post, size, what):
+        floating = dtype.is_floating_point
+        if op == Average and not floating:
+            raise TypeError(f"{what}: op Average needs a floating tensor, got {dtype}; use op=Sum")
+        pre, post = float(pre), float(post)
+        if (pre != 1.0 or post != 1.0) and not floating:
+            raise TypeError(f"{what}: prescale_factor / postscale_factor need a floating tensor, "
+                            f"got {dtype}")
+        self.op, self.pre = op, pre
+        if op == Average:
+            # One pass when nothing else scales the sum; otherwise sum, then one scaling.
+            self.core, self.after = ("avg", 1.0) if post == 1.0 else ("sum", post / size)
+        else:
+            self.core, self.after = _CORE_OF[op], post
+
+
+def _reduce_flat(st, flat, desc, what, plan):
+    """Control round, then allreduce the contiguous 1-D wire tensor flat in place."""
+    _agree(st, desc, what)
+    if flat.numel():
+        _coll.allreduce(flat, op=plan.core, out=flat)
+        if plan.after != 1.0:
+            flat.mul_(plan.after)
+
+
+def _wire_copy(t, plan):
+    """A new contiguous wire-dtype copy of t (same shape), prescaled."""
+    buf = torch.empty(t.shape, dtype=_wire(t.dtype))
+    buf.copy_(t)
+    if plan.pre != 1.0:
+        buf.mul_(plan.pre)
+    return buf
+
+
+def _allreduce_call(tensor, op, average, name, pre, post, inplace, async_, layout=None):
+    """layout: what else every rank's call must agree on (DistributedOptimizer: the model)."""
+    what = _what("allreduce", name)
+
+    def plan(st):
+        _check_name(name)
+        code = _check_tensor(tensor, what)
+        p = _ReducePlan(_resolve_op(op, average), tensor.dtype, pre, post, st.ctx.size, what)
+        return p, _desc(_ALLREDUCE, code, _CORE_OPS.index(p.core), shape=tensor.shape, name=name,
+                        layout=layout)
+
+    def job(st, planned):
+        p, desc = planned
+        src = tensor.detach()
+        if inplace and src.is_contiguous() and _wire(src.dtype) == src.dtype and p.pre == 1.0:
+            _reduce_flat(st, src.view(-1), desc, what, p)  # straight into the tensor
+            return tensor
+        buf = _wire_copy(src, p)
+        _reduce_flat(st, buf.view(-1), desc, what, p)
+        if inplace:
+            src.copy_(buf)
+            return tensor
+        return buf if buf.dtype == src.dtype else buf.to(src.dtype)
+
+    return _issue(what, plan, job, async_)
+
+
+def _check_differentiable(op, what):
+    if op not in (Average, Sum):
+        raise MlfabricError(f"the gradient of {what} with op {op} is not defined; only Average "
+                            "and Sum are differentiable")
+
+
+class _AllreduceFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, op, average, name, pre, post):
+        out = _allreduce_call(tensor, op, average, name, pre, post, False, False)
+        ctx.op, ctx.pre, ctx.post = _resolve_op(op, average), pre, post
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        _check_differentiable(ctx.op, "allreduce")
+        grad = _allreduce_call(grad, ctx.op, None, None, ctx.pre, ctx.post, False, False)
+        return grad, None, None, None, None, None
+
+
+def _compression(what, compression):
+    """compression, or its TypeError raised on every rank (through a rejected call)."""
+    try:
+        return _check_compression(compression)
+    except TypeError as exc:
+        _reject(_state(), what, False)
+        raise exc
+
+
+def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
+              prescale_factor=1.0, postscale_factor=1.0):
+    """Reduce tensor over all ranks (default: Average) and return the result; tensor is left
+    as it is. Differentiable. op: Average, Sum, Min, Max, Product (average=True/False is the
+    deprecated spelling of Average/Sum). prescale_factor multiplies the input and
+    postscale_factor the result (floating tensors). compression: Compression.none or
+    Compression.fp16 (see mlfabric.torch.compression for its tolerance). name: an optional
+    label; when every rank gives one they must match (a check that ranks issue calls in the
+    same order)."""
+    compression = _compression(_what("allreduce", name), compression)
+    if not isinstance(tensor, torch.Tensor):  # reported on every rank
+        return _allreduce_call(tensor, op, average, name, 1.0, 1.0, False, False)
+    compressed, cctx = compression.compress(tensor)
+    out = _AllreduceFn.apply(compressed, op, average, name, prescale_factor, postscale_factor)
+    return compression.decompress(out, cctx)
+
+
+def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+                    postscale_factor=1.0):
+    """Non-blocking allreduce: returns a handle; synchronize(handle) returns the result."""
+    return _allreduce_call(tensor, op, average, name, prescale_factor, postscale_factor, False,
+                           True)
+
+
+def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+               postscale_factor=1.0):
+    """In-place allreduce: tensor receives the result; returns tensor. Not differentiable."""
+    return _allreduce_call(tensor, op, average, name, prescale_factor, postscale_factor, True,
+                           False)
+
+
+def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+                     postscale_factor=1.0):
+    """Non-blocking in-place allreduce: returns a handle; leave tensor alone until
+    synchronize(handle), which returns it."""
+    return _allreduce_call(tensor, op, average, name, prescale_factor, postscale_factor, True,
+                           True)
+
+
+# --- grouped allreduce ----------------------------------------------------------------------------
+
+def _grouped_call(tensors, op, average, name, pre, post, inplace, async_):
+    """One fused allreduce per dtype (in order of first appearance), each its own call."""
+    what = _what("grouped_allreduce", name)
+
+    def plan(st):
+        _check_name(name)
+        if not isinstance(tensors, (list, tuple)):
+            raise TypeError(f"{what}: tensors must be a list of tensors, got "
+                            f"{type(tensors).__name__}")
+        if not tensors:
+            raise ValueError(f"{what}: needs at least one tensor")
+        resolved = _resolve_op(op, average)
+        groups = {}
+        for i, t in enumerate(tensors):
+            _check_tensor(t, what, f"tensors[{i}]")
+            groups.setdefault(t.dtype, []).append(i)
+        # Every group's descriptor carries the whole list's dtypes and shapes, so ranks whose
+        # lists differ fail at the first group instead of issuing different numbers of calls.
+        signature = tuple((str(t.dtype), tuple(t.shape)) for t in tensors)
+        planned = []
+        for g, (dtype, members) in enumerate(groups.items()):
+            p = _ReducePlan(resolved, dtype, pre, post, st.ctx.size, what)
+            total = sum(tensors[i].numel() for i in members)
+            planned.append((members, p, _desc(_ALLREDUCE, _DTYPE_CODE[dtype],
+                                              _CORE_OPS.index(p.core), shape=(total,),
+                                              name=None if name is None else f"{name}.{g}",
+                                              layout=(g, signature))))
+        return planned
+
+    def job(st, planned):
+        outs = [None] * len(tensors)
+        for members, p, desc in planned:
+            srcs = [tensors[i].detach() for i in members]
+            flat = torch.cat([_wire_copy(s, p).view(-1) for s in srcs])
+            _reduce_flat(st, flat, desc, what, p)
+            off = 0
+            for i, s in zip(members, srcs):
+                part = flat[off:off + s.numel()].view(s.shape)
+                off += s.numel()
+                if inplace:
+                    s.copy_(part)
+                    outs[i] = tensors[i]
+                else:
+                    outs[i] = torch.empty(s.shape, dtype=s.dtype)
+                    outs[i].copy_(part)
+        return outs
+
+    return _issue(what, plan, job, async_)
+
+
+class _GroupedAllreduceFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, op, average, name, pre, post, *tensors):
+        outs = _grouped_call(list(tensors), op, average, name, pre, post, False, False)
+        ctx.op, ctx.pre, ctx.post = _resolve_op(op, average), pre, post
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        _check_differentiable(ctx.op, "grouped_allreduce")
+        reduced = _grouped_call(list(grads), ctx.op, None, None, ctx.pre, ctx.post, False, False)
+        return (None, None, None, None, None, *reduced)
+
+
+def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
+                      prescale_factor=1.0, postscale_factor=1.0):
+    """allreduce of a list of tensors, fused into one buffer per dtype; returns a list.
+    Differentiable."""
+    compression = _compression(_what("grouped_allreduce", name), compression)
+    if not (isinstance(tensors, (list, tuple)) and tensors
+            and all(isinstance(t, torch.Tensor) for t in tensors)):  # reported on every rank
+        return _grouped_call(tensors, op, average, name, 1.0, 1.0, False, False)
+    pairs = [compression.compress(t) for t in tensors]
+    outs = _GroupedAllreduceFn.apply(op, average, name, prescale_factor, postscale_factor,
+                                     *[c for c, _ in pairs])
+    return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs)]
+
+
+def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                            postscale_factor=1.0):
+    return _grouped_call(tensors, op, average, name, prescale_factor, postscale_factor, False,
+                         True)
+
+
+def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                       postscale_factor=1.0):
+    return _grouped_call(tensors, op, average, name, prescale_factor, postscale_factor, True,
+                         False)
+
+
+def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                             postscale_factor=1.0):
+    return _grouped_call(tensors, op, average, name, prescale_factor, postscale_factor, True,
+                         True)
+
+
+# --- allgather ------------------------------------------------------------------------------------
+
+def _gather_plan(table):
+    """(rows of each rank, the rows every rank sends, row length): the same on every rank.
+    Every rank sends max_rows rows (padded): mlfabric's allgather moves equal blocks."""
+    rows = table[:, _ROWS].copy()
+    rows[table[:, _STATE] != _ACTIVE] = 0
+    active = np.flatnonzero(table[:, _STATE] == _ACTIVE)
+    return rows, int(rows.max()), int(table[active[0], _ROW_LEN])
+
+
+def _allgather_call(tensor, name, async_, with_rows=False):
+    what = _what("allgather", name)
+
+    def plan(st):
+        _check_name(name)
+        code = _check_tensor(tensor, what)
+        return _desc(_ALLGATHER, code, shape=tensor.shape, name=name)
+
+    def job(st, desc):
+        rows, max_rows, row_len = _gather_plan(_agree(st, desc, what))
+        src = tensor.detach()
+        shape = tuple(src.shape) or (1,)
+        wire, total = _wire(src.dtype), int(rows.sum())
+        out = torch.empty((total, *shape[1:]), dtype=wire)
+        if max_rows and row_len:
+            mine = src.reshape(shape[0], row_len).to(wire).contiguous()
+            out2 = out.view(total, row_len)
+            if (rows == max_rows).all():
+                _coll.allgather(mine, out=out2)
+            else:
+                block = torch.zeros((max_rows, row_len), dtype=wire)
+                block[:shape[0]] = mine
+                got = _coll.allgather(block)
+                torch.cat([got[r * max_rows:r * max_rows + int(k)] for r, k in enumerate(rows)],
+                          out=out2)
+        out = out if wire == src.dtype else out.to(src.dtype)
+        return (out, rows) if with_rows else out
+
+    return _issue(what, plan, job, async_)
+
+
+class _AllgatherFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name):
+        out, rows = _allgather_call(tensor, name, False, with_rows=True)
+        me = _state().ctx.rank
+        ctx.offset, ctx.rows, ctx.shape = int(rows[:me].sum()), int(rows[me]), tensor.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        reduced = _allreduce_call(grad, Average, None, None, 1.0, 1.0, False, False)
+        return reduced.narrow(0, ctx.offset, ctx.rows).reshape(ctx.shape), None
+
+
+def allgather(tensor, name=None):
+    """Concatenate every rank's tensor along dimension 0, in rank order; the first dimension may
+    differ between ranks, the others must agree (a 0-d tensor counts as shape (1,)).
+    Differentiable."""
+    if not isinstance(tensor, torch.Tensor):  # reported on every rank
+        return _allgather_call(tensor, name, False)
+    return _AllgatherFn.apply(tensor, name)
+
+
+def allgather_async(tensor, name=None):
+    return _allgather_call(tensor, name, True)
+
+
+# --- broadcast ------------------------------------------------------------------------------------
+
+def _broadcast_call(tensor, root_rank, name, inplace, async_):
+    what = _what("broadcast", name)
+
+    def plan(st):
+        _check_name(name)
+        code = _check_tensor(tensor, what)
+        n = st.ctx.size
+        if isinstance(root_rank, bool) or not isinstance(root_rank, (int, np.integer)) or \
+                not 0 <= root_rank < n:
+            raise ValueError(f"{what}: root_rank must be a rank in [0, {n}), got {root_rank!r}")
+        return _desc(_BROADCAST, code, root=int(root_rank), shape=tensor.shape, name=name)
+
+    def job(st, desc):
+        _agree(st, desc, what)
+        src, root = tensor.detach(), int(desc[_ROOT])
+        if inplace and src.is_contiguous() and _wire(src.dtype) == src.dtype:
+            if src.numel():
+                _coll.broadcast(src.view(-1), root=root)
+            return tensor
+        buf = torch.empty(src.shape, dtype=_wire(src.dtype))
+        buf.copy_(src)
+        if buf.numel():
+            _coll.broadcast(buf.view(-1), root=root)
+        if inplace:
+            src.copy_(buf)
+            return tensor
+        return buf if buf.dtype == src.dtype else buf.to(src.dtype)
+
+    return _issue(what, plan, job, async_)
+
+
+class _BroadcastFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, root_rank, name):
+        ctx.root_rank = root_rank
+        return _broadcast_call(tensor, root_rank, name, False, False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        reduced = _allreduce_call(grad, Average, None, None, 1.0, 1.0, False, False)
+        if _state().ctx.rank != ctx.root_rank:
+            reduced = torch.zeros_like(reduced)
+        return reduced, None, None
+
+
+def broadcast(tensor, root_rank, name=None):
+    """root_rank's tensor, on every rank (tensor itself is left as it is). Differentiable."""
+    if not isinstance(tensor, torch.Tensor):  # reported on every rank
+        return _broadcast_call(tensor, root_rank, name, False, False)
+    return _BroadcastFn.apply(tensor, root_rank, name)
+
+
+def broadcast_async(tensor, root_rank, name=None):
+    return _broadcast_call(tensor, root_rank, name, False, True)
+
+
+def broadcast_(tensor, root_rank, name=None):
+    """In-place broadcast: tensor receives root_rank's values; returns tensor."""
+    return _broadcast_call(tensor, root_rank, name, True, False)
+
+
+def broadcast_async_(tensor, root_rank, name=None):
+    return _broadcast_call(tensor, root_rank, name, True, True)
+
+
+def fusion_threshold():
+    """MLFABRIC_FUSION_THRESHOLD: the most bytes fused into one buffer (DistributedOptimizer's
+    gradient buckets, broadcast_parameters); default 64 MiB, like HOROVOD_FUSION_THRESHOLD;
+    0 turns fusion off. Every rank must use the same value."""
+    raw = os.environ.get("MLFABRIC_FUSION_THRESHOLD", "").strip()
+    if not raw:
+        return 64 << 20
+    try:
+        value = int(raw)
+    except ValueError:
+        raise MlfabricError(f"MLFABRIC_FUSION_THRESHOLD={raw!r} is not a number of bytes") from None
+    if value < 0:
+        raise MlfabricError(f"MLFABRIC_FUSION_THRESHOLD={raw!r} must be at least 0")
+    return value
+
+
+def fuse(tensors, threshold):
+    """Indices of tensors grouped into buffers: one dtype per buffer, at most threshold bytes
+    (a larger tensor gets a buffer of its own), in the order given. Deterministic: the same
+    tensors give the same buffers on every rank."""
+    buckets, current, filled = [], {}, {}
+    for i, t in enumerate(tensors):
+        nbytes = t.numel() * t.element_size()
+        members = current.get(t.dtype)
+        if members is None or (members and filled[t.dtype] + nbytes > threshold):
+            members = current[t.dtype] = []
+            filled[t.dtype] = 0
+            buckets.append(members)
+        members.append(i)
+        filled[t.dtype] += nbytes
+    return buckets
+
+
+def _grouped_broadcast_call(tensors, root_rank, name):
+    """In-place broadcast of a list of tensors, fused into buffers of MLFABRIC_FUSION_THRESHOLD
+    bytes (one call each)."""
+    what = _what("broadcast", name)
+
+    def plan(st):
+        n = st.ctx.size
+        if isinstance(root_rank, bool) or not isinstance(root_rank, (int, np.integer)) or \
+                not 0 <= root_rank < n:
+            raise ValueError(f"{what}: root_rank must be a rank in [0, {n}), got {root_rank!r}")
+        for i, t in enumerate(tensors):
+            _check_tensor(t, what, f"tensors[{i}]")
+        signature = tuple((str(t.dtype), tuple(t.shape)) for t in tensors)  # as grouped
+        planned = []
+        for b, members in enumerate(fuse(tensors, fusion_threshold())):
+            dtype = tensors[members[0]].dtype
+            total = sum(tensors[i].numel() for i in members)
+            planned.append((members, _desc(_BROADCAST, _DTYPE_CODE[dtype], root=int(root_rank),
+                                           shape=(total,), name=f"{name}.{b}",
+                                           layout=(b, signature))))
+        return planned
+
+    def job(st, planned):
+        for members, desc in planned:
+            _agree(st, desc, what)
+            srcs = [tensors[i].detach() for i in members]
+            flat = torch.cat([s.reshape(-1).to(_wire(s.dtype)) for s in srcs])
+            if flat.numel():
+                _coll.broadcast(flat, root=int(root_rank))
+            if st.ctx.rank != root_rank:
+                off = 0
+                for s in srcs:
+                    s.copy_(flat[off:off + s.numel()].view(s.shape))
+                    off += s.numel()
+        return tensors
+
+    return _issue(what, plan, job, False)
+
+
+# --- alltoall -------------------------------------------------------------------------------------
+
+def _row_shape(d):
+    """The row shape alltoall moves: the tensor's own when the descriptor holds every dimension
+    (so the result needs no reshaping), else flattened. The same on every rank."""
+    nd = int(d[_NDIM])
+    if nd <= _MAX_DIMS:
+        return tuple(int(v) for v in d[_DIMS + 1:_DIMS + nd])
+    return (int(d[_ROW_LEN]),)
+
+
+def _alltoall_call(tensor, splits, name, async_):
+    what = _what("alltoall", name)
+
+    def plan(st):
+        _check_name(name)
+        code = _check_tensor(tensor, what)
+        if tensor.dim() == 0:
+            raise ValueError(f"{what}: needs a tensor with at least one dimension")
+        sends = _coll._alltoall_splits(splits, tensor.shape[0], st.ctx.size)
+        return sends, _desc(_ALLTOALL, code, shape=tensor.shape, name=name)
+
+    def job(st, planned):
+        sends, desc = planned
+        _agree(st, desc, what)
+        src = tensor.detach()
+        x = src.reshape(src.shape[0], *_row_shape(desc)).to(_wire(src.dtype))
+        out, received = _coll.alltoall(x, sends)
+        if out.dim() != src.dim():
+            out = out.reshape(out.shape[0], *src.shape[1:]).clone()
+        out = out if out.dtype == src.dtype else out.to(src.dtype)
+        return out, torch.from_numpy(received.astype(np.int32))
+
+    return _issue(what, plan, job, async_)
+
+
+class _AlltoallFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, splits, name):
+        out, received = _alltoall_call(tensor, splits, name, False)
+        ctx.received = received
+        ctx.mark_non_differentiable(received)
+        return out, received
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        back, _ = _alltoall_call(grad, ctx.received, None, False)
+        return back, None, None
+
+
+def alltoall(tensor, splits=None, name=None):
+    """Send splits[j] rows of tensor (dimension 0, in order) to rank j and receive every rank's
+    rows for this one, concatenated in rank order. splits: None (shape[0] / size rows to each
+    rank) or size integers (a list or tensor). Returns the received tensor and, when splits was
+    given, also the rows received from each rank (int32 tensor), like Horovod. Differentiable."""
+    if not isinstance(tensor, torch.Tensor):  # reported on every rank
+        return _alltoall_call(tensor, splits, name, False)
+    out, received = _AlltoallFn.apply(tensor, splits, name)
+    return out if splits is None else (out, received)
+
+
+def alltoall_async(tensor, splits=None, name=None):
+    """Non-blocking alltoall: synchronize(handle) returns (output, received_splits)."""
+    return _alltoall_call(tensor, splits, name, True)
+
+
+# --- barrier and join -----------------------------------------------------------------------------
+
+def barrier():
+    """Return once every rank has called barrier() (joined ranks take part on their own)."""
+    def job(st, desc):
+        _agree(st, desc, "barrier")
+        _coll.barrier()
+
+    return _issue("barrier", lambda st: _desc(_BARRIER), job, False)
+
+
+def join(device=-1):
+    """Declare that this rank has no more data: until every rank has joined, it takes part in the
+    others' collectives (see the module docstring for what it contributes), then returns the rank
+    that joined last (of several joining in the same round, the highest). device is accepted
+    for Horovod compatibility; tensors stay on the CPU."""
+    def job(st, _):
+        return _joined_loop(st)
+
+    return _issue("join", lambda st: None, job, False)
+
+
+def _joined_loop(st):
+    desc = np.zeros(_W, np.int64)
+    desc[_STATE] = _JOINED
+    desc[_JOINED_AT] = st.rounds + 1
+    while True:
+        table = _control(st, desc)
+        states = table[:, _STATE]
+        if (states == _JOINED).all():
+            at = table[:, _JOINED_AT]
+            return int(np.flatnonzero(at == at.max()).max())
+        if _disagreement(table, "join") is not None:
+            continue  # the active ranks raise; nothing moves
+        _take_part(table)
+
+
+def _take_part(table):
+    """A joined rank's part in the call the active ranks described."""
+    d = table[np.flatnonzero(table[:, _STATE] == _ACTIVE)[0]]
+    kind, wire = int(d[_KIND]), _wire(_DTYPES[int(d[_DTYPE])])
+    numel = int(d[_ROWS]) * int(d[_ROW_LEN])
+    if kind == _ALLREDUCE:
+        core = _CORE_OPS[int(d[_OP])]
+        if numel:
+            buf = _identity(core, wire, numel)
+            _coll.allreduce(buf, op=core, out=buf)
+    elif kind == _ALLGATHER:
+        rows, max_rows, row_len = _gather_plan(table)
+        if max_rows and row_len:
+            _coll.allgather(torch.zeros((max_rows, row_len), dtype=wire))
+    elif kind == _BROADCAST:
+        if numel:
+            _coll.broadcast(torch.empty(numel, dtype=wire), root=int(d[_ROOT]))
+    elif kind == _ALLTOALL:
+        _coll.alltoall(torch.empty((0, *_row_shape(d)), dtype=wire),
+                       np.zeros(table.shape[0], np.int64))
+    else:
+        _coll.barrier()

@@ -1,0 +1,238 @@
+"""mlfabric's main job: data-parallel or parameter-server training of a small model, out of the box.
+
+    mpirun -n 4 python scripts/train.py                       # allreduce (Horovod-style), digits
+    mpirun -n 4 python scripts/train.py --mode ps-async --tau-max 4
+    mpirun -n 6 python scripts/train.py --mode ps-sync --stragglers C2 --network N1 --plot acc.png
+
+Modes: allreduce (mlfabric.torch.DistributedOptimizer: every rank trains), ps-async (mlfabric-A:
+scheduled, aggregated, bounded staleness tau_max), ps-sync (mlfabric-S), ssp (slack --slack),
+vanilla (a plain asynchronous parameter server). In the parameter-server modes rank 0 schedules,
+rank 1 serves (ranks 1..S with --servers S), then --replicas replica ranks, and the rest are
+workers: `-n 4` gives 2 workers. Data: scikit-learn's digits (8x8 images, 10 classes) split 80/20,
+or --dataset synthetic (seeded blobs, no dependency); each worker trains on its own shard.
+--stragglers C1..C3 stretch workers' steps as in the paper (on top of --compute-ms of emulated
+compute per step); --network N1..N3 paces the parameter-server data plane at emulated NIC rates
+(--base-rate bytes/s stands for the paper's 10 Gbps).
+Output: a progress bar on the reporting rank (rank 0, or the first worker in the PS modes), one
+JSON line per epoch (--metrics FILE), a final summary line, and --plot FILE.png (test accuracy vs
+time).
+"""
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+PS_MODES = {"ps-async": "async", "ps-sync": "sync", "ssp": "ssp", "vanilla": "vanilla"}
+MODES = ("allreduce",) + tuple(PS_MODES)
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=MODES, default="allreduce")
+    p.add_argument("--model", default="mlp", help="mlp, convnet or logreg")
+    p.add_argument("--dataset", choices=("digits", "synthetic"), default="digits")
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--batch-size", type=int, default=16, help="per worker")
+    p.add_argument("--lr", type=float, default=None,
+                   help="learning rate (default: 0.1 for allreduce and ps-sync, 0.06 / workers "
+                        "for the asynchronous modes, whose updates are applied one by one)")
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--tau-max", type=float, default=math.inf, help="ps-async: staleness bound")
+    p.add_argument("--div-max", type=float, default=math.inf, help="with --replicas")
+    p.add_argument("--slack", type=int, default=2, help="ssp: K")
+    p.add_argument("--batch-interval", type=float, default=0.005,
+                   help="parameter-server modes: the scheduler plans every this many seconds "
+                        "(the paper's 0.1 s suits its 100 ms steps; these steps take ~ms)")
+    p.add_argument("--servers", type=int, default=1)
+    p.add_argument("--replicas", type=int, default=0)
+    p.add_argument("--stragglers", default=None, help="C1, C2 or C3")
+    p.add_argument("--network", default=None,
+                   help="N0 (constant base rate), N1, N2 or N3: pace the parameter-server data "
+                        "plane (default: not paced)")
+    p.add_argument("--base-rate", type=float, default=50e6, help="bytes/s for 10 Gbps")
+    p.add_argument("--compute-ms", type=float, default=None,
+                   help="emulated compute per step (default 0, or 20 with --stragglers)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--metrics", default=None, help="write per-epoch JSON lines here")
+    p.add_argument("--plot", default=None, help="write test accuracy vs time here (PNG)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    if args.network and args.mode == "allreduce":
+        p.error("--network emulates NIC rates on the parameter-server data plane; the allreduce "
+                "mode runs on the shared-memory engine, which is not paced")
+    if args.replicas and args.mode == "allreduce":
+        p.error("--replicas is for the parameter-server modes")
+    if args.epochs < 1 or args.batch_size < 1:
+        p.error("--epochs and --batch-size must be >= 1")
+    if args.compute_ms is None:
+        args.compute_ms = 20.0 if args.stragglers else 0.0
+    return args
+
+
+def emulation(args):
+    from mlfabric.emulate import Emulation
+    # without --network the data plane is not paced: links as fast as this machine's
+    return Emulation(compute=args.stragglers or "C0", network=args.network or "N0",
+                     base_rate=args.base_rate if args.network else None, seed=args.seed)
+
+
+class Reporter:
+    """Per-epoch metrics on the reporting rank: JSON lines, the progress bar, the plot."""
+
+    def __init__(self, args, steps, active):
+        from mlfabric.progress import Progress
+        self.args, self.active, self.rows = args, active, []
+        self.bar = Progress(steps, "train %s" % args.mode, enabled=active and not args.quiet)
+        self.out = open(args.metrics, "w") if active and args.metrics else None
+        self.t0 = time.monotonic()
+
+    def step(self, loss):
+        self.bar.update(1, loss=float(loss))
+
+    def epoch(self, epoch, step, loss, acc):
+        row = dict(mode=self.args.mode, epoch=epoch, step=step, time=time.monotonic() - self.t0,
+                   loss=float(loss), test_accuracy=float(acc))
+        self.rows.append(row)
+        if self.out:
+            self.out.write(json.dumps(row) + "\n")
+            self.out.flush()
+
+    def final(self, **summary):
+        if not self.active:
+            return
+        line = dict(final=True, mode=self.args.mode, model=self.args.model, **summary)
+        if self.out:
+            self.out.write(json.dumps(line) + "\n")
+            self.out.close()
+        print("RESULT " + json.dumps(line), flush=True)
+        if self.args.plot:
+            plot(self.rows, self.args)
+
+
+def plot(rows, args):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r["time"] for r in rows], [r["test_accuracy"] for r in rows], marker="o")
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("test accuracy")
+    ax.set_title("%s, %s on %s" % (args.mode, args.model, args.dataset))
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(args.plot, dpi=120)
+    plt.close(fig)
+
+
+def load_data(args):
+    from mlfabric.workloads import data
+    if args.dataset == "digits":
+        return data.digits(seed=args.seed)
+    return data.synthetic_classification(2000, 64, 10, args.seed)
+
+
+def train_loop(args, model, opt, shard, test, worker, workers, report, compute):
+    """The same loop in every mode: epochs over this worker's shard, emulated compute per step."""
+    import torch
+    from mlfabric.workloads import data, models
+    X, y = shard
+    loss_fn = torch.nn.CrossEntropyLoss()
+    step, loss = 0, float("nan")
+    for epoch in range(args.epochs):
+        model.train()
+        for xb, yb in data.batches(X, y, args.batch_size, args.seed + worker, epoch):
+            opt.zero_grad()
+            out = loss_fn(model(torch.from_numpy(xb)), torch.from_numpy(yb).long())
+            out.backward()
+            if compute is not None:
+                time.sleep(compute.time(worker, step))
+            opt.step()
+            loss = out.item()
+            step += 1
+            report.step(loss)
+        model.eval()
+        with torch.no_grad():
+            acc = models.accuracy(model, *test)
+        report.epoch(epoch, step, loss, acc)
+    return step, loss, acc
+
+
+def steps_per_epoch(n, batch_size):
+    return (n + batch_size - 1) // batch_size
+
+
+def main(argv=None):
+    args = parse(argv)
+    import torch
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(1)  # ranks share the machine's cores
+    from mpi4py import MPI
+    from mlfabric.workloads import data, models
+    comm = MPI.COMM_WORLD
+    X, y, Xt, yt = load_data(args)
+    in_shape = X.shape[1:]
+    model = models.build(args.model, in_shape, 10, args.seed)   # the same on every rank
+    emu = emulation(args)
+    t0 = time.monotonic()
+
+    if args.mode == "allreduce":
+        import mlfabric.torch as hvd
+        hvd.init()
+        rank, size = hvd.rank(), hvd.size()
+        lr = args.lr if args.lr is not None else 0.1
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+        shard = data.shard(X, y, rank, size)
+        compute = emu.compute_trace(size, args.compute_ms / 1e3) if args.compute_ms else None
+        report = Reporter(args, args.epochs * steps_per_epoch(len(shard[0]), args.batch_size),
+                          rank == 0)
+        steps, loss, acc = train_loop(args, model, opt, shard, (Xt, yt), rank, size, report,
+                                      compute)
+        report.final(ranks=size, workers=size, steps=steps, loss=loss, test_accuracy=acc,
+                     wall_s=time.monotonic() - t0)
+        hvd.shutdown()
+        return 0
+
+    from mlfabric.torch.ps_optimizer import PSOptimizer, ps_init, serve_model
+    role = ps_init(PS_MODES[args.mode], servers=args.servers, replicas=args.replicas,
+                   emulation=emu, slack=args.slack, seed=args.seed,
+                   batch_interval=args.batch_interval)
+    from mlfabric.runtime.roles import Roles
+    roles = Roles(comm.size, args.servers, args.replicas)
+    workers = roles.worker_ranks
+    if role != "worker":
+        summary = serve_model(model)
+        if role == "server" and args.servers == 1:
+            with torch.no_grad():
+                acc = models.accuracy(model, Xt, yt)
+            print("server: final model test accuracy %.4f (pushed %d, applied %d, dropped %s)"
+                  % (acc, summary.pushed, summary.applied, dict(summary.dropped)), flush=True)
+        return 0
+    w = roles.worker_index(comm.rank)
+    sync = args.mode == "ps-sync"
+    # asynchronous updates land one by one, several steps stale: a smaller step per update
+    lr = args.lr if args.lr is not None else (0.1 if sync else 0.06 / len(workers))
+    opt = PSOptimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum),
+                      model.parameters(), tau_max=args.tau_max, div_max=args.div_max)
+    shard = data.shard(X, y, w, len(workers))
+    compute = emu.compute_trace(len(workers), args.compute_ms / 1e3) if args.compute_ms else None
+    report = Reporter(args, args.epochs * steps_per_epoch(len(shard[0]), args.batch_size), w == 0)
+    steps, loss, acc = train_loop(args, model, opt, shard, (Xt, yt), w, len(workers), report,
+                                  compute)
+    summary = opt.finish()
+    report.final(ranks=comm.size, workers=len(workers), steps=steps, loss=loss,
+                 test_accuracy=acc, wall_s=time.monotonic() - t0, pushed=summary.pushed,
+                 applied=summary.applied, dropped=dict(summary.dropped),
+                 balanced=summary.balanced, max_delay=summary.max_delay)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

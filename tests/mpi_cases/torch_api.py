@@ -1,0 +1,729 @@
+"""Multi-rank cases for mlfabric.torch (Horovod's PyTorch API): every tensor op against a float64
+reference computed locally (every rank can regenerate every rank's input), async and in-place
+forms, uneven allgather, alltoall with splits, autograd, join with uneven data, the object
+helpers, mismatch errors on every rank, and DistributedOptimizer against single-process training
+on the concatenated batch."""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import mlfabric.torch as hvd
+
+from .common import RTOL, bf16_round, same_everywhere, values
+
+FLOATS = ("float32", "float64", "float16", "bfloat16")
+NATIVE = FLOATS + ("int32", "int64")
+WIDENED = ("uint8", "int8", "int16", "bool")
+OPS = {hvd.Sum: "sum", hvd.Average: "avg", hvd.Min: "min", hvd.Max: "max", hvd.Product: "prod"}
+
+
+def setup():
+    torch.set_num_threads(1)  # the ranks share the machine's cores
+
+
+def tdtype(name):
+    return getattr(torch, name)
+
+
+def inputs(rank, count, dtype, op, salt=0):
+    """float64 values of rank's input, exact in dtype (and small enough for prod)."""
+    if dtype in NATIVE:
+        return values(rank, count, dtype, op, salt)
+    rng = np.random.default_rng(rank * 7919 + count * 31 + salt)
+    if dtype == "bool":
+        return rng.integers(0, 2, count).astype(np.float64)
+    lo, hi = {"uint8": (0, 256), "int8": (-128, 128), "int16": (-30000, 30000)}[dtype]
+    if op == "prod":
+        lo, hi = max(lo, -3), min(hi, 4)
+    return rng.integers(lo, hi, count).astype(np.float64)
+
+
+def as_tensor(v, dtype, shape=None):
+    t = torch.from_numpy(np.asarray(v, np.float64)).to(tdtype(dtype))
+    return t.reshape(shape) if shape is not None else t
+
+
+def reference(op, stack):
+    """float64 reduction over axis 0 (the ranks), as op `op` (core name) does it."""
+    n = stack.shape[0]
+    return {"sum": stack.sum(0), "avg": stack.sum(0) / n, "min": stack.min(0),
+            "max": stack.max(0), "prod": np.prod(stack, 0)}[op]
+
+
+def check(got, want, dtype, what, mag=None):
+    """got (tensor) equals want (float64) as far as dtype can hold it."""
+    want = np.asarray(want, np.float64)
+    assert tuple(got.shape) == want.shape, f"{what}: shape {tuple(got.shape)} != {want.shape}"
+    assert got.dtype == tdtype(dtype), f"{what}: dtype {got.dtype}"
+    g = got.to(torch.float64).numpy()
+    if dtype in FLOATS:
+        if dtype == "bfloat16":
+            want_r = bf16_round(want)
+        else:
+            want_r = want.astype(dtype).astype(np.float64)
+        tol = RTOL[dtype] * ((np.abs(want) if mag is None else mag) + 1.0)
+        bad = np.flatnonzero(np.abs(g - want_r) > tol)
+    else:
+        # Integer results wrap like the dtype; bool: any nonzero is True.
+        exact = torch.from_numpy(want.astype(np.int64)).to(tdtype(dtype)).to(torch.float64)
+        bad = np.flatnonzero(g != exact.numpy())
+        want_r = exact.numpy()
+    assert bad.size == 0, (f"{what}: {bad.size} of {g.size} wrong; first at {bad[0]}: got "
+                           f"{g.flat[bad[0]]}, want {want_r.flat[bad[0]]}")
+
+
+# --- before init ----------------------------------------------------------------------------------
+
+def case_calls_before_init_raise():
+    assert not hvd.is_initialized()
+    for call in (hvd.rank, hvd.size, lambda: hvd.allreduce(torch.ones(3)),
+                 lambda: hvd.broadcast_parameters({}, 0), lambda: hvd.join(),
+                 lambda: hvd.synchronize(0)):
+        with pytest.raises(hvd.NotInitializedError):
+            call()
+    hvd.init()
+    assert hvd.is_initialized()
+    assert 0 <= hvd.local_rank() < hvd.local_size() <= hvd.size()
+
+
+# --- allreduce ------------------------------------------------------------------------------------
+
+def case_allreduce_ops_dtypes_forms():
+    n, r = hvd.size(), hvd.rank()
+    for op, core in OPS.items():
+        for dtype in NATIVE + WIDENED:
+            if core == "avg" and dtype not in FLOATS:
+                continue
+            if core == "prod" and dtype == "bfloat16":
+                continue  # bfloat16 products of many ranks round at every step
+            for shape in ((), (1,), (7,), (3, 5), (1021,)):
+                count = int(np.prod(shape, dtype=np.int64))
+                stack = np.stack([inputs(q, count, dtype, core) for q in range(n)])
+                want = reference(core, stack).reshape(shape)
+                mag = np.abs(stack).sum(0).reshape(shape) / (n if core == "avg" else 1) \
+                    if core in ("sum", "avg") else None
+                what = f"allreduce {core} {dtype} {shape}"
+                x = as_tensor(stack[r], dtype, shape)
+                keep = x.clone()
+                check(hvd.allreduce(x, op=op), want, dtype, what, mag)
+                assert torch.equal(x, keep), f"{what}: input modified"
+                h = hvd.allreduce_async(x, op=op)
+                check(hvd.synchronize(h), want, dtype, what + " async", mag)
+                y = x.clone()
+                assert hvd.allreduce_(y, op=op) is y
+                check(y, want, dtype, what + " in place", mag)
+                y = x.clone()
+                h = hvd.allreduce_async_(y, op=op)
+                assert hvd.synchronize(h) is y
+                check(y, want, dtype, what + " async in place", mag)
+                same_everywhere(y, what)
+
+
+def case_allreduce_defaults_scaling_noncontiguous():
+    n, r = hvd.size(), hvd.rank()
+    stack = np.stack([values(q, 60, "float64", "sum") for q in range(n)])
+    x = torch.from_numpy(stack[r].copy())
+    check(hvd.allreduce(x), stack.mean(0), "float64", "default op is Average")
+    check(hvd.allreduce(x, average=False), stack.sum(0), "float64", "average=False is Sum")
+    check(hvd.allreduce(x, average=True), stack.mean(0), "float64", "average=True")
+    got = hvd.allreduce(x, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.25)
+    check(got, stack.sum(0) * 0.5, "float64", "pre/post scale")
+    got = hvd.allreduce(x, op=hvd.Average, postscale_factor=3.0)
+    check(got, stack.mean(0) * 3.0, "float64", "average with postscale")
+    # A transposed (non-contiguous) tensor, in place.
+    base = x.reshape(6, 10).clone()
+    view = base.t()
+    hvd.allreduce_(view, op=hvd.Sum)
+    check(base, stack.sum(0).reshape(6, 10), "float64", "non-contiguous in place")
+    # String ops are accepted too; bad ones are refused on every rank alike.
+    check(hvd.allreduce(x, op="sum"), stack.sum(0), "float64", "op='sum'")
+    with pytest.raises(ValueError, match="not both"):
+        hvd.allreduce(x, op=hvd.Sum, average=True)
+    with pytest.raises(ValueError, match="Adasum"):
+        hvd.allreduce(x, op="adasum")
+    with pytest.raises(TypeError, match="Average needs a floating"):
+        hvd.allreduce(torch.ones(3, dtype=torch.int32))
+    with pytest.raises(TypeError, match="unsupported dtype"):
+        hvd.allreduce(torch.ones(3, dtype=torch.complex64))
+    with pytest.raises(AttributeError, match="Adasum"):
+        hvd.Adasum  # noqa: B018
+    assert hvd.allreduce(torch.ones(3), op=hvd.Sum).tolist() == [n] * 3
+
+
+def case_grouped_allreduce():
+    n, r = hvd.size(), hvd.rank()
+    shapes = [((3, 4), "float32"), ((5,), "float64"), ((2, 2), "float32"), ((7,), "int32"),
+              ((), "float64")]
+    stacks = [np.stack([inputs(q, int(np.prod(s, dtype=np.int64)), d, "sum", salt=i)
+                        for q in range(n)]) for i, (s, d) in enumerate(shapes)]
+    xs = [as_tensor(st[r], d, s) for st, (s, d) in zip(stacks, shapes)]
+    wants = [reference("sum", st).reshape(s) for st, (s, _) in zip(stacks, shapes)]
+    for got, want, (s, d) in zip(hvd.grouped_allreduce(xs, op=hvd.Sum), wants, shapes):
+        check(got, want, d, f"grouped {d} {s}")
+    h = hvd.grouped_allreduce_async(xs, op=hvd.Sum)
+    for got, want, (s, d) in zip(hvd.synchronize(h), wants, shapes):
+        check(got, want, d, f"grouped async {d} {s}")
+    ys = [x.clone() for x in xs]
+    assert all(a is b for a, b in zip(hvd.grouped_allreduce_(ys, op=hvd.Sum), ys))
+    for got, want, (s, d) in zip(ys, wants, shapes):
+        check(got, want, d, f"grouped in place {d} {s}")
+    floats = [x for x, (_, d) in zip(xs, shapes) if d != "int32"]
+    for got, st, x in zip(hvd.grouped_allreduce(floats), [s for s, (_, d) in zip(stacks, shapes)
+                                                          if d != "int32"], floats):
+        check(got, st.mean(0).reshape(x.shape), str(x.dtype).replace("torch.", ""),
+              "grouped average")
+
+
+# --- allgather, broadcast, alltoall ---------------------------------------------------------------
+
+def case_allgather_uneven_first_dims():
+    n, r = hvd.size(), hvd.rank()
+    for dtype in ("float32", "float64", "bfloat16", "int64", "uint8", "bool"):
+        rows = [(q * 2) % 3 for q in range(n)]  # rank 0 sends no rows
+        blocks = [inputs(q, rows[q] * 6, dtype, "sum").reshape(rows[q], 2, 3) for q in range(n)]
+        want = np.concatenate(blocks)
+        mine = as_tensor(blocks[r], dtype)
+        check(hvd.allgather(mine), want, dtype, f"allgather {dtype}")
+        check(hvd.synchronize(hvd.allgather_async(mine)), want, dtype, f"allgather async {dtype}")
+    # Equal first dims (the unpadded path), a 0-d tensor, and all-empty.
+    got = hvd.allgather(torch.full((2, 3), float(r)))
+    check(got, np.repeat(np.arange(n, dtype=np.float64), 6).reshape(2 * n, 3), "float32", "equal")
+    check(hvd.allgather(torch.tensor(r)), np.arange(n), "int64", "0-d")
+    assert hvd.allgather(torch.zeros((0, 4))).shape == (0, 4)
+
+
+def case_broadcast_every_root():
+    n, r = hvd.size(), hvd.rank()
+    for root in range(n):
+        for dtype in ("float32", "bfloat16", "int16", "bool", "int64"):
+            data = [inputs(q, 12, dtype, "sum", salt=root) for q in range(n)]
+            x = as_tensor(data[r], dtype, (3, 4))
+            keep = x.clone()
+            check(hvd.broadcast(x, root), data[root].reshape(3, 4), dtype, f"bcast {root}")
+            assert torch.equal(x, keep)
+            check(hvd.synchronize(hvd.broadcast_async(x, root)), data[root].reshape(3, 4),
+                  dtype, "bcast async")
+            y = x.clone()
+            assert hvd.broadcast_(y, root) is y
+            check(y, data[root].reshape(3, 4), dtype, "bcast in place")
+            y = x.clone()
+            assert hvd.synchronize(hvd.broadcast_async_(y, root)) is y
+            check(y, data[root].reshape(3, 4), dtype, "bcast async in place")
+        base = torch.full((4, 3), float(r))
+        hvd.broadcast_(base.t(), root)  # non-contiguous, in place
+        assert (base == root).all()
+
+
+def case_alltoall_with_splits():
+    n, r = hvd.size(), hvd.rank()
+    for dtype in ("float32", "float64", "int32", "uint8"):
+        splits = [[(q + 2 * j) % 3 for j in range(n)] for q in range(n)]
+        data = [inputs(q, sum(splits[q]) * 2, dtype, "sum").reshape(-1, 2) for q in range(n)]
+
+        def block(q, j):
+            start = sum(splits[q][:j])
+            return data[q][start:start + splits[q][j]]
+
+        want = np.concatenate([block(q, r) for q in range(n)])
+        x = as_tensor(data[r], dtype)
+        out, received = hvd.alltoall(x, splits=splits[r])
+        check(out, want, dtype, f"alltoall {dtype}")
+        assert received.tolist() == [splits[q][r] for q in range(n)]
+        out, received = hvd.synchronize(hvd.alltoall_async(x, splits=torch.tensor(splits[r])))
+        check(out, want, dtype, f"alltoall async {dtype}")
+    # Without splits: shape[0] / size rows each; the result alone comes back.
+    x = torch.arange(2 * n * 3, dtype=torch.float64).reshape(2 * n, 3) + 100 * r
+    got = hvd.alltoall(x)
+    want = np.concatenate([(np.arange(2 * n * 3).reshape(2 * n, 3) + 100 * q)[2 * r:2 * r + 2]
+                           for q in range(n)])
+    check(got, want, "float64", "alltoall equal splits")
+    if n > 1:
+        with pytest.raises(ValueError, match="divisible"):
+            hvd.alltoall(torch.ones(n + 1, 2))
+    with pytest.raises(ValueError, match="add up to"):
+        hvd.alltoall(torch.ones(n, 2), [2] * n)
+
+
+# --- autograd -------------------------------------------------------------------------------------
+
+def case_autograd_like_horovod():
+    n, r = hvd.size(), hvd.rank()
+    w = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64, requires_grad=True)
+    # allreduce: the gradient is the allreduce of the gradients (same op).
+    (hvd.allreduce(w * (r + 1), op=hvd.Sum) * (r + 1)).sum().backward()
+    tri = n * (n + 1) / 2
+    check(w.grad, np.full(3, tri * (r + 1)), "float64", "allreduce Sum grad")
+    w.grad = None
+    (hvd.allreduce(w * (r + 1)) * (r + 1)).sum().backward()  # Average
+    check(w.grad, np.full(3, tri / n * (r + 1)), "float64", "allreduce Average grad")
+    # allgather: this rank's rows of the averaged gradient.
+    w.grad = None
+    rows = r % 2 + 1
+    x = w[:rows] * 1.0
+    g = hvd.allgather(x)
+    scale = torch.arange(1, g.shape[0] + 1, dtype=torch.float64) * (r + 1)
+    (g * scale).sum().backward()
+    offset = sum(q % 2 + 1 for q in range(r))
+    want = np.zeros(3)
+    want[:rows] = np.arange(offset + 1, offset + rows + 1) * tri / n
+    check(w.grad, want, "float64", "allgather grad")
+    # broadcast: the averaged gradient on the root, zeros elsewhere.
+    w.grad = None
+    (hvd.broadcast(w, 0) * (r + 1)).sum().backward()
+    check(w.grad, np.full(3, tri / n if r == 0 else 0.0), "float64", "broadcast grad")
+    # alltoall: the gradient goes back where the rows came from.
+    v = torch.arange(n, dtype=torch.float64, requires_grad=True)
+    out, _ = hvd.alltoall(v * 1.0, splits=[1] * n)
+    (out * (r + 1)).sum().backward()
+    check(v.grad, np.arange(1, n + 1, dtype=np.float64), "float64", "alltoall grad")
+    # grouped_allreduce, and a clear error for ops without a gradient.
+    a, b = (torch.ones(2, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    ga, gb = hvd.grouped_allreduce([a, b * 2], op=hvd.Sum)
+    (ga * (r + 1) + gb).sum().backward()
+    check(a.grad, np.full(2, tri), "float64", "grouped grad a")
+    check(b.grad, np.full(2, 2.0 * n), "float64", "grouped grad b")
+    m = hvd.allreduce(w * 1.0, op=hvd.Max)
+    with pytest.raises(hvd.MlfabricError, match="not defined"):
+        m.sum().backward()
+    out = hvd.allreduce(w * 1.0)
+    out /= 2  # a result may be modified in place
+
+
+# --- join -----------------------------------------------------------------------------------------
+
+def case_join_uneven_batches():
+    n, r = hvd.size(), hvd.rank()
+    last = n - 1  # rank r has r + 1 batches: the last rank joins last
+    for s in range(r + 1):
+        active = list(range(s, n))
+        xs = {q: values(q, 9, "float64", "sum", salt=s) for q in range(n)}
+        got = hvd.allreduce(torch.from_numpy(xs[r]), name="avg")
+        # Joined ranks contribute zeros; Average divides by size(), as in Horovod.
+        check(got, sum(xs[q] for q in active) / n, "float64", f"join avg step {s}")
+        got = hvd.allreduce(torch.from_numpy(xs[r]), op=hvd.Max)
+        check(got, np.max([xs[q] for q in active], 0), "float64", f"join max step {s}")
+        got = hvd.allreduce(torch.from_numpy(xs[r]), op=hvd.Min)
+        check(got, np.min([xs[q] for q in active], 0), "float64", f"join min step {s}")
+        got = hvd.allgather(torch.full((q_rows := r % 2 + 1, 2), float(r)))
+        want = np.concatenate([np.full((q % 2 + 1, 2), float(q)) for q in active])
+        check(got, want, "float32", f"join allgather step {s}")
+        check(hvd.broadcast(torch.tensor([float(r)] * 3), last), np.full(3, last), "float32",
+              f"join broadcast step {s}")
+        out, rec = hvd.alltoall(torch.arange(n, dtype=torch.int64) + 10 * r, splits=[1] * n)
+        assert out.tolist() == [r + 10 * q for q in active], out
+        assert q_rows
+    assert hvd.join() == last
+    # Everyone joins at once: the highest rank is reported; then all works as before.
+    assert hvd.join() == n - 1
+    assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [n, n]
+
+
+def case_join_root_joined_is_an_error_everywhere():
+    n, r = hvd.size(), hvd.rank()
+    if n == 1:
+        return
+    if r == 0:
+        assert hvd.join() == n - 1
+    else:
+        with pytest.raises(hvd.MlfabricError, match="root rank 0 has joined"):
+            hvd.broadcast(torch.ones(2), 0)
+        hvd.allreduce(torch.ones(2))
+        assert hvd.join() == n - 1
+
+
+# --- objects, parameters, optimizer state ---------------------------------------------------------
+
+def case_broadcast_and_allgather_objects():
+    n, r = hvd.size(), hvd.rank()
+    obj = {"rank": r, "payload": list(range(r * 100)), "f": lambda v: v + r}
+    got = hvd.broadcast_object(obj, root_rank=n - 1)
+    assert got["rank"] == n - 1 and len(got["payload"]) == (n - 1) * 100 and got["f"](1) == n
+    assert hvd.broadcast_object(None if r else "x", 0) == "x"
+    every = hvd.allgather_object(("r", r, "y" * r))
+    assert every == [("r", q, "y" * q) for q in range(n)]
+
+
+class Net(torch.nn.Module):
+    def __init__(self, seed, width=7, extra=False):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.fc1 = torch.nn.Linear(5, width)
+        self.fc2 = torch.nn.Linear(width, 3)
+        self.unused = torch.nn.Parameter(torch.randn(4))  # never gets a gradient
+        self.bn = torch.nn.BatchNorm1d(3)  # buffers, with an int64 counter
+        if extra:
+            self.fc3 = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.bn(self.fc2(torch.tanh(self.fc1(x))))
+
+
+def _state_digest(sd):
+    return [(k, v.to(torch.float64).sum().item(), tuple(v.shape)) for k, v in sd.items()]
+
+
+def case_broadcast_parameters_and_optimizer_state():
+    n, r = hvd.size(), hvd.rank()
+    model = Net(seed=100 + r).double()
+    root_sd = Net(seed=100).double().state_dict()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, root_sd[k]), k
+    # named_parameters() (a generator of pairs) and another root.
+    model = Net(seed=200 + r).double()
+    hvd.broadcast_parameters(model.named_parameters(), root_rank=n - 1)
+    root = dict(Net(seed=200 + n - 1).double().named_parameters())
+    for k, v in model.named_parameters():
+        assert torch.equal(v, root[k]), k
+    # Optimizer state: the root has taken a step (Adam moments) and another lr.
+    opt = torch.optim.Adam(model.parameters(), lr=0.01 * (r + 1))
+    if r == 0:
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    assert opt.param_groups[0]["lr"] == 0.01
+    digests = hvd.allgather_object(_state_digest({f"{i}.{k}": v for i, s in
+                                                  opt.state_dict()["state"].items()
+                                                  for k, v in s.items()}))
+    assert all(d == digests[0] for d in digests) and digests[0]
+    # An optimizer with empty state everywhere stays empty.
+    fresh = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    hvd.broadcast_optimizer_state(fresh, root_rank=n - 1)
+    assert not fresh.state_dict()["state"]
+
+
+# --- mismatches -----------------------------------------------------------------------------------
+
+def _expect_mismatch(fn, *needles):
+    with pytest.raises(hvd.MismatchError) as info:
+        fn()
+    for needle in needles:
+        assert needle in str(info.value), f"{needle!r} not in {info.value}"
+
+
+def _still_works():
+    n = hvd.size()
+    assert hvd.allreduce(torch.ones(5), op=hvd.Sum).tolist() == [n] * 5
+
+
+def case_mismatches_fail_on_every_rank():
+    n, r = hvd.size(), hvd.rank()
+    if n == 1:
+        return
+    odd = n - 1
+    _expect_mismatch(lambda: hvd.allreduce(torch.ones(3 + (r == odd))), "shape",
+                     f"(4,) on rank(s) [{odd}]")
+    _expect_mismatch(lambda: hvd.allreduce(torch.ones(3, dtype=torch.float64 if r == odd
+                                                      else torch.float32)), "dtype", "float64")
+    _expect_mismatch(lambda: hvd.allreduce(torch.ones(3), op=hvd.Max if r == odd else hvd.Sum),
+                     "op", "max")
+    _expect_mismatch(lambda: hvd.allgather(torch.ones(2, 3 + (r == odd))), "shape of a row")
+    _expect_mismatch(lambda: hvd.broadcast(torch.ones(3), r), "root")
+    _expect_mismatch(lambda: hvd.allreduce(torch.ones(3), name=f"t{r == odd}"),
+                     "tensor names differ", f"| [{odd}]")
+    if r == odd:
+        _expect_mismatch(lambda: hvd.allgather(torch.ones(3)), "call", "allgather", "allreduce")
+    else:
+        _expect_mismatch(lambda: hvd.allreduce(torch.ones(3)), "call", "allgather", "allreduce")
+    _still_works()
+    # A rank with bad arguments: its own error there, a MismatchError naming it elsewhere.
+    if r == odd:
+        with pytest.raises(ValueError, match="splits"):
+            hvd.alltoall(torch.ones(n, 2), splits=[n + 1] + [0] * (n - 1))
+        with pytest.raises(ValueError, match="root_rank"):
+            hvd.broadcast_(torch.ones(2), n + 3)
+        with pytest.raises(TypeError, match="torch.Tensor"):
+            hvd.allreduce([1.0, 2.0])
+        with pytest.raises(TypeError, match="compression"):
+            hvd.allreduce(torch.ones(2), compression="zip")
+    else:
+        for _ in range(4):
+            _expect_mismatch(lambda: hvd.alltoall(torch.ones(n, 2)), f"rank(s) [{odd}] rejected")
+    _still_works()
+    # Different models: broadcast_parameters names the parameter, on every rank.
+    model = Net(seed=1, width=7 + (r == odd)).double()
+    _expect_mismatch(lambda: hvd.broadcast_parameters(model.state_dict(), 0),
+                     "broadcast_parameters", f"rank {odd}", "'fc1.bias'", "[8]", "[7]")
+    model = Net(seed=1, extra=(r == odd))
+    _expect_mismatch(lambda: hvd.broadcast_parameters(model.named_parameters(), 0),
+                     "'fc3.", "is not on the root")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _expect_mismatch(lambda: hvd.broadcast_optimizer_state(opt, 0), "parameter group 0")
+    with pytest.raises(ValueError, match="root_rank must be the same"):
+        hvd.broadcast_parameters(model.state_dict(), r)
+    # Lists that differ: the first fused group already fails, on every rank.
+    xs = [torch.ones(2), torch.ones(3, dtype=torch.float64)] + [torch.ones(1)] * (r == odd)
+    _expect_mismatch(lambda: hvd.grouped_allreduce(xs), "grouped_allreduce", "shape")
+    _still_works()
+    # DistributedOptimizer over different models: the first gradient bucket fails everywhere.
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    model(torch.ones(2, 5)).sum().backward()
+    _expect_mismatch(opt.step, "allreduce 'gradients[0]: ")
+    _still_works()
+
+
+# --- DistributedOptimizer -------------------------------------------------------------------------
+
+B = 4  # samples per rank per micro-batch
+
+
+def _data(n, steps, micro):
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(steps, micro, n * B, 5, dtype=torch.float64, generator=g)
+    y = torch.randn(steps, micro, n * B, 3, dtype=torch.float64, generator=g)
+    return x, y
+
+
+def _loss(model, x, y):
+    return ((model(x) - y) ** 2).mean()
+
+
+def _train_distributed(make_opt, op, passes, steps, clip=None, **kw):
+    n, r = hvd.size(), hvd.rank()
+    model = Net(seed=5).double()
+    model.bn = torch.nn.Identity()
+    opt = hvd.DistributedOptimizer(make_opt(model), named_parameters=model.named_parameters(),
+                                   op=op, backward_passes_per_step=passes, **kw)
+    x, y = _data(n, steps, passes)
+    mine = slice(r * B, (r + 1) * B)
+    for s in range(steps):
+        opt.zero_grad()
+        for m in range(passes):
+            _loss(model, x[s, m, mine], y[s, m, mine]).backward()
+        if clip is None:
+            opt.step()
+        else:
+            opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            with opt.skip_synchronize():
+                opt.step()
+    return model
+
+
+def _train_reference(make_opt, op, passes, steps, clip=None):
+    """One process, the concatenated batch: the loss whose gradient the ranks compute."""
+    n = hvd.size()
+    model = Net(seed=5).double()
+    model.bn = torch.nn.Identity()
+    opt = make_opt(model)
+    x, y = _data(n, steps, passes)
+    for s in range(steps):
+        opt.zero_grad()
+        total = 0
+        for m in range(passes):
+            for q in range(n):  # each rank's mean loss; Average divides their sum by n
+                part = slice(q * B, (q + 1) * B)
+                total = total + _loss(model, x[s, m, part], y[s, m, part])
+        (total / n if op == hvd.Average else total).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    return model
+
+
+def _max_diff(a, b):
+    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+
+
+def case_distributed_optimizer_matches_single_process():
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)  # noqa: E731
+    adam = lambda m: torch.optim.Adam(m.parameters(), lr=0.05)  # noqa: E731
+    configs = [
+        dict(make_opt=sgd, op=hvd.Average, passes=1),
+        dict(make_opt=sgd, op=hvd.Average, passes=2),
+        dict(make_opt=sgd, op=hvd.Sum, passes=1),
+        dict(make_opt=sgd, op=hvd.Sum, passes=2),
+        dict(make_opt=adam, op=hvd.Average, passes=1, gradient_predivide_factor=2.0),
+        dict(make_opt=sgd, op=hvd.Average, passes=1, clip=0.05),
+        dict(make_opt=sgd, op=hvd.Average, passes=1, threshold="64"),  # a bucket per tensor
+        dict(make_opt=sgd, op=hvd.Average, passes=1, threshold="0"),
+    ]
+    for cfg in configs:
+        threshold = cfg.pop("threshold", None)
+        if threshold is not None:
+            os.environ["MLFABRIC_FUSION_THRESHOLD"] = threshold
+        try:
+            got = _train_distributed(steps=3, **cfg)
+        finally:
+            os.environ.pop("MLFABRIC_FUSION_THRESHOLD", None)
+        cfg.pop("gradient_predivide_factor", None)
+        want = _train_reference(steps=3, **cfg)
+        diff = _max_diff(got, want)
+        assert diff < 1e-10, f"{cfg} threshold={threshold}: weights differ by {diff}"
+        same_everywhere(torch.cat([p.detach().reshape(-1) for p in got.parameters()]), str(cfg))
+
+
+def case_distributed_optimizer_hooks_in_any_order():
+    """Ranks whose gradients become ready in different orders still issue the buckets in the
+    same order (one bucket per tensor here, so any reordering would pair wrong tensors)."""
+    n, r = hvd.size(), hvd.rank()
+    torch.manual_seed(11)
+    model = torch.nn.ModuleList([torch.nn.Linear(4, 4).double() for _ in range(4)])
+    ref = torch.nn.ModuleList([torch.nn.Linear(4, 4).double() for _ in range(4)])
+    ref.load_state_dict(model.state_dict())
+    os.environ["MLFABRIC_FUSION_THRESHOLD"] = "0"
+    try:
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    finally:
+        os.environ.pop("MLFABRIC_FUSION_THRESHOLD")
+    x = torch.randn(n, 3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    order = list(range(4)) if r % 2 else [2, 0, 3, 1]
+    loss = 0
+    for i in order:  # the branches' gradients are accumulated in a rank-dependent order
+        loss = loss + (model[i](x[r]) ** 2).sum() * (i + 1)
+    loss.backward()
+    opt.step()
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    total = sum((ref[i](x[q]) ** 2).sum() * (i + 1) for q in range(n) for i in range(4))
+    (total / n).backward()
+    ropt.step()
+    assert _max_diff(model, ref) < 1e-10
+
+
+def case_distributed_optimizer_guards():
+    model = Net(seed=3).double()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    assert isinstance(opt, torch.optim.SGD)
+    x = torch.randn(6, 5, dtype=torch.float64)
+    model(x).sum().backward()
+    with pytest.raises(hvd.MlfabricError, match="zero_grad"):
+        opt.zero_grad()
+    with pytest.raises(hvd.MlfabricError, match="backward_passes_per_step"):
+        model(x).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    opt.synchronize()  # nothing new since step(): reduces the (absent) gradients as zeros
+    opt.synchronize()  # and a second call does nothing
+    opt.step()
+    with pytest.raises(ValueError, match="unique"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 named_parameters=[("a", p) for p in model.parameters()])
+    with pytest.raises(ValueError, match="not in it"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 named_parameters=list(model.named_parameters())[:1])
+    with pytest.raises(ValueError, match="Adasum"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op="adasum")
+    with pytest.raises(ValueError, match="backward_passes_per_step"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 backward_passes_per_step=0)
+    with pytest.raises(TypeError):
+        hvd.DistributedOptimizer(model)
+    _still_works()
+
+
+def case_join_with_distributed_optimizer():
+    """Rank r trains r + 1 steps, then joins; the joined ranks add zeros to the average, so at
+    step s the gradient is sum over ranks q >= s of their gradients, divided by size()."""
+    n, r = hvd.size(), hvd.rank()
+    make = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)  # noqa: E731
+    model = Net(seed=9).double()
+    model.bn = torch.nn.Identity()
+    opt = hvd.DistributedOptimizer(make(model), named_parameters=model.named_parameters())
+    x, y = _data(n, n, 1)
+    for s in range(r + 1):
+        opt.zero_grad()
+        part = slice(r * B, (r + 1) * B)
+        _loss(model, x[s, 0, part], y[s, 0, part]).backward()
+        opt.step()
+    last = hvd.join()
+    assert last == n - 1
+    hvd.broadcast_parameters(model.state_dict(), root_rank=last)
+    ref = Net(seed=9).double()
+    ref.bn = torch.nn.Identity()
+    ropt = make(ref)
+    for s in range(n):
+        ropt.zero_grad()
+        total = sum(_loss(ref, x[s, 0, slice(q * B, (q + 1) * B)],
+                          y[s, 0, slice(q * B, (q + 1) * B)]) for q in range(s, n))
+        (total / n).backward()
+        for p in ref.parameters():  # Horovod: a parameter without a gradient reduces zeros
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        ropt.step()
+    assert _max_diff(model, ref) < 1e-10
+
+
+# --- fp16 compression -----------------------------------------------------------------------------
+
+def case_fp16_compression_within_documented_tolerance():
+    n, r = hvd.size(), hvd.rank()
+    stack = np.stack([values(q, 4099, "float32", "sum") for q in range(n)])
+    x = torch.from_numpy(stack[r].astype(np.float32))
+    bound = (n + 2) * 2.0 ** -11 * np.abs(stack).sum(0) + 2.0 ** -24
+    for op, want, div in ((hvd.Sum, stack.sum(0), 1), (hvd.Average, stack.mean(0), n)):
+        got = hvd.allreduce(x, op=op, compression=hvd.Compression.fp16)
+        assert got.dtype == torch.float32
+        err = np.abs(got.double().numpy() - want)
+        assert (err <= bound / div).all(), f"fp16 {op}: worst {err.max()} vs {bound.max() / div}"
+        assert err.max() > 0  # really went through float16
+    # DistributedOptimizer with fp16 gradients: the reduced gradient is within the same bound.
+    model = Net(seed=4)
+    model.bn = torch.nn.Identity()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   compression=hvd.Compression.fp16)
+    xb, yb = (t.float() for t in _data(n, 1, 1))
+    local = []
+    for q in range(n):  # every rank's local gradient, recomputed here in float64
+        ref = Net(seed=4).double()
+        ref.bn = torch.nn.Identity()
+        _loss(ref, xb[0, 0, q * B:(q + 1) * B].double(),
+              yb[0, 0, q * B:(q + 1) * B].double()).backward()
+        local.append([p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+                      for p in ref.parameters()])
+    _loss(model, xb[0, 0, r * B:(r + 1) * B], yb[0, 0, r * B:(r + 1) * B]).backward()
+    opt.synchronize()
+    for i, p in enumerate(model.parameters()):
+        grads = torch.stack([g[i] for g in local])
+        tol = (n + 2) * 2.0 ** -11 * grads.abs().sum(0) / n + 2e-6 * grads.abs().max() + 1e-7
+        assert ((p.grad.double() - grads.mean(0)).abs() <= tol).all(), f"parameter {i}"
+    with opt.skip_synchronize():
+        opt.step()
+
+
+def case_shutdown_and_init_again():
+    hvd.shutdown()
+    assert not hvd.is_initialized()
+    with pytest.raises(hvd.NotInitializedError):
+        hvd.allreduce(torch.ones(2))
+    hvd.init()
+    _still_works()
+
+
+def case_compression_objects():
+    from mlfabric.torch.compression import Compression
+    x = torch.linspace(-3, 3, 11, dtype=torch.float64)
+    c, ctx = Compression.fp16.compress(x)
+    assert c.dtype == torch.float16 and ctx == torch.float64
+    back = Compression.fp16.decompress(c, ctx)
+    assert back.dtype == torch.float64 and (back - x).abs().max() <= 2.0 ** -11 * 3
+    i = torch.arange(5)
+    assert Compression.fp16.compress(i)[0] is i
+    assert Compression.none.compress(x)[0] is x and Compression.none.decompress(x, None) is x
+
+
+def case_core_alltoall_numpy():
+    """mlfabric.alltoall itself (the collective mlfabric.torch's alltoall runs on), on numpy."""
+    import mlfabric as mf
+    n, r = mf.size(), mf.rank()
+    splits = [(r + j) % 2 + 1 for j in range(n)]
+    x = np.arange(sum(splits) * 3, dtype=np.float32).reshape(-1, 3) + 1000 * r
+    out, received = mf.alltoall(x, splits)
+    want = []
+    for q in range(n):
+        sq = [(q + j) % 2 + 1 for j in range(n)]
+        xq = np.arange(sum(sq) * 3, dtype=np.float32).reshape(-1, 3) + 1000 * q
+        want.append(xq[sum(sq[:r]):sum(sq[:r + 1])])
+    assert received.tolist() == [(q + r) % 2 + 1 for q in range(n)]
+    np.testing.assert_array_equal(out, np.concatenate(want))
+    out, received = mf.alltoall_async(np.full((n, 2), r, np.int64)).wait()
+    np.testing.assert_array_equal(out, np.repeat(np.arange(n), 2).reshape(n, 2))
+    if n > 1:
+        with pytest.raises(mf.MismatchError, match="one row"):
+            mf.alltoall(np.ones((n, 2 + (r == n - 1))))
+    with pytest.raises(ValueError, match="at least one dimension"):
+        mf.alltoall(np.array(1.0))

@@ -1,0 +1,417 @@
+"""Multi-rank cases for the torch.distributed backend "mlfabric" (mlfabric/torch/backend.py): every
+collective through the torch.distributed API against a float64 numpy reference, futures, bad
+input as an error on every rank, and DDP over mlfabric against DDP over gloo in the same job.
+
+The world group is init_process_group("mlfabric") with none of torch's env:// variables set; the
+gloo group the DDP comparison needs is a new_group beside it (it uses the TCPStore the mlfabric
+rendezvous serves)."""
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+from torch._C._distributed_c10d import AllgatherOptions, ReduceScatterOptions
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import mlfabric as mf
+from mlfabric.torch import backend
+
+from .common import assert_close, magnitude, reference, same_everywhere, values
+
+R = dist.ReduceOp
+TORCH_OPS = {"sum": R.SUM, "avg": R.AVG, "prod": R.PRODUCT, "min": R.MIN, "max": R.MAX}
+TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "int32": torch.int32,
+                "int64": torch.int64, "bfloat16": torch.bfloat16}
+_groups = {}
+
+
+def setup():
+    for var in backend._ENV_VARS:  # the point: nothing set, MPI supplies ranks and store
+        os.environ.pop(var, None)
+    dist.init_process_group("mlfabric")
+    _groups["gloo"] = dist.new_group(backend="gloo")
+
+
+def teardown():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _n_r():
+    return dist.get_world_size(), dist.get_rank()
+
+
+def _input(rank, count, dtype, op, salt=0):
+    """Rank's input as a torch tensor of dtype, and its exact float64 values."""
+    v = values(rank, count, dtype, op, salt)
+    return torch.from_numpy(v).to(TORCH_DTYPES[dtype]), v
+
+
+def _expect_everywhere(exc_types, fn, *needles):
+    """fn raises on this rank (one of exc_types, message naming needles); returns the message."""
+    with pytest.raises(exc_types) as info:
+        fn()
+    msg = str(info.value)
+    for needle in needles:
+        assert needle in msg, f"{needle!r} not in {msg!r}"
+    return msg
+
+
+def _still_works():
+    n, _ = _n_r()
+    t = torch.ones(100, dtype=torch.float64)
+    dist.all_reduce(t)
+    assert (t == n).all()
+
+
+# --- setup ------------------------------------------------------------------------------------
+
+def case_init_without_env_vars_takes_mpi_ranks():
+    n, r = _n_r()
+    assert (r, n) == (MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size) == (mf.rank(), mf.size())
+    assert dist.get_backend() == "mlfabric"
+    pg = dist.distributed_c10d._get_default_group()
+    assert isinstance(pg, backend.MlfabricProcessGroup) and pg.getBackendName() == "mlfabric"
+    assert not any(os.environ.get(v) for v in backend._ENV_VARS)
+
+
+def case_env_rendezvous_untouched_when_its_variables_are_set():
+    # The MPI fallback only takes over where env:// would fail for want of every variable.
+    rdzv = backend._rdzv
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    try:
+        _expect_everywhere(ValueError, lambda: next(rdzv.rendezvous("env://")), "RANK")
+    finally:
+        del os.environ["MASTER_ADDR"]
+
+
+# --- reductions -------------------------------------------------------------------------------
+
+def case_all_reduce_every_op_and_dtype():
+    n, r = _n_r()
+    for dtype in TORCH_DTYPES:
+        for op, rop in TORCH_OPS.items():
+            if op == "avg" and dtype.startswith("int"):
+                continue
+            for count in (0, 1, 7, 1021):
+                t, _ = _input(r, count, dtype, op)
+                dist.all_reduce(t, op=rop)
+                inputs = [values(q, count, dtype, op) for q in range(n)]
+                what = f"all_reduce {op} {dtype} n={count}"
+                assert_close(t, reference(op, inputs, n), dtype, what, magnitude(op, inputs, n))
+                same_everywhere(t, what)
+
+
+def case_all_reduce_async_future_and_noncontiguous():
+    n, r = _n_r()
+    base, v = _input(r, 60, "float64", "sum")
+    want = reference("sum", [values(q, 60, "float64", "sum") for q in range(n)], n)
+    t = base.reshape(6, 10).t()  # a non-contiguous view: results must land in base
+    work = dist.all_reduce(t, async_op=True)
+    doubled = work.get_future().then(lambda fut: fut.value()[0] * 2)
+    assert work.wait() is True and work.is_completed()
+    assert_close(base, want, "float64", "non-contiguous all_reduce")
+    assert_close(doubled.wait().t().reshape(-1), 2 * want, "float64", "future chain")
+
+
+def case_future_callback_may_wait_for_another_collective():
+    n, _ = _n_r()
+    a, b = torch.ones(4), torch.full((4,), 2.0)
+
+    def then(fut):  # runs once `a` is reduced; waits for a second collective inside
+        return fut.value()[0] + dist.all_reduce(b, async_op=True).get_future().wait()[0]
+    got = dist.all_reduce(a, async_op=True).get_future().then(then).wait()
+    assert torch.equal(got, torch.full((4,), 3.0 * n))
+    work = dist.broadcast(torch.arange(3.0), src=0, async_op=True)
+    assert torch.equal(work.result()[0], torch.arange(3.0)) and work.is_completed()
+
+
+def case_all_reduce_list_and_coalesced():
+    n, r = _n_r()
+    # gloo's per-device form: every tensor gets the reduction over ranks and list entries.
+    a, va = _input(r, 9, "float64", "sum", salt=1)
+    b, vb = _input(r, 9, "float64", "sum", salt=2)
+    dist.distributed_c10d._get_default_group().allreduce([a, b]).wait()
+    want = sum(values(q, 9, "float64", "sum", s) for q in range(n) for s in (1, 2))
+    assert_close(a, want, "float64", "list allreduce")
+    assert_close(b, want, "float64", "list allreduce")
+    # Coalesced: several tensors of one dtype, any shapes, one call.
+    shapes = [(3,), (2, 5), (0,), (4, 1, 2)]
+    ts = [_input(r, int(np.prod(s)), "float32", "max", salt=i)[0].reshape(s)
+          for i, s in enumerate(shapes)]
+    dist.all_reduce_coalesced(ts, op=R.MAX)
+    for i, (s, t) in enumerate(zip(shapes, ts)):
+        c = int(np.prod(s))
+        want = reference("max", [values(q, c, "float32", "max", salt=i) for q in range(n)], n)
+        assert_close(t.reshape(-1), want, "float32", f"coalesced {s}")
+
+
+def case_reduce_scatter_forms():
+    n, r = _n_r()
+    for op in ("sum", "avg", "min"):
+        c = 5
+        # list form: input i goes to rank i
+        inputs = [_input(r, c, "float64", op, salt=i)[0] for i in range(n)]
+        out = torch.empty(c, dtype=torch.float64)
+        dist.reduce_scatter(out, inputs, op=TORCH_OPS[op])
+        want = reference(op, [values(q, c, "float64", op, salt=r) for q in range(n)], n)
+        assert_close(out, want, "float64", f"reduce_scatter {op}")
+        # tensor form: rank i gets block i
+        full, _ = _input(r, n * c, "float64", op, salt=9)
+        out = torch.empty(c, dtype=torch.float64)
+        dist.reduce_scatter_tensor(out, full, op=TORCH_OPS[op])
+        want = reference(op, [values(q, n * c, "float64", op, salt=9) for q in range(n)], n)
+        assert_close(out, want[r * c:(r + 1) * c], "float64", f"reduce_scatter_tensor {op}")
+    # coalesced pairs, as FSDP issues them
+    sizes = (3, 1, 4)
+    ins = [_input(r, n * k, "float32", "sum", salt=20 + i)[0] for i, k in enumerate(sizes)]
+    outs = [torch.empty(k) for k in sizes]
+    dist.distributed_c10d._get_default_group().reduce_scatter_single_coalesced(
+        outs, ins, ReduceScatterOptions()).wait()
+    for i, (k, o) in enumerate(zip(sizes, outs)):
+        want = reference("sum", [values(q, n * k, "float32", "sum", salt=20 + i)
+                                 for q in range(n)], n)
+        assert_close(o, want[r * k:(r + 1) * k], "float32", f"coalesced reduce_scatter {k}")
+
+
+def case_reduce_to_each_root():
+    n, r = _n_r()
+    for root in range(n):
+        t, v = _input(r, 11, "int64", "sum", salt=root)
+        dist.reduce(t, dst=root)
+        if r == root:
+            want = reference("sum", [values(q, 11, "int64", "sum", root) for q in range(n)], n)
+            assert_close(t, want, "int64", "reduce")
+        else:
+            assert (t.numpy() == v).all(), "reduce changed a non-root tensor"
+
+
+# --- data movement ----------------------------------------------------------------------------
+
+def _rank_tensor(rank, dtype, count=6):
+    """A tensor of any dtype whose values say which rank made it."""
+    v = torch.arange(count) + 10 * rank
+    if dtype == torch.bool:
+        return (v + rank) % 2 == 0
+    if dtype.is_complex:
+        return torch.complex(v.double(), -v.double()).to(dtype)
+    return v.to(dtype)
+
+
+CARRIED = (torch.float64, torch.float16, torch.int64, torch.uint8, torch.int8, torch.bool,
+           torch.complex64)
+
+
+def case_broadcast_from_each_root_any_dtype():
+    n, r = _n_r()
+    for root in range(n):
+        for dtype in CARRIED:
+            t = _rank_tensor(r, dtype)
+            dist.broadcast(t, src=root)
+            assert torch.equal(t, _rank_tensor(root, dtype)), f"broadcast {dtype} root {root}"
+    base = torch.arange(12.0).reshape(3, 4) + r
+    view = base[:, 1]  # non-contiguous
+    dist.broadcast(view, src=n - 1)
+    assert torch.equal(view, torch.tensor([1.0, 5.0, 9.0]) + n - 1)
+    assert torch.equal(base[:, 0], torch.tensor([0.0, 4.0, 8.0]) + r)  # the rest untouched
+
+
+def case_all_gather_forms():
+    n, r = _n_r()
+    for dtype in CARRIED:
+        outs = [torch.empty(6, dtype=dtype) for _ in range(n)]
+        dist.all_gather(outs, _rank_tensor(r, dtype))
+        for q in range(n):
+            assert torch.equal(outs[q], _rank_tensor(q, dtype)), f"all_gather {dtype}"
+        out = torch.empty(n, 6, dtype=dtype)
+        dist.all_gather_into_tensor(out, _rank_tensor(r, dtype))
+        assert torch.equal(out, torch.stack([_rank_tensor(q, dtype) for q in range(n)]))
+    # coalesced pairs, as FSDP issues them
+    ins = [torch.arange(k, dtype=torch.float64) + 100 * r for k in (2, 0, 5)]
+    outs = [torch.empty(n * i.numel(), dtype=torch.float64) for i in ins]
+    dist.distributed_c10d._get_default_group().all_gather_single_coalesced(
+        outs, ins, AllgatherOptions()).wait()
+    for i, o in zip(ins, outs):
+        want = torch.cat([torch.arange(i.numel(), dtype=torch.float64) + 100 * q
+                          for q in range(n)])
+        assert torch.equal(o, want)
+    objs = [None] * n
+    dist.all_gather_object(objs, {"rank": r, "name": f"r{r}"})
+    assert objs == [{"rank": q, "name": f"r{q}"} for q in range(n)]
+
+
+def case_gather_scatter_to_each_root():
+    n, r = _n_r()
+    for root in range(n):
+        outs = [torch.empty(6, dtype=torch.int32) for _ in range(n)] if r == root else None
+        dist.gather(_rank_tensor(r, torch.int32), outs, dst=root)
+        if r == root:
+            assert all(torch.equal(outs[q], _rank_tensor(q, torch.int32)) for q in range(n))
+        out = torch.empty(6, dtype=torch.float32)
+        pieces = [_rank_tensor(q, torch.float32) * 3 for q in range(n)] if r == root else None
+        dist.scatter(out, pieces, src=root)
+        assert torch.equal(out, _rank_tensor(r, torch.float32) * 3)
+    objs = [f"obj{root}" for root in range(n)] if r == 0 else [None] * n
+    dist.broadcast_object_list(objs, src=0)
+    assert objs == [f"obj{q}" for q in range(n)]
+
+
+def case_all_to_all_equal_splits():
+    n, r = _n_r()
+    k = 3
+    inp = torch.arange(n * k, dtype=torch.float64) + 1000 * r  # block j goes to rank j
+    out = torch.empty(n * k, dtype=torch.float64)
+    dist.all_to_all_single(out, inp)
+    want = torch.cat([torch.arange(r * k, (r + 1) * k, dtype=torch.float64) + 1000 * j
+                      for j in range(n)])
+    assert torch.equal(out, want)
+    ins = [torch.full((2, 2), 10 * r + j, dtype=torch.int64) for j in range(n)]
+    outs = [torch.empty(2, 2, dtype=torch.int64) for _ in range(n)]
+    dist.all_to_all(outs, ins)
+    assert all(torch.equal(outs[j], torch.full((2, 2), 10 * j + r)) for j in range(n))
+
+
+def case_send_recv_ring_and_barrier():
+    n, r = _n_r()
+    if n == 1:
+        return
+    nxt, prv = (r + 1) % n, (r - 1) % n
+    for dtype in (torch.float64, torch.uint8):
+        got = torch.empty(1000, dtype=dtype)
+        mine = (torch.arange(1000) % 200 + r).to(dtype)
+        if r == 0:  # send and recv complete before returning: break the ring's cycle
+            dist.send(mine, nxt)
+            dist.recv(got, prv)
+        else:
+            dist.irecv(got, prv).wait()
+            dist.isend(mine, nxt).wait()
+        assert torch.equal(got, (torch.arange(1000) % 200 + prv).to(dtype))
+    dist.barrier()
+
+
+# --- bad input: an error on every rank, then the group goes on working ------------------------
+
+def case_shape_mismatch_errors_on_every_rank():
+    n, r = _n_r()
+    if n == 1:
+        return
+    last = n - 1
+    count = 10 + (r == last)
+    _expect_everywhere(mf.MismatchError, lambda: dist.all_reduce(torch.ones(count)), "shape",
+                       f"(11,) on rank(s) [{last}]")
+    _still_works()
+    _expect_everywhere(mf.MismatchError,
+                       lambda: dist.all_gather([torch.empty(count) for _ in range(n)],
+                                               torch.ones(count)), "shape")
+    _still_works()
+    _expect_everywhere(mf.MismatchError,
+                       lambda: dist.broadcast(torch.ones(count, dtype=torch.float64), src=0),
+                       "shape")
+    _still_works()
+    _expect_everywhere(mf.MismatchError, lambda: dist.reduce(torch.ones(3), dst=r % 2), "root")
+    _still_works()
+    # A bad output on one rank only: that rank's own error, a MismatchError on the others.
+    out = torch.empty(n * 3 + (r == last))
+    exc = ValueError if r == last else mf.MismatchError
+    _expect_everywhere(exc, lambda: dist.all_gather_into_tensor(out, torch.ones(3)),
+                       "output has" if r == last else f"rank(s) [{last}] rejected")
+    _still_works()
+    # async: the error comes out of wait() and out of the future
+    work = dist.all_reduce(torch.ones(count), async_op=True)
+    _expect_everywhere(mf.MismatchError, work.wait, "shape")
+    _expect_everywhere(mf.MismatchError, work.get_future().wait, "shape")
+    _still_works()
+
+
+def case_unsupported_ops_and_devices_are_errors():
+    n, r = _n_r()
+    _expect_everywhere(ValueError, lambda: dist.all_reduce(torch.ones(3, dtype=torch.int32),
+                                                           op=R.BAND), "BAND")
+    _expect_everywhere(TypeError, lambda: dist.all_reduce(torch.ones(3, dtype=torch.int64),
+                                                          op=R.AVG), "avg")
+    _expect_everywhere(TypeError, lambda: dist.all_reduce(torch.ones(3, dtype=torch.uint8)),
+                       "uint8")
+    # A non-CPU tensor (meta: this torch has no GPU) is refused, naming the device.
+    _expect_everywhere(mf.MlfabricError,
+                       lambda: dist.all_reduce(torch.empty(3, device="meta")), "meta", "CPU")
+    _expect_everywhere(NotImplementedError, lambda: dist.recv(torch.ones(3)), "source")
+    if n > 1:
+        splits = [2] + [1] * (n - 1)
+        _expect_everywhere(NotImplementedError,
+                           lambda: dist.all_to_all_single(torch.empty(n + 1), torch.ones(n + 1),
+                                                          splits, splits), "equal splits")
+        if r == 0:  # ranks outside a group never call the backend
+            _expect_everywhere(NotImplementedError, lambda: dist.new_group([0]), "every rank")
+        else:
+            dist.new_group([0])
+    _still_works()
+
+
+# --- DDP ----------------------------------------------------------------------------------------
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16),
+                               torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
+
+
+def _train(group, steps=6, hook=None, bucket_cap_mb=None):
+    """DDP-train the same MLP on each rank's own data; return the final parameters."""
+    _, r = _n_r()
+    kwargs = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
+    model = DDP(_mlp(), process_group=group, **kwargs)
+    if hook is not None:
+        model.register_comm_hook(group, hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    gen = torch.Generator().manual_seed(1000 + r)  # different data on every rank
+    for _ in range(steps):
+        x = torch.randn(16, 8, generator=gen, dtype=torch.float64)
+        y = torch.randn(16, 1, generator=gen, dtype=torch.float64)
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _max_diff(a, b):
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+def case_ddp_matches_gloo():
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    world = dist.distributed_c10d._get_default_group()
+    start = [p.detach().clone() for p in _mlp().parameters()]
+    # The default path (one bucket), and a comm hook (futures) over several small buckets.
+    for hook, cap in ((None, None), (default_hooks.allreduce_hook, 0.001)):
+        ours = _train(world, hook=hook, bucket_cap_mb=cap)  # small cap: several buckets
+        theirs = _train(_groups["gloo"], hook=hook, bucket_cap_mb=cap)
+        what = f"DDP hook={getattr(hook, '__name__', None)} bucket_cap_mb={cap}"
+        assert _max_diff(ours, start) > 1e-3, f"{what}: the model did not train"
+        assert _max_diff(ours, theirs) <= 1e-10, f"{what}: {_max_diff(ours, theirs)}"
+        for p in ours:
+            same_everywhere(p, what)
+
+
+def case_ddp_with_a_model_that_differs_on_one_rank_fails_everywhere():
+    n, r = _n_r()
+    if n == 1:
+        return
+    # DDP's own check of the model across ranks runs on this backend's allgather.
+    model = _mlp() if r != n - 1 else torch.nn.Linear(8, 1).double()
+    _expect_everywhere(RuntimeError, lambda: DDP(model), "inconsistent")
+    _still_works()
+
+
+# --- last: re-initialising with a rank / world size MPI does not agree with ---------------------
+
+def case_init_with_wrong_world_size_is_an_error():
+    n, r = _n_r()
+    dist.destroy_process_group()
+    _expect_everywhere(mf.MlfabricError,
+                       lambda: dist.init_process_group("mlfabric", init_method="mlfabric://",
+                                                       rank=r, world_size=n + 1),
+                       "disagree with MPI", f"rank {r} of {n}")
+    dist.init_process_group("mlfabric", init_method="mlfabric://", rank=r, world_size=n)
+    _still_works()

@@ -1,0 +1,29 @@
+"""mlfabric.torch (Horovod's PyTorch API) under real mpirun: the multi-rank cases of
+tests/mpi_cases/torch_api.py at 1 to 4 ranks, and a training script written the Horovod way
+(tests/mpi_cases/horovod_style_script.py) run unchanged, its test loss going down."""
+import os
+import re
+
+import pytest
+
+from tests.mpi_util import ROOT, run_cases, run_mpi
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_torch_api(n):
+    run_cases("torch_api", n, timeout=300)
+
+
+@pytest.mark.parametrize("n,extra", [(2, []), (3, ["--fp16-allreduce"])])
+def test_horovod_style_script_trains(n, extra):
+    script = os.path.join(ROOT, "tests", "mpi_cases", "horovod_style_script.py")
+    proc = run_mpi(n, ["-W", "ignore", script, "--epochs", "3", "--lr", "0.05",
+                       "--batch-size", "32", *extra], timeout=300)
+    assert proc.returncode == 0, proc.stdout
+    losses = [float(v) for v in re.findall(r"Test set: Average loss: ([0-9.]+)", proc.stdout)]
+    assert len(losses) == 3, proc.stdout
+    assert losses[-1] < losses[0] - 0.05, f"test loss did not go down: {losses}\n{proc.stdout}"
+    # Every rank trained: each prints its own progress lines.
+    assert proc.stdout.count("Train Epoch: 1 [0/") == n, proc.stdout

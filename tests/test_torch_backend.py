@@ -1,0 +1,15 @@
+"""The torch.distributed backend "mlfabric" (mlfabric/torch/backend.py) under real mpirun at 2 and
+3 ranks: every collective through torch.distributed against a float64 reference, errors on every
+rank, DDP over mlfabric against DDP over gloo in the same job (tests/mpi_cases/torch_backend.py)."""
+import pytest
+
+from tests.mpi_util import run_cases
+
+pytestmark = pytest.mark.mpi
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_torch_backend(n):
+    run_cases("torch_backend", n, timeout=240)
