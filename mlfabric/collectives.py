@@ -428,17 +428,9 @@ __all__ = ["allreduce", "allreduce_async", "reduce", "broadcast", "broadcast_asy
 # different numbers of rows; the dtype and the shape of one row must agree. It runs over MPI
 # (Ialltoall of the split counts, then Ialltoallv of the rows) on every kind of host.
 
-# The header's kind word: header.py names the kinds it knows; alltoall takes the next free code
-# (or its own, should header.py come to list it) so it never matches another collective.
-_ALLTOALL_KIND = header.KIND_CODES.get("alltoall", len(header.KINDS))
-
-
 def _alltoall_header(code, row_shape):
-    # header.make("barrier", ...) lays out dtype and shape; the kind word is then alltoall's.
     # The shape carried is one row's (the first dimension may differ between ranks).
-    hdr = header.make("barrier", code, 0, False, 0, row_shape)
-    hdr[0] = _ALLTOALL_KIND
-    return hdr
+    return header.make("alltoall", code, 0, False, 0, row_shape)
 
 
 def _alltoall_splits(splits, rows, n):
@@ -497,7 +489,7 @@ def _alltoall(x, splits, async_):
             hdr = _alltoall_header(xb.code, tuple(xb.shape[1:]))
         except (TypeError, ValueError, MlfabricError) as exc:
             # Like _run(): a rank that refuses its arguments still joins the header round.
-            rejected = [header.REJECTED, _ALLTOALL_KIND] + [0] * (header.WORDS - 2)
+            rejected = header.rejected("alltoall")
             try:
                 _exchange_headers(ctx, what, rejected)
             except MlfabricError:

@@ -13,7 +13,7 @@ from ..errors import MismatchError
 WORDS, CHECKED = 16, 12
 # The first six are csrc/shm_engine.h's Kind; the others are header-only exchanges.
 KINDS = ("barrier", "allreduce", "reduce", "reduce_scatter", "allgather", "broadcast",
-         "shared_empty")
+         "shared_empty", "alltoall")
 KIND_CODES = {k: i for i, k in enumerate(KINDS)}
 ALGORITHMS = ("none", "shm", "ring", "rhd", "tree")
 ALGO_CODES = {a: i for i, a in enumerate(ALGORITHMS)}
