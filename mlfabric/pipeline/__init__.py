@@ -4,8 +4,12 @@
   validate.py   validator (dependencies, deadlock, weight-version policy), weight versions,
                 synthetic timing (makespan, bubble, stashed activations, live weight versions)
   timeline.py   text and PNG Gantt charts of a timed schedule
+  partition.py  the §2.4.1 partitioner (stages, replication, NOAM) and the 2BW planner
+  profile.py    per-layer profiles (time, activation bytes, weight bytes)
+  tensor_parallel.py  Megatron-style column/row-parallel layers, f/g, stage scatter/gather
 
-Pure computation: importing this package starts no MPI and imports no torch.
+Importing this package starts no MPI and imports no torch: the tensor-parallel names (which need
+both) are imported on first use.
 """
 from .schedules import (GENERATORS, POLICIES, Action, Placement, Schedule, by_name, flush,
                         format_actions, gpipe, interleaved, noam, one_f_one_b, parse_actions,
@@ -13,7 +17,21 @@ from .schedules import (GENERATORS, POLICIES, Action, Placement, Schedule, by_na
 from .timeline import gantt, plot
 from .validate import ScheduleError, Stats, Timeline, simulate, validate, weight_versions
 
-__all__ = ["Action", "Placement", "Schedule", "POLICIES", "GENERATORS", "parse_actions",
+_LAZY = ("TPGroup", "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP",
+         "ParallelSelfAttention", "ParallelTransformerLayer", "SerialMLP", "SerialSelfAttention",
+         "SerialTransformerLayer", "copy_to_tensor_parallel", "reduce_from_tensor_parallel",
+         "gather_from_tensor_parallel", "scatter_to_tensor_parallel", "scatter_to_next",
+         "gather_from_prev")
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        from . import tensor_parallel
+        return getattr(tensor_parallel, name)
+    raise AttributeError("module 'mlfabric.pipeline' has no attribute %r" % name)
+
+
+__all__ = list(_LAZY) + ["Action", "Placement", "Schedule", "POLICIES", "GENERATORS", "parse_actions",
            "format_actions", "gpipe", "flush", "one_f_one_b", "two_bw", "interleaved", "noam",
            "by_name", "ScheduleError", "Stats", "Timeline", "validate", "weight_versions",
            "simulate", "gantt", "plot"]
