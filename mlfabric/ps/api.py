@@ -3,7 +3,7 @@ as aliases in mlfabric.ps):
 
   every rank      init(mode=..., servers=..., replicas=..., emulation=...)  -> this rank's role
   worker          register_as_worker(tau_max=, div_max=); push(server, update, update_norm=None);
-                  get(server) -> (model, version); finish() -> Summary
+                  get(server) -> (model, version); dropped() -> [(id, reason)]; finish() -> Summary
   server          register_as_server(model); on_update(fn); on_request(fn); serve() -> Summary
   replica         register_as_replica(server); on_update(fn); serve() -> Summary
   scheduler       serve() -> Summary
@@ -52,7 +52,7 @@ def init(mode="mlfabric-A", *, servers=1, replicas=0, aggregators=None, batch_in
     # its failed start-up may still be pending on it)
     # The job's own duplicate (collective, like MPI's own start-up): its start-up handshake then
     # never meets the user's collectives, even when it fails half way
-    _state.update(config=cfg, comm=comm.Dup(), role=roles.role(comm.rank))
+    _state.update(config=cfg, comm=comm.Dup(), role=roles.role(comm.rank), dropped=None)
     return _state["role"]
 
 
@@ -112,7 +112,9 @@ def register_as_worker(tau_max=math.inf, div_max=math.inf):
     _state["versions"] = {s: 0 for s in rt.roles.server_ranks}
     _state["next_id"] = 0  # ids are (rank << 32) | n: unique within the job
     _state["allreduce_calls"] = 0
-    _launch(rt, WorkerRole(rt))
+    role_obj = WorkerRole(rt)
+    _state["dropped"] = role_obj.dropped   # readable after finish() too (late notices)
+    _launch(rt, role_obj)
 
 
 def _check_server(rt, server, call):
@@ -153,6 +155,21 @@ def get(server):
     _state["versions"][server] = version
     shape, _ = rt.spec(server)
     return model.reshape(shape), version
+
+
+def dropped():
+    """Worker: [(update id, reason), ...] of this worker's pushed updates that the scheduler
+    dropped since the last call (stale beyond tau_max, no path, a failure...), as it learns of
+    them. Training whose updates are state rather than gradients (LDA's topic counts) re-pushes
+    them, folded into a later update; gradient training may ignore them. After finish(), the
+    notices that came last."""
+    q = _state.get("dropped")
+    if q is None:
+        raise NotInitializedError("dropped(): register_as_worker() first")
+    out = []
+    while q:
+        out.append(q.popleft())
+    return out
 
 
 def allreduce(update):

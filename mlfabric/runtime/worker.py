@@ -16,6 +16,8 @@ aggregate's sum; ('m', request, version) a model reply; ('A', call) an allreduce
 ('d', forwards) a payload to relay to other workers under their keys (and to keep, when one of
 them is this worker).
 """
+import collections
+
 import numpy as np
 
 from .. import kernels
@@ -50,6 +52,9 @@ class WorkerRole:
         self.plan_latency = []   # seconds from the scheduler's send to our receipt (control plane)
         self.allreduces = {}     # call -> Future of this worker's allreduce
         self.root_of = {}        # call -> [sum, contributions in, expected] where we are root
+        # (id, reason) of our updates the scheduler dropped, until the training thread takes
+        # them (ps.dropped()): a deque, since two threads touch it (append / popleft are atomic)
+        self.dropped = collections.deque()
 
     # --- from the training thread ----------------------------------------------------------------
     def on_request(self, req):
@@ -111,6 +116,8 @@ class WorkerRole:
         elif kind in ("drop", "release"):   # dropped, or no replica copy will be asked for
             for item in body:
                 self.outbox.pop(item[0] if kind == "drop" else item, None)
+            if kind == "drop":
+                self.dropped.extend(body)
         elif kind == "distribute":   # we are an allreduce root: send the result out
             tag, direct, relays = body
             send_distribution(rt, self.root_of.pop(tag)[0], direct, relays)

@@ -66,6 +66,34 @@ def case_async_delays_within_tau_max():
         assert versions == sorted(versions)
 
 
+def case_a_worker_learns_which_of_its_updates_were_dropped():
+    # tau_max = 0 and pushes without gets: most updates are stale; every worker hears of exactly
+    # its own dropped ids, and they complete the server's applied ids to everything pushed
+    role = ps.init("mlfabric-A", emulation=FAST, batch_interval=0.02)
+    upd = default_update(SIZE, np.float64)
+    pushed, dropped, applied = [], [], []
+    if role == "worker":
+        ps.register_as_worker(tau_max=0)
+        ps.get(1)
+        pushed = [ps.push(1, upd(WORLD.rank, i, None)) for i in range(4)]
+        summary = ps.finish()
+        dropped = ps.dropped()
+        assert all(uid in pushed for uid, _ in dropped), (dropped, pushed)
+        assert all(why == "stale" for _, why in dropped), dropped
+        assert summary.dropped.get("stale", 0) >= len(dropped) > 0, summary
+    elif role == "server":
+        ps.register_as_server(np.zeros(SIZE))
+        ps.serve()
+        applied = [u for ids, *_ in ps.applied_log() for u in ids]
+    else:
+        ps.serve()
+    everything = WORLD.allgather((pushed, [u for u, _ in dropped], applied))
+    all_pushed = sorted(u for p, _, _ in everything for u in p)
+    all_dropped = [u for _, d, _ in everything for u in d]
+    all_applied = [u for _, _, a in everything for u in a]
+    assert sorted(all_dropped + all_applied) == all_pushed
+
+
 def case_vanilla_async_applies_everything():
     res = run_job("async", size=SIZE, iterations=5, emulation=FAST)
     _check_summary(res)
