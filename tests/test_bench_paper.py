@@ -1,0 +1,259 @@
+"""Smoke tests of benchmarks/paper/ (the paper's §7 comparisons at this machine's scale): each
+script at its --quick size under real mpirun, bounded in time, writing valid JSON that its
+REPRODUCTION.md section renders; RR-Sync run on the runtime matches synchronous training computed
+in one process; reproduce.py builds the report from fixture JSONs. Timings are not asserted: they
+are what the benchmarks are for."""
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from .mpi_util import ROOT, mpi_env, run_mpi
+
+TIMEOUT = 120
+META = {"command", "script", "git", "cpu", "hostname", "timestamp", "mpi_library",
+        "total_wall_s", "quick"}
+
+
+def load_reproduce():
+    path = os.path.join(ROOT, "benchmarks", "paper", "reproduce.py")
+    spec = importlib.util.spec_from_file_location("paper_reproduce", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def bench(n, script, tmp_path, *args):
+    out = str(tmp_path / (os.path.splitext(script)[0] + ".json"))
+    proc = run_mpi(n, ["benchmarks/paper/" + script, "--quick", *args, "--out", out],
+                   timeout=TIMEOUT)
+    assert proc.returncode == 0, f"{script} --quick at {n} ranks failed:\n{proc.stdout}"
+    with open(out) as f:
+        doc = json.load(f)
+    assert META <= set(doc["meta"]), META - set(doc["meta"])
+    assert doc["meta"]["command"].startswith(
+        f"mpirun --oversubscribe -n {n} python benchmarks/paper/{script} --quick")
+    assert doc["meta"]["quick"] is True
+    return doc, out
+
+
+def check_balanced(job, workers):
+    s = job["summary"]
+    assert s["balanced"] and s["missing"] == 0 and s["twice"] == 0, job["mode"]
+    assert s["pushed"] == s["applied"] + s["dropped_total"]
+    assert s["pushed"] == workers * job["iterations"]
+    assert len(job["dropped_updates"]) == (s["dropped_total"] if job["mode"] != "rr-sync" else 0)
+
+
+def check_points(job, workers):
+    pts = job["points"]
+    assert [p["t"] for p in pts] == sorted(p["t"] for p in pts)
+    assert {p["worker"] for p in pts} == set(range(workers))
+    assert len(pts) == workers * job["iterations"]          # every iteration's model recorded
+    t = job["target"]
+    hit = next((p for p in pts if p["value"] >= t["target"]), None)
+    assert t["reached"] == (hit is not None)
+    if hit:
+        assert t["t"] == hit["t"] and t["iteration"] == hit["iteration"]
+
+
+def rr_matches_offline(job, curve, tol):
+    """RR-Sync on the runtime computes synchronous training: the model every worker holds at
+    iteration i (>= 1) scores what the one-process run scored after i iterations."""
+    by_it = {}
+    for p in job["points"]:
+        by_it.setdefault(p["iteration"], set()).add(round(p["value"], 9))
+    for i, values in by_it.items():
+        assert len(values) == 1, f"RR-Sync workers held different models at iteration {i}"
+        if i >= 1:
+            assert abs(values.pop() - curve[i - 1]) <= tol, (i, curve[i - 1])
+
+
+@pytest.mark.mpi
+def test_table2_quick(tmp_path):
+    n = 7                                           # odd: 5 workers
+    doc, out = bench(n, "table2.py", tmp_path)
+    workers = n - 2
+    assert doc["meta"]["workers"] == workers and doc["meta"]["tau_max"] == workers
+    assert list(doc["cells"]) == ["C2-N1"]
+    cell = doc["cells"]["C2-N1"]
+    assert cell["paper_speedup"] == 2.96
+    assert cell["direction"] in ("as the paper", "opposite", "undetermined")
+    if cell["speedup"] is not None:
+        assert math.isclose(cell["speedup"], cell["t_rr_sync"] / cell["t_mlfabric_A"])
+    assert sorted(j["mode"] for j in doc["jobs"]) == ["mlfabric-A", "rr-sync"]
+    for job in doc["jobs"]:
+        assert job["workers"] == workers and job["emulation"]["compute"] == "C2"
+        check_balanced(job, workers)
+        check_points(job, workers)
+        assert all(0.0 <= p["value"] <= 1.0 for p in job["points"])
+    rr = next(j for j in doc["jobs"] if j["mode"] == "rr-sync")
+    assert rr["iterations"] == doc["offline"]["crossing"] + 3
+    # float32 sums in a different order may move a few of the 2,400 test samples across a
+    # decision boundary
+    rr_matches_offline(rr, doc["offline"]["curve"], tol=0.003)
+    assert os.path.getsize(os.path.splitext(out)[0] + ".png") > 0
+    assert "| C2-N1 | 2.96 |" in "\n".join(load_reproduce().section_table2(doc, out))
+
+
+@pytest.mark.mpi
+def test_fig7_lda_quick(tmp_path):
+    doc, out = bench(8, "fig7_lda.py", tmp_path)
+    workers = 6
+    assert list(doc["rows"]) == ["rr-sync", "mlfabric-A-30", "mlfabric-A-60", "async"]
+    taus = [j["tau_max"] for j in doc["jobs"]]
+    assert taus[1:3] == [workers, 2 * workers]
+    for job in doc["jobs"]:
+        check_balanced(job, workers)
+        check_points(job, workers)
+    vanilla = doc["jobs"][3]["summary"]
+    assert vanilla["dropped_total"] == 0 and vanilla["aggregated"] == 0
+    # LDA counts are integers summed exactly in float64: RR-Sync's models are the one-process
+    # run's, bit for bit, so their held-out log-likelihoods agree to rounding
+    rr_matches_offline(doc["jobs"][0], doc["offline"]["curve"], tol=1e-9)
+    assert doc["rows"]["rr-sync"]["paper_iterations"] == 145
+    assert "| rr-sync | 145 | 182 |" in "\n".join(load_reproduce().section_lda(doc, out))
+
+
+@pytest.mark.mpi
+def test_sync_iteration_quick(tmp_path):
+    doc, out = bench(8, "sync_iteration.py", tmp_path)
+    p = doc["presets"]["C2-N1"]
+    assert [j["mode"] for j in p["jobs"]] == ["mlfabric-S", "rr-sync", "tr-sync"]
+    for job in p["jobs"]:
+        assert job["summary"]["balanced"] and job["workers"] == 6
+    m = p["per_mode_s"]
+    assert math.isclose(p["s_over_rr"], m["mlfabric-S"] / m["rr-sync"])
+    assert math.isclose(p["s_over_tr"], m["mlfabric-S"] / m["tr-sync"])
+    assert p["ps_modes_command"].startswith("mpirun -n 8 python benchmarks/ps_modes.py sync")
+    assert "| C2-N1 | S 16% faster" in "\n".join(load_reproduce().section_sync(doc, out))
+
+
+@pytest.mark.mpi
+def test_fig9_replica_quick(tmp_path):
+    n = 7                                           # odd: scheduler, server, replica, 4 workers
+    doc, out = bench(n, "fig9_replica.py", tmp_path)
+    res = doc["results"]
+    assert [r["div_max_units"] for r in res["rows"]] == [0.0, "inf"]
+    for r in res["rows"]:
+        assert r["replicated"] == r["applied"]       # tau_max = inf: nothing dropped
+        assert 0 < r["replica_update_bytes"] <= r["unaggregated_bytes"]
+    assert res["reference"]["replica_update_bytes"] == res["reference"]["expected"]
+    assert res["paper_plateau_saving"] == 5.6 and doc["meta"]["workers"] == n - 3
+    assert os.path.getsize(os.path.splitext(out)[0] + ".png") > 0
+    load_reproduce().section_fig9(doc, out)
+
+
+def test_sched_cost_quick(tmp_path):
+    out = str(tmp_path / "sched_cost.json")
+    proc = subprocess.run([sys.executable, "benchmarks/paper/sched_cost.py", "--quick", "--out",
+                           out], cwd=ROOT, env=mpi_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stdout
+    with open(out) as f:
+        doc = json.load(f)
+    assert [r["updates"] for r in doc["results"]] == [10, 30]
+    assert all(r["match"] and r["paper_ms"] == 5.0 for r in doc["results"])
+    assert doc["meta"]["command"] == "python benchmarks/paper/sched_cost.py --quick --out " + out
+    load_reproduce().section_sched(doc, out)
+
+
+@pytest.mark.mpi
+def test_bad_command_line():
+    proc = run_mpi(2, ["benchmarks/paper/table2.py", "--cells", "C9-N1"], timeout=TIMEOUT)
+    assert proc.returncode == 2, proc.stdout
+    assert proc.stdout.count("--cells must be among") == 1, proc.stdout   # rank 0 alone
+
+
+# --- reproduce.py from fixture JSONs -------------------------------------------------------------
+
+def meta(script, **kw):
+    return {"command": f"mpirun --oversubscribe -n 8 python benchmarks/paper/{script}",
+            "git": {"commit": "0123456789abcdef", "modified": []}, "timestamp": "T",
+            "total_wall_s": 12.0, "quick": False, "base_rate": 50e6, **kw}
+
+
+def cell(paper, speedup, direction, t_a, t_rr, **kw):
+    return {"paper_speedup": paper, "speedup": speedup, "direction": direction,
+            "t_mlfabric_A": t_a, "t_rr_sync": t_rr, "a_reached": t_a is not None,
+            "rr_reached": t_rr is not None, "rr_iteration_s": 0.4, "rr_wait_s": 0.3,
+            "a_worker_iteration_s": 0.5, "a_wait_s": 0.4, "a_applied_per_s": 8.0,
+            "rr_applied_per_s": 14.0, "a_dropped": 10, "a_pushed": 100,
+            "a_updates_to_target": 120 if t_a else None, "rr_updates_to_target": 96, **kw}
+
+
+FIXTURES = {
+    "table2": {"meta": meta("table2.py", target=0.95, workers=6, tau_max=6.0, compute_ms=100.0,
+                            rr_iterations=19, a_iterations=36,
+                            task={"params": 9610, "pretrain_iterations": 12,
+                                  "dataset": "synthetic",
+                                  "payload_bytes": 4e6}),
+               "offline": {"start_accuracy": 0.914, "crossing": 16},
+               "cells": {"C1-N1": cell(1.74, 0.6, "opposite", 10.0, 6.0),
+                         "C2-N1": cell(2.96, 1.3, "as the paper", 6.0, 7.8),
+                         "C2-N3": cell(2.32, None, "undetermined", None, 25.0,
+                                       bound="<= 0.42")}},
+    "fig7_lda": {"meta": meta("fig7_lda.py", workers=6, preset="C1-N1", compute_ms=180.0,
+                              target=-4.27, task={"docs": 1200, "doc_len": 60, "vocab": 1000,
+                                                  "topics": 20, "payload_bytes": 2.8e6}),
+                 "offline": {"plateau": -4.25},
+                 "rows": {"rr-sync": {"paper_iterations": 145, "paper_s": 182.0,
+                                      "paper_time_vs_rr": 1.0, "iterations": 29, "t": 14.0,
+                                      "reached": True, "job_s": 16.0, "time_vs_rr": 1.0,
+                                      "iteration_s": 0.48, "wait_s": 0.28, "dropped": 0,
+                                      "pushed": 192, "best": -4.26, "dropped_iterations": []},
+                          "mlfabric-A-30": {"paper_iterations": 188, "paper_s": 139.0,
+                                            "paper_time_vs_rr": 0.76, "iterations": None,
+                                            "t": None, "reached": False, "job_s": 22.7,
+                                            "time_vs_rr": None, "iteration_s": 0.37,
+                                            "wait_s": 0.17, "dropped": 110, "pushed": 348,
+                                            "best": -4.77, "dropped_iterations": [0, 3, 5]}}},
+    "sync_iteration": {"meta": meta("sync_iteration.py", workers=6, servers=1,
+                                    model_bytes=4e6, compute_ms=100.0, iterations=8, rounds=2),
+                       "presets": {"C2-N1": {"per_mode_s": {"mlfabric-S": 0.78, "rr-sync": 0.49,
+                                                            "tr-sync": 0.55},
+                                             "s_over_rr": 0.78 / 0.49, "s_over_tr": 0.78 / 0.55,
+                                             "s_wait_reduction_vs_tr": -0.5}}},
+    # fig9_replica: left out, so the report must say it was not run
+    "sched_cost": {"meta": meta("sched_cost.py"),
+                   "results": [{"updates": 1000, "paper_ms": 1460.0, "ms_median": 8.0,
+                                "ms_reference": 15486.0, "speedup_vs_paper": 182.5,
+                                "match": True}]},
+}
+
+
+def test_reproduce_builds_the_report_from_fixtures(tmp_path):
+    for name, doc in FIXTURES.items():
+        with open(tmp_path / (name + ".json"), "w") as f:
+            json.dump(doc, f)
+    text = load_reproduce().build_report(str(tmp_path))
+    assert "**Scale-down**" in text and "50 MB/s stands for 10 Gbps" in text
+    # Table 2: every cell beside the paper's, the opposite one flagged, the bound given
+    assert "| C1-N1 | 1.74 | 0.60 | **no** | 10.00 | 6.00 |" in text
+    assert "| C2-N1 | 2.96 | 1.30 | yes |" in text
+    assert "| C2-N3 | 2.32 | <= 0.42 | undetermined | not reached | 25.00 |" in text
+    assert "in 1 of 3 settings (C2-N1); the other way in 1 (C1-N1)" in text
+    assert "| rr-sync | 145 | 182 | 1.00 | 29 | 14.00 | 1.00 |" in text
+    assert "| mlfabric-A-30 | 188 | 139 | 0.76 | not reached | > 22.7 |" in text
+    assert "mlfabric-A-30 dropped 110 updates" in text
+    assert "| C2-N1 | S 16% faster than RR-Sync | 0.780 | 0.490 | 0.550 | 1.59x | 1.42 | +50.0% |" \
+        in text
+    assert "| 1000 | 1460 | 8.000 | 15486.0 | 182x | yes |" in text
+    # every section names its JSON and command
+    for name, doc in FIXTURES.items():
+        assert "`%s`" % doc["meta"]["command"] in text
+        assert os.path.join(str(tmp_path), name + ".json").lstrip(os.sep) in text
+    assert "Not run:" in text and "--run fig9_replica" in text
+
+
+def test_reproduce_rejects_unknown_benchmarks(tmp_path):
+    proc = subprocess.run([sys.executable, "benchmarks/paper/reproduce.py", "--run", "table3",
+                           "--results", str(tmp_path), "--out", str(tmp_path / "R.md")],
+                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and "unknown table3" in proc.stdout, proc.stdout
+    assert not os.path.exists(tmp_path / "R.md")
