@@ -246,7 +246,9 @@ def test_reproduce_builds_the_report_from_fixtures(tmp_path):
     # every section names its JSON and command
     for name, doc in FIXTURES.items():
         assert "`%s`" % doc["meta"]["command"] in text
-        assert os.path.join(str(tmp_path), name + ".json").lstrip(os.sep) in text
+        # cited as the repo sees it (relative to the checkout, wherever that is)
+        json_path = os.path.join(str(tmp_path), name + ".json")
+        assert "`%s`" % os.path.relpath(json_path, ROOT) in text
     assert "Not run:" in text and "--run fig9_replica" in text
 
 
