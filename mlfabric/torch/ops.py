@@ -222,6 +222,8 @@ class _State:
         self.handles = {}
         self.ids = itertools.count()
         self.rounds = 0  # control rounds so far: the same on every rank (all take part in each)
+        self.staging = {}  # wire dtype -> the grouped allreduces' staging buffer
+        self.layouts = {}  # signature of a grouped allreduce's list -> its _Groups
 
 
 _S = None
@@ -473,8 +475,79 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
 
 # --- grouped allreduce ----------------------------------------------------------------------------
 
+# Grouped allreduces stage through one reusable flat buffer per wire dtype (a fresh buffer would
+# cost page faults on every call) of up to this many bytes; larger calls get a buffer of their own.
+_STAGING_MAX = 64 << 20
+_LAYOUTS_KEPT = 64  # lists of dtypes and shapes whose grouping (and staging views) are kept
+
+
+class _Group:
+    """The tensors of one dtype in a grouped allreduce's list, and their place in the staging
+    buffer: kept per list of dtypes and shapes, since a training loop reduces the same list
+    every step."""
+    __slots__ = ("code", "members", "shapes", "total", "staged")
+
+    def __init__(self, code, members, shapes):
+        self.code, self.members, self.shapes = code, members, shapes
+        self.total = sum(math.prod(s) for s in shapes)
+        self.staged = None  # (staging buffer, its first `total` elements, views shaped as shapes)
+
+
+def _layout(sig):
+    """The groups of a list with signature sig: one per dtype, in order of first appearance."""
+    if len({c for c, _ in sig}) == 1:
+        return [_Group(sig[0][0], None, tuple(s for _, s in sig))]
+    members = {}
+    for i, (c, _) in enumerate(sig):
+        members.setdefault(c, []).append(i)
+    return [_Group(c, m, tuple(sig[i][1] for i in m)) for c, m in members.items()]
+
+
+def _staged(st, group):
+    """(flat, views) for group in the staging buffer of its wire dtype: views shaped like the
+    group's tensors, back to back at the start of flat, so that one torch._foreach_copy_ moves
+    every tensor in and one moves them out. Runs inside calls, one at a time."""
+    wire = _wire(_DTYPES[group.code])
+    buf = st.staging.get(wire)
+    if group.staged is not None and group.staged[0] is buf:
+        return group.staged[1], group.staged[2]
+    if buf is None or buf.numel() < group.total:
+        buf = torch.empty(group.total, dtype=wire)
+        if group.total * buf.element_size() <= _STAGING_MAX:  # else used for this call only
+            st.staging[wire] = buf
+    flat = buf[:group.total]
+    views = [v.view(s) for v, s in zip(flat.split([math.prod(s) for s in group.shapes]),
+                                       group.shapes)]
+    if st.staging.get(wire) is buf:
+        group.staged = (buf, flat, views)
+    return flat, views
+
+
+def _clone_all(tensors):
+    """Independent copies of tensors, in one call where this torch has one."""
+    clone = getattr(torch, "_foreach_clone", None)
+    return list(clone(tensors)) if clone is not None else [t.clone() for t in tensors]
+
+
+def _signature(tensors, what):
+    """(dtype code, shape) of every tensor, after checking them all: one pass when they are
+    fine, the per-tensor check (which names the first bad one) only otherwise."""
+    try:
+        sig = tuple([(_DTYPE_CODE[t.dtype], t.shape) for t in tensors
+                     if isinstance(t, torch.Tensor) and t.is_cpu and t.layout == torch.strided])
+    except (AttributeError, KeyError, TypeError):
+        sig = ()
+    if len(sig) != len(tensors):
+        for i, t in enumerate(tensors):
+            _check_tensor(t, what, f"tensors[{i}]")
+        sig = tuple((_DTYPE_CODE[t.dtype], t.shape) for t in tensors)
+    return sig
+
+
 def _grouped_call(tensors, op, average, name, pre, post, inplace, async_):
-    """One fused allreduce per dtype (in order of first appearance), each its own call."""
+    """One fused allreduce per dtype (in order of first appearance), each its own call. The
+    tensors are copied into a staging buffer with one torch._foreach_copy_ (widened there if
+    need be), reduced in place, and copied back with one more (in place forms) or cloned out."""
     what = _what("grouped_allreduce", name)
 
     def plan(st):
@@ -485,39 +558,45 @@ def _grouped_call(tensors, op, average, name, pre, post, inplace, async_):
         if not tensors:
             raise ValueError(f"{what}: needs at least one tensor")
         resolved = _resolve_op(op, average)
-        groups = {}
-        for i, t in enumerate(tensors):
-            _check_tensor(t, what, f"tensors[{i}]")
-            groups.setdefault(t.dtype, []).append(i)
-        # Every group's descriptor carries the whole list's dtypes and shapes, so ranks whose
-        # lists differ fail at the first group instead of issuing different numbers of calls.
-        signature = tuple((str(t.dtype), tuple(t.shape)) for t in tensors)
+        sig = _signature(tensors, what)
+        groups = st.layouts.get(sig)
+        if groups is None:
+            if len(st.layouts) >= _LAYOUTS_KEPT:
+                st.layouts.clear()
+            groups = st.layouts[sig] = _layout(sig)
+        # Every group's descriptor carries the whole list's dtypes and shapes, hashed once
+        # (Python's hash of a tuple of ints is the same in every process), so ranks whose lists
+        # differ fail at the first group instead of issuing different numbers of calls.
+        layout = hash(sig)
         planned = []
-        for g, (dtype, members) in enumerate(groups.items()):
-            p = _ReducePlan(resolved, dtype, pre, post, st.ctx.size, what)
-            total = sum(tensors[i].numel() for i in members)
-            planned.append((members, p, _desc(_ALLREDUCE, _DTYPE_CODE[dtype],
-                                              _CORE_OPS.index(p.core), shape=(total,),
-                                              name=None if name is None else f"{name}.{g}",
-                                              layout=(g, signature))))
+        for g, group in enumerate(groups):
+            p = _ReducePlan(resolved, _DTYPES[group.code], pre, post, st.ctx.size, what)
+            planned.append((group, p, _desc(
+                _ALLREDUCE, group.code, _CORE_OPS.index(p.core), shape=(group.total,),
+                name=None if name is None else f"{name}.{g}", layout=(g, layout))))
         return planned
 
     def job(st, planned):
-        outs = [None] * len(tensors)
-        for members, p, desc in planned:
-            srcs = [tensors[i].detach() for i in members]
-            flat = torch.cat([_wire_copy(s, p).view(-1) for s in srcs])
-            _reduce_flat(st, flat, desc, what, p)
-            off = 0
-            for i, s in zip(members, srcs):
-                part = flat[off:off + s.numel()].view(s.shape)
-                off += s.numel()
+        outs = list(tensors) if inplace else [None] * len(tensors)
+        with torch.no_grad():  # the in-place forms write tensors that may require grad
+            for group, p, desc in planned:
+                members = group.members
+                srcs = tensors if members is None else [tensors[i] for i in members]
+                flat, views = _staged(st, group)
+                torch._foreach_copy_(views, srcs)
+                if p.pre != 1.0:
+                    flat.mul_(p.pre)
+                _reduce_flat(st, flat, desc, what, p)
                 if inplace:
-                    s.copy_(part)
-                    outs[i] = tensors[i]
-                else:
-                    outs[i] = torch.empty(s.shape, dtype=s.dtype)
-                    outs[i].copy_(part)
+                    torch._foreach_copy_(srcs, views)
+                    continue
+                dtype = _DTYPES[group.code]
+                results = _clone_all(views) if flat.dtype == dtype else [v.to(dtype)
+                                                                         for v in views]
+                if members is None:
+                    return results
+                for i, out in zip(members, results):
+                    outs[i] = out
         return outs
 
     return _issue(what, plan, job, async_)
@@ -545,6 +624,9 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
     if not (isinstance(tensors, (list, tuple)) and tensors
             and all(isinstance(t, torch.Tensor) for t in tensors)):  # reported on every rank
         return _grouped_call(tensors, op, average, name, 1.0, 1.0, False, False)
+    if compression is Compression.none:
+        return list(_GroupedAllreduceFn.apply(op, average, name, prescale_factor,
+                                              postscale_factor, *tensors))
     pairs = [compression.compress(t) for t in tensors]
     outs = _GroupedAllreduceFn.apply(op, average, name, prescale_factor, postscale_factor,
                                      *[c for c, _ in pairs])
@@ -707,11 +789,13 @@ def broadcast_async_(tensor, root_rank, name=None):
 
 def fusion_threshold():
     """MLFABRIC_FUSION_THRESHOLD: the most bytes fused into one buffer (DistributedOptimizer's
-    gradient buckets, broadcast_parameters); default 64 MiB, like HOROVOD_FUSION_THRESHOLD;
-    0 turns fusion off. Every rank must use the same value."""
+    gradient buckets after the first, broadcast_parameters); default 25 MiB, DDP's bucket_cap_mb
+    (it was 64 MiB, HOROVOD_FUSION_THRESHOLD's default: a bucket waits for all its gradients, so
+    with 64 MiB a model under 64 MiB reduced nothing during backward); 0 turns fusion off. Every
+    rank must use the same value."""
     raw = os.environ.get("MLFABRIC_FUSION_THRESHOLD", "").strip()
     if not raw:
-        return 64 << 20
+        return 25 << 20
     try:
         value = int(raw)
     except ValueError:
@@ -721,20 +805,23 @@ def fusion_threshold():
     return value
 
 
-def fuse(tensors, threshold):
+def fuse(tensors, threshold, first=None):
     """Indices of tensors grouped into buffers: one dtype per buffer, at most threshold bytes
-    (a larger tensor gets a buffer of its own), in the order given. Deterministic: the same
-    tensors give the same buffers on every rank."""
-    buckets, current, filled = [], {}, {}
+    (a larger tensor gets a buffer of its own), in the order given; first (default threshold)
+    caps the first buffer of each dtype instead (DDP's small first bucket). Deterministic: the
+    same tensors give the same buffers on every rank."""
+    first = threshold if first is None else first
+    buckets, current, filled, cap = [], {}, {}, {}
     for i, t in enumerate(tensors):
-        nbytes = t.numel() * t.element_size()
-        members = current.get(t.dtype)
-        if members is None or (members and filled[t.dtype] + nbytes > threshold):
-            members = current[t.dtype] = []
-            filled[t.dtype] = 0
+        dtype, nbytes = t.dtype, t.numel() * t.element_size()
+        members = current.get(dtype)
+        if members is None or (members and filled[dtype] + nbytes > cap[dtype]):
+            cap[dtype] = first if members is None else threshold
+            members = current[dtype] = []
+            filled[dtype] = 0
             buckets.append(members)
         members.append(i)
-        filled[t.dtype] += nbytes
+        filled[dtype] += nbytes
     return buckets
 
 

@@ -3,25 +3,40 @@ the wrapped optimizer's step().
 
 How it works:
 - gradient buckets are fixed at construction: the parameters in reverse order (gradients become
-  ready roughly from the last layer back), fused per dtype into buckets of at most
-  MLFABRIC_FUSION_THRESHOLD bytes (default 64 MiB). Every rank builds the same buckets from the
-  same model, and buckets always start in bucket order, so every rank issues the same
-  allreduces in the same order whatever order its hooks fire in;
+  ready roughly from the last layer back), fused per dtype as DDP does: a first bucket of at most
+  1 MiB, so that the first allreduce starts early in backward, then buckets of at most
+  MLFABRIC_FUSION_THRESHOLD bytes (default 25 MiB, DDP's bucket_cap_mb). Every rank builds the
+  same buckets from the same model, and buckets always start in bucket order, so every rank
+  issues the same allreduces in the same order whatever order its hooks fire in;
+- each bucket owns one flat buffer for the optimizer's lifetime, and each parameter's .grad is a
+  view of its slice (DDP's gradient_as_bucket_view): backward accumulates into the bucket, the
+  allreduce runs on it in place and leaves the result in .grad, with no copy in or out. Where
+  autograd made a fresh gradient instead (after zero_grad(set_to_none=True), the default, or
+  model.zero_grad()), the bucket copies those in when it starts, in one torch._foreach_copy_,
+  and points their .grad back at its slices. Measured against re-pointing .grad at a zeroed
+  slice before autograd accumulates (a tensor pre-hook: a memset, then an add that reads two
+  tensors): the same within noise on an MLP's 16.8 MB of gradients, about 0.15 ms cheaper per
+  backward over 100 small ones (no second Python hook per parameter);
 - a hook after each gradient accumulation (register_post_accumulate_grad_hook) counts the
   backward passes of its parameter; when the last parameter of a bucket has had
   backward_passes_per_step passes, the bucket (and any ready buckets after it) starts an async
   allreduce, so communication overlaps the rest of backward;
 - synchronize() starts the buckets still waiting (parameters without a gradient contribute
-  zeros and get a zero gradient, as in Horovod), waits for all, and writes the results into
-  .grad; step() calls it unless inside skip_synchronize(), then runs the wrapped step();
-- zero_grad() while gradients are being reduced is an error (Horovod's guard).
+  zeros and get a zero gradient, as in Horovod) and waits for all; step() calls it unless inside
+  skip_synchronize(), then runs the wrapped step();
+- zero_grad() while gradients are being reduced is an error (Horovod's guard). Between
+  backward() and synchronize() the gradients are being reduced in place: leave .grad alone
+  until then (as with DDP's gradient_as_bucket_view).
 
 Gradients of the backward_passes_per_step passes add up locally (no division), then op Average
 divides by size() (gradient_predivide_factor f: multiplied by 1/f before the sum and f/size
-after), op Sum does not.
+after), op Sum does not. Compression.fp16 sends each bucket through a float16 buffer of its own,
+also kept for the optimizer's lifetime.
 """
 import contextlib
+import functools
 import weakref
+import zlib
 
 import torch
 
@@ -29,22 +44,38 @@ from ..errors import MlfabricError
 from . import ops
 from .compression import Compression, check as _check_compression
 
+FIRST_BUCKET = 1 << 20  # bytes, as DDP (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
+
 
 class _Bucket:
-    __slots__ = ("index", "params", "name", "waiting", "pending")
+    __slots__ = ("index", "params", "views", "flat", "half", "name", "waiting", "pending")
 
-    def __init__(self, index, params, names):
+    def __init__(self, index, params, names, fp16):
         self.index, self.params = index, params
         shown = ", ".join(names[:4]) + (f", ... ({len(names)} in all)" if len(names) > 4 else "")
         self.name = f"gradients[{index}]: {shown}"
+        sizes = [p.numel() for p in params]
+        self.flat = torch.zeros(sum(sizes), dtype=params[0].dtype)
+        self.views = [v.view(p.shape) for v, p in zip(self.flat.split(sizes), params)]
+        # fp16 compression: the float16 copy that travels, for floating types other than it
+        self.half = (torch.empty(self.flat.numel(), dtype=torch.float16)
+                     if fp16 and self.flat.dtype != torch.float16 else None)
         self.waiting = len(params)  # parameters not yet through all their backward passes
-        self.pending = None         # (handle, buffer, compression ctx) once started
+        self.pending = None         # (handle, the tensor reduced, compression ctx) once started
 
 
-def _hook(ref, param):
+class _Slot:
+    """A parameter's place: its bucket, its view of the bucket, its backward passes to go."""
+    __slots__ = ("bucket", "view", "delay")
+
+    def __init__(self, bucket, view, delay):
+        self.bucket, self.view, self.delay = bucket, view, delay
+
+
+def _hook(ref, index, param):
     opt = ref()
     if opt is not None:
-        opt._mlf_grad_ready(param)
+        opt._mlf_grad_ready(opt._mlf_slots[index])
 
 
 class _DistributedOptimizer:
@@ -67,41 +98,54 @@ class _DistributedOptimizer:
                     seen.add(id(p))
                     params.append(p)
         names = _names(named_parameters, params)
+        for p in params:  # the buckets live on the CPU, in the parameters' dtypes
+            ops._check_tensor(p, "DistributedOptimizer", f"parameter {names[id(p)]}")
         self._mlf_op = op
         self._mlf_compression = _check_compression(compression)
         self._mlf_passes = backward_passes_per_step
         self._mlf_predivide = float(gradient_predivide_factor)
         # Buckets from the parameters in reverse order: the last layers' gradients come first.
         order = params[::-1]
+        threshold = ops.fusion_threshold()
+        fp16 = compression is Compression.fp16
         self._mlf_buckets = [
-            _Bucket(b, [order[i] for i in members], [names[id(order[i])] for i in members])
-            for b, members in enumerate(ops.fuse(order, ops.fusion_threshold()))]
-        self._mlf_bucket_of = {id(p): b for b in self._mlf_buckets for p in b.params}
-        # Every bucket's allreduce carries the whole model's dtypes and shapes: ranks holding
-        # different models fail together at the first bucket.
-        self._mlf_signature = tuple((str(p.dtype), tuple(p.shape)) for p in params)
-        self._mlf_delay = {id(p): backward_passes_per_step for p in params}
+            _Bucket(b, [order[i] for i in members], [names[id(order[i])] for i in members], fp16)
+            for b, members in enumerate(ops.fuse(order, threshold,
+                                                 min(FIRST_BUCKET, threshold)))]
+        self._mlf_slots = [_Slot(b, v, backward_passes_per_step)
+                           for b in self._mlf_buckets for v in b.views]
+        # Every bucket's allreduce carries (a hash of) the whole model's dtypes and shapes: ranks
+        # holding different models fail together at the first bucket.
+        self._mlf_layout = zlib.crc32(repr(
+            tuple((str(p.dtype), tuple(p.shape)) for p in params)).encode())
+        self._mlf_done = 0              # parameters through all their passes since the reset
         self._mlf_next = 0              # the next bucket to start
         self._mlf_synchronized = False  # reduced since the last backward pass / step()
         self._mlf_should_sync = True    # False inside skip_synchronize()
         ref = weakref.ref(self)
-        self._mlf_hooks = [p.register_post_accumulate_grad_hook(
-            lambda param, ref=ref: _hook(ref, param)) for p in params]
+        slot_params = [p for b in self._mlf_buckets for p in b.params]
+        self._mlf_hooks = [p.register_post_accumulate_grad_hook(functools.partial(_hook, ref, i))
+                           for i, p in enumerate(slot_params)]
 
     # --- reduction ---------------------------------------------------------------------------
 
-    def _mlf_grad_ready(self, p):
-        key = id(p)
-        if self._mlf_delay[key] <= 0:
+    def _mlf_grad_ready(self, slot):
+        """After autograd accumulated a parameter's gradient: the hot path, once per parameter
+        and backward pass, so it only counts (a fresh gradient is copied into the bucket when
+        the bucket starts, all in one call)."""
+        if slot.delay <= 0:
             raise MlfabricError(
                 "gradients were computed more than backward_passes_per_step "
                 f"({self._mlf_passes}) times before step() or synchronize(); raise "
                 "backward_passes_per_step to accumulate more passes locally")
-        self._mlf_delay[key] -= 1
         self._mlf_synchronized = False
-        if self._mlf_delay[key] == 0:
-            self._mlf_bucket_of[key].waiting -= 1
-            self._mlf_start(force=False)
+        slot.delay -= 1
+        if slot.delay == 0:
+            self._mlf_done += 1
+            b = slot.bucket
+            b.waiting -= 1
+            if not b.waiting and b.index == self._mlf_next:
+                self._mlf_start(force=False)
 
     def _mlf_start(self, force):
         """Start buckets in bucket order: each one once it is ready (or now, if force)."""
@@ -111,25 +155,25 @@ class _DistributedOptimizer:
             if b.waiting and not force:
                 return
             self._mlf_next += 1
-            grads = [(p.grad.detach() if p.grad is not None
-                      else torch.zeros_like(p, memory_format=torch.contiguous_format))
-                     for p in b.params]
-            for p, g in zip(b.params, grads):
-                if g.layout != torch.strided:
-                    raise MlfabricError(f"the gradient of a parameter in {b.name} is sparse; "
-                                        "DistributedOptimizer reduces dense gradients only")
-            buf = torch.cat([g.reshape(-1) for g in grads])
-            post = 1.0
+            _gather(b)
+            flat, post = b.flat, 1.0
             if self._mlf_predivide != 1.0:
-                buf.mul_(1.0 / self._mlf_predivide)
+                flat.mul_(1.0 / self._mlf_predivide)
                 post = self._mlf_predivide
-            sent, cctx = self._mlf_compression.compress(buf)
+            cctx = None
+            if b.half is not None:
+                sent = b.half
+                sent.copy_(flat)
+            elif self._mlf_compression is Compression.none:
+                sent = flat
+            else:
+                sent, cctx = self._mlf_compression.compress(flat)
             handle = ops._allreduce_call(sent, self._mlf_op, None, b.name, 1.0, post, True, True,
-                                         layout=(b.index, self._mlf_signature))
+                                         layout=(b.index, self._mlf_layout))
             b.pending = (handle, sent, cctx)
 
     def synchronize(self):
-        """Finish reducing the gradients and write them into .grad. Called by step() unless
+        """Finish reducing the gradients (they are then in .grad). Called by step() unless
         inside skip_synchronize(); calling it again before the next backward pass does nothing."""
         if self._mlf_synchronized:
             return
@@ -138,32 +182,35 @@ class _DistributedOptimizer:
         for b in self._mlf_buckets:
             if b.pending is None:  # its start failed (the error was raised then)
                 continue
-            handle, _, cctx = b.pending
+            handle, sent, cctx = b.pending
             b.pending = None
             try:
-                reduced = self._mlf_compression.decompress(ops.synchronize(handle), cctx)
+                reduced = ops.synchronize(handle)
             except Exception as exc:  # noqa: BLE001 - wait for every bucket, then raise
                 error = error or exc
                 continue
-            off = 0
-            with torch.no_grad():
-                for p in b.params:
-                    g = reduced[off:off + p.numel()].view(p.shape)
-                    off += p.numel()
+            if sent is not b.flat:  # compressed: back into the bucket
+                if sent is not b.half:
+                    reduced = self._mlf_compression.decompress(reduced, cctx)
+                b.flat.copy_(reduced.reshape(-1))
+            for p, view in zip(b.params, b.views):
+                if p.grad is not view:  # replaced since the bucket started: gets the result too
                     if p.grad is None:
-                        p.grad = g.to(p.dtype).clone()
+                        p.grad = view
                     else:
-                        p.grad.copy_(g)
+                        with torch.no_grad():
+                            p.grad.copy_(view)
         self._mlf_reset()
         if error is not None:
             raise error
         self._mlf_synchronized = True
 
     def _mlf_reset(self):
-        for key in self._mlf_delay:
-            self._mlf_delay[key] = self._mlf_passes
+        for s in self._mlf_slots:
+            s.delay = self._mlf_passes
         for b in self._mlf_buckets:
             b.waiting = len(b.params)
+        self._mlf_done = 0
         self._mlf_next = 0
 
     @contextlib.contextmanager
@@ -189,13 +236,40 @@ class _DistributedOptimizer:
     step.hooked = True
 
     def zero_grad(self, set_to_none=True):
-        if self._mlf_next or any(d == 0 for d in self._mlf_delay.values()):
+        if self._mlf_next or self._mlf_done:
             raise MlfabricError(
                 "optimizer.zero_grad() was called after loss.backward() but before "
                 "optimizer.step() or optimizer.synchronize(): the gradients are being reduced. "
                 "Call step() (or synchronize()) first")
         self._mlf_reset()  # an accumulation of backward passes starts again
         return super().zero_grad(set_to_none)
+
+
+def _gather(b):
+    """Point every .grad of bucket b at its view of the bucket. Gradients made elsewhere (fresh
+    from autograd after zero_grad(set_to_none=True)) are copied in with one call; parameters
+    without a gradient get zeros (Horovod's rule)."""
+    moved, views, grads, absent = [], [], [], []
+    for p, view in zip(b.params, b.views):
+        g = p.grad
+        if g is view:
+            continue
+        if g is None:
+            absent.append(view)
+        elif g.layout != torch.strided:  # checked before anything changes
+            raise MlfabricError(f"the gradient of a parameter in {b.name} is sparse; "
+                                "DistributedOptimizer reduces dense gradients only")
+        else:
+            views.append(view)
+            grads.append(g)
+        moved.append((p, view))
+    with torch.no_grad():
+        if grads:
+            torch._foreach_copy_(views, grads)
+        if absent:
+            torch._foreach_zero_(absent)
+    for p, view in moved:
+        p.grad = view
 
 
 def _names(named_parameters, params):
@@ -232,6 +306,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     compression: Compression.none or Compression.fp16 (gradients sent as float16).
     backward_passes_per_step: backward passes accumulated locally before reducing.
     gradient_predivide_factor: with op=Average, scale by 1/f before the sum and f/size after.
+
+    The parameters' .grad become views of the optimizer's gradient buckets (see the module
+    docstring); leave them alone between backward() and step() / synchronize().
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got "

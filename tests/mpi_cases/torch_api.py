@@ -176,6 +176,64 @@ def case_grouped_allreduce():
               "grouped average")
 
 
+def case_grouped_allreduce_staging_and_outputs():
+    """grouped_allreduce stages through reusable buffers: the same list reduced again (its views
+    cached), another list, dtypes widened on the wire, a 0-d, an empty and a non-contiguous
+    tensor, scaling, a call larger than the staging buffer; results independent of each other
+    and of later calls, and results of the differentiable form modifiable in place."""
+    from mlfabric.torch import ops
+    n, r = hvd.size(), hvd.rank()
+    shapes = [((2, 3), "float32"), ((), "float32"), ((0, 4), "float32"), ((4,), "int8"),
+              ((3,), "bool"), ((5,), "bfloat16"), ((3, 2), "float32")]
+
+    def make(salt):
+        stacks = [np.stack([inputs(q, int(np.prod(s, dtype=np.int64)), d, "sum", salt=salt + i)
+                            for q in range(n)]) for i, (s, d) in enumerate(shapes)]
+        xs = [as_tensor(st[r], d, s) for st, (s, d) in zip(stacks, shapes)]
+        xs[-1] = xs[-1].t().contiguous().t()  # same values, not contiguous
+        wants = [(reference("sum", st).reshape(s), np.abs(st).sum(0).reshape(s))
+                 for st, (s, _) in zip(stacks, shapes)]
+        return xs, wants
+
+    for salt in (0, 10, 0):  # the first list again: its staging views come from the cache
+        xs, wants = make(salt)
+        outs = hvd.grouped_allreduce(xs, op=hvd.Sum)
+        ys = [x.clone() for x in xs]
+        assert all(a is b for a, b in zip(hvd.grouped_allreduce_(ys, op=hvd.Sum), ys))
+        for got, got_, (want, mag), (s, d) in zip(outs, ys, wants, shapes):
+            check(got, want, d, f"grouped {d} {s} salt {salt}", mag)
+            check(got_, want, d, f"grouped in place {d} {s} salt {salt}", mag)
+        kept = [o.clone() for o in outs]
+        hvd.grouped_allreduce(make(20)[0], op=hvd.Sum)  # a later call leaves these alone
+        outs[0].fill_(7)  # and so does a change to another result
+        assert all(torch.equal(a, b) for a, b in zip(outs[1:], kept[1:]))
+    # Scaling, in both forms, also for a list larger than the staging buffer (which then gets
+    # a buffer of its own): prescale 0.5 and postscale 3 give 1.5 times the sum.
+    floats = [x for x in make(30)[0] if x.dtype == torch.float32]
+    sums = hvd.grouped_allreduce(floats, op=hvd.Sum)
+    staging_max = ops._STAGING_MAX
+    try:
+        for limit in (staging_max, 16):
+            ops._STAGING_MAX = limit
+            for inplace in (False, True):
+                xs = [x.clone() for x in floats]
+                fn = hvd.grouped_allreduce_ if inplace else hvd.grouped_allreduce
+                got = fn(xs, op=hvd.Sum, prescale_factor=0.5, postscale_factor=3.0)
+                for g, s in zip(got, sums):
+                    torch.testing.assert_close(
+                        g.double(), 1.5 * s.double(), rtol=1e-6, atol=1e-5,
+                        msg=f"scaled grouped, in place {inplace}, staging limit {limit}")
+    finally:
+        ops._STAGING_MAX = staging_max
+    # The differentiable form's results may be modified in place (autograd allows it).
+    a, b = (torch.ones(2, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    ga, gb = hvd.grouped_allreduce([a * 1.0, b * 2.0], op=hvd.Sum)
+    ga /= 2
+    (ga + gb).sum().backward()
+    check(a.grad, np.full(2, n / 2), "float64", "grouped grad after an in-place change")
+    check(b.grad, np.full(2, 2.0 * n), "float64", "grouped grad b")
+
+
 # --- allgather, broadcast, alltoall ---------------------------------------------------------------
 
 def case_allgather_uneven_first_dims():
@@ -646,6 +704,169 @@ def case_join_with_distributed_optimizer():
                 p.grad = torch.zeros_like(p)
         ropt.step()
     assert _max_diff(model, ref) < 1e-10
+
+
+def _zero(opt, model, how):
+    """Zero the gradients the way a training loop may: through the optimizer (to None or to
+    zeros) or through the model, which the optimizer does not see."""
+    if how == "model":
+        model.zero_grad()
+    else:
+        opt.zero_grad(set_to_none=how == "none")
+
+
+def case_distributed_optimizer_gradients_are_bucket_views():
+    """The gradients are views of the optimizer's bucket buffers (one storage per bucket), the
+    same tensors step after step, reduced there in place; training matches one process on the
+    whole batch whatever zeroes them between steps (zero_grad(set_to_none=True / False),
+    model.zero_grad()), with 1 or 2 backward passes per step, default or small buckets (the
+    first bucket is capped separately), and a clipping step under skip_synchronize()."""
+    from mlfabric.torch import ops
+    from mlfabric.torch.optimizer import FIRST_BUCKET
+    n, r = hvd.size(), hvd.rank()
+    make = lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)  # noqa: E731
+    zeroings = ("none", "zeros", "model", "none", "model", "zeros")
+    # DDP's bucketing: the first bucket of each dtype capped apart from the others.
+    ts = [torch.zeros(k, dtype=dt) for k, dt in ((2, torch.float64), (3, torch.float64),
+                                                  (1, torch.float32), (4, torch.float64),
+                                                  (5, torch.float64), (8, torch.float32))]
+    assert ops.fuse(ts, 72, 40) == [[0, 1], [2, 5], [3, 4]]
+    assert ops.fuse(ts, 0, 0) == [[i] for i in range(6)]
+    for passes in (1, 2):
+        for threshold in (None, "200"):
+            models = []
+            for _ in range(2):
+                m = Net(seed=5).double()
+                m.bn = torch.nn.Identity()
+                m.unused.requires_grad_(False)  # every bucket then fills during backward
+                models.append(m)
+            model, ref = models
+            if threshold is not None:
+                os.environ["MLFABRIC_FUSION_THRESHOLD"] = threshold
+            try:
+                opt = hvd.DistributedOptimizer(make(model), backward_passes_per_step=passes,
+                                               named_parameters=model.named_parameters())
+            finally:
+                os.environ.pop("MLFABRIC_FUSION_THRESHOLD", None)
+            ropt = make(ref)
+            x, y = _data(n, len(zeroings), passes)
+            mine = slice(r * B, (r + 1) * B)
+            first = None
+            for s, how in enumerate(zeroings):
+                _zero(opt, model, how)
+                _zero(ropt, ref, how)
+                for m in range(passes):
+                    _loss(model, x[s, m, mine], y[s, m, mine]).backward()
+                total = sum(_loss(ref, x[s, m, q * B:(q + 1) * B], y[s, m, q * B:(q + 1) * B])
+                            for m in range(passes) for q in range(n))
+                (total / n).backward()
+                clip = s == len(zeroings) - 1
+                if clip:
+                    opt.synchronize()
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+                    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+                    with opt.skip_synchronize():
+                        opt.step()
+                else:
+                    opt.step()
+                ropt.step()
+                grads = [p.grad for p in model.parameters() if p.requires_grad]
+                if first is None:
+                    first = grads
+                what = f"passes {passes}, threshold {threshold}, step {s} ({how})"
+                assert all(a is b for a, b in zip(grads, first)), f"{what}: new .grad tensors"
+                assert _max_diff(model, ref) < 1e-10, f"{what}: {_max_diff(model, ref)}"
+            cap = ops.fusion_threshold() if threshold is None else int(threshold)
+            params = [p for p in model.parameters() if p.requires_grad][::-1]
+            buckets = ops.fuse(params, cap, min(FIRST_BUCKET, cap))
+            assert len(buckets) == (1 if threshold is None else 3)  # 192 B (first), 56, 280
+            storages = {p.grad.untyped_storage().data_ptr() for p in params}
+            assert len(storages) == len(buckets), f"{len(storages)} storages, {len(buckets)}"
+            same_everywhere(torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+                            f"passes {passes}, threshold {threshold}")
+
+
+def case_distributed_optimizer_parameters_unused_on_some_ranks():
+    """A branch that some ranks skip in some steps: those ranks contribute zeros for its
+    gradient (Horovod's rule), never what their bucket held from an earlier step, whether the
+    gradients were zeroed to None or to zeros; a gradient a rank set by hand before backward
+    is accumulated into and reduced like any other, and one replaced after backward receives
+    the result."""
+    n, r = hvd.size(), hvd.rank()
+    torch.manual_seed(21)
+    model = torch.nn.ModuleList([torch.nn.Linear(3, 3).double() for _ in range(2)])
+    ref = torch.nn.ModuleList([torch.nn.Linear(3, 3).double() for _ in range(2)])
+    ref.load_state_dict(model.state_dict())
+    os.environ["MLFABRIC_FUSION_THRESHOLD"] = "0"  # a bucket per tensor
+    try:
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    finally:
+        os.environ.pop("MLFABRIC_FUSION_THRESHOLD")
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(5, n, 2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    preset = torch.full((3,), 0.25, dtype=torch.float64)  # rank 0's hand-set bias gradient
+
+    def loss(m, s, q):
+        uses = s == 0 or (q + s) % 2 == 0  # branch 1 on rank q at step s
+        out = (m[0](x[s, q]) ** 2).sum()
+        return out + (m[1](x[s, q]) ** 2).sum() * 3 if uses else out
+
+    for s in range(5):
+        opt.zero_grad(set_to_none=s % 2 == 0)
+        ropt.zero_grad()
+        if s == 3 and r == 0:
+            model[0].bias.grad = preset.clone()
+        loss(model, s, r).backward()
+        if s == 4:  # replaced while being reduced: the new tensor still gets the result
+            model[0].weight.grad = model[0].weight.grad.clone()
+        opt.step()
+        (sum(loss(ref, s, q) for q in range(n)) / n).backward()
+        if s == 3:
+            ref[0].bias.grad += preset / n
+        for p in ref.parameters():  # no rank used the branch: Horovod still reduces zeros
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        ropt.step()
+        assert _max_diff(model, ref) < 1e-10, f"step {s}: {_max_diff(model, ref)}"
+
+
+def case_distributed_optimizer_fp16_over_steps():
+    """Compression.fp16 through the buckets' float16 buffers, several steps, two backward
+    passes, small buckets, gradients zeroed to None and to zeros: each step's reduced gradient
+    is within the documented bound of the float64 average over ranks."""
+    n, r = hvd.size(), hvd.rank()
+    model = Net(seed=6).double()
+    model.bn = torch.nn.Identity()
+    os.environ["MLFABRIC_FUSION_THRESHOLD"] = "100"
+    try:
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       compression=hvd.Compression.fp16,
+                                       backward_passes_per_step=2)
+    finally:
+        os.environ.pop("MLFABRIC_FUSION_THRESHOLD")
+    x, y = _data(n, 3, 2)
+    for s in range(3):
+        opt.zero_grad(set_to_none=s != 1)
+        local = []
+        for q in range(n):  # every rank's local gradient at the current weights, in float64
+            ref = Net(seed=6).double()
+            ref.bn = torch.nn.Identity()
+            ref.load_state_dict(model.state_dict())
+            for m in range(2):
+                _loss(ref, x[s, m, q * B:(q + 1) * B], y[s, m, q * B:(q + 1) * B]).backward()
+            local.append([p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+                          for p in ref.parameters()])
+        for m in range(2):
+            _loss(model, x[s, m, r * B:(r + 1) * B], y[s, m, r * B:(r + 1) * B]).backward()
+        opt.synchronize()
+        for i, p in enumerate(model.parameters()):
+            grads = torch.stack([g[i] for g in local])
+            tol = (n + 2) * 2.0 ** -11 * grads.abs().sum(0) / n + 2.0 ** -24
+            err = (p.grad - grads.mean(0)).abs()
+            assert (err <= tol).all(), f"step {s}, parameter {i}: {err.max()} > bound"
+        same_everywhere(torch.cat([p.grad.reshape(-1) for p in model.parameters()]), f"{s}")
+        with opt.skip_synchronize():
+            opt.step()
 
 
 # --- fp16 compression -----------------------------------------------------------------------------
