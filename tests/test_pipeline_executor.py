@@ -145,3 +145,22 @@ def test_make_schedule_names():
                             ("gpipe", dict(vertical_sync=True), "vertical_sync is a 1f1b")]:
         with pytest.raises(ValueError, match=match):
             make_schedule(name, 3, 4, **kw)
+
+
+ONE_RANK_ON_COMM_SELF = """
+import torch
+from mpi4py import MPI
+from mlfabric.pipeline import PipelineExecutor, flush
+ex = PipelineExecutor(flush(1, 2), [torch.nn.Linear(3, 2).double()],
+                      torch.nn.functional.mse_loss, comm=MPI.COMM_SELF)
+x = [torch.randn(2, 3, dtype=torch.float64) for _ in range(2)]
+y = [torch.randn(2, 2, dtype=torch.float64) for _ in range(2)]
+print("losses", sorted(ex.run(x, y)))
+"""
+
+
+def test_an_executor_on_a_communicator_other_than_the_world():
+    # MPI_TAG_UB is an attribute of COMM_WORLD only: on COMM_SELF (or a split) it reads None
+    proc = subprocess.run([sys.executable, "-c", ONE_RANK_ON_COMM_SELF], cwd=ROOT, env=mpi_env(),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+    assert proc.returncode == 0 and "losses [0, 1]" in proc.stdout, proc.stdout

@@ -192,7 +192,9 @@ class PipelineExecutor:
             raise MismatchError("ranks passed different schedules (by rank groups: %s); every "
                                 "rank must build the same one" % list(groups.values()))
         self._replica_comm = self._comm.Split(self.stage, self.replica)
-        self._tag_ub = min(int(self._comm.Get_attr(MPI.TAG_UB)), _TAG_LIMIT)
+        # TAG_UB is an attribute of COMM_WORLD only (None on COMM_SELF and on split
+        # communicators); it holds for every communicator of the job
+        self._tag_ub = min(int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)), _TAG_LIMIT)
         self._same_replica_weights(who)
 
         self._abort_buf = np.zeros(_ABORT_BYTES, np.uint8)
