@@ -155,7 +155,10 @@ class ClockedSGD:
     """Plain SGD (p -= lr * grad) that logs ("S", t, t) at each step (the schedule's S actions)
     and, given the communicator of a stage's replicas, first averages the gradients over them: a
     paced sleep of 2 (r-1)/r x bytes / B (the emulated ring), then the real allreduce
-    (mlfabric's MPI algorithms on that communicator, as the executor's flush does). Not a
+    (mlfabric's MPI algorithms on that communicator, as the executor's flush does). The
+    executor now averages a replicated stage's gradients itself before every step (1F1B-RR
+    too), so this allreduce re-averages equal gradients: it is kept because the time the
+    replicas wait for each other is measured here (sync_s). Not a
     torch.optim.Optimizer: building one imports torch._dynamo, seconds per process, which the
     smoke tests cannot afford 4 times over on 2 cores; the executor needs step and zero_grad."""
 

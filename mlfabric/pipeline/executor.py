@@ -11,9 +11,12 @@ Per action of this rank, in its list's order (piece q = chunk * p + stage, micro
   B  receive the gradient of (q, k)'s output from the rank of (q+1, k), or start from the loss;
      backward through the stashed graph; add the weight gradients into the master gradients;
      send the input gradient to the rank of (q-1, k).
-  S  the optimizer step of every piece on this rank; under "flush" and "2bw" the gradients are
-     first summed over the stage's replicas (comm.algorithms.allreduce on their own
-     communicator).
+  S  the optimizer step of every piece on this rank; on a replicated stage the gradients are
+     first combined over the stage's replicas (comm.algorithms.allreduce on their own
+     communicator): summed under "flush" and "2bw" (each is already 1/m of its batch's), averaged
+     under "stash" (1F1B-RR: replica j's i-th step takes the mean of the replicas' i-th
+     microbatch gradients, so the replicas keep equal weights, as data-parallel replicas of a
+     PipeDream stage do; the replicas must then run equally many steps).
 
 Messages: each tensor is preceded by a small header (run, kind, piece, microbatch, weight
 version, dtype, shape) and both go under a tag derived from (kind, piece, microbatch), so no
@@ -176,6 +179,7 @@ class PipelineExecutor:
                             if prm.requires_grad}
                         for i, q in enumerate(self.pieces)}
         self._plan()
+        self._check_replica_steps(schedule)
 
         who = "PipelineExecutor on " + schedule.rank_label(self.rank)
         req = comm.Ibarrier()  # bounded: a rank that never constructs is an error, not a hang
@@ -432,8 +436,13 @@ class PipelineExecutor:
             if self._remaining.get(key, 0) > 0 and key not in self._store:
                 self._store[key] = _copy_params(self._master[q])
         params = [prm for q in self.pieces for prm in self._master[q].values()]
-        if self._replica_comm.Get_size() > 1 and self.schedule.policy in ("flush", "2bw"):
+        replicas = self._replica_comm.Get_size()
+        if replicas > 1:
             self._sum_over_replicas(params, a, i)
+            if not self.scale_by_m:   # stash: one microbatch's gradient per replica -> the mean
+                for prm in params:
+                    if prm.grad is not None:
+                        prm.grad.div_(replicas)
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -462,6 +471,21 @@ class PipelineExecutor:
         self._remaining[(q, n)] -= 1
         if self._remaining[(q, n)] == 0:
             self._store.pop((q, n), None)
+
+    @staticmethod
+    def _check_replica_steps(schedule):
+        """Replicas of a stage allreduce at every step, so they must step equally often
+        (1F1B-RR: the inputs a multiple of each stage's replica count). The same on every rank,
+        so every rank raises."""
+        for s in range(schedule.p):
+            ranks = schedule.stage_ranks(s)
+            steps = [sum(1 for a in schedule.actions[r] if a.kind == "S") for r in ranks]
+            if len(set(steps)) > 1:
+                raise ValueError(
+                    "stage %d's replicas (ranks %s) would step %s times: their gradients are "
+                    "combined at every step, so each must step equally often (for 1F1B-RR, make "
+                    "the number of inputs a multiple of every stage's replica count)"
+                    % (s, ranks, steps))
 
     def _sum_over_replicas(self, params, a, i):
         """Sum the gradients over this stage's replicas (allreduce on their communicator)."""

@@ -19,6 +19,7 @@ the weights of the pieces it holds:
 import os
 import time
 
+import numpy as np
 import torch
 from mpi4py import MPI
 from torch.func import functional_call
@@ -234,8 +235,11 @@ def _replicas():
 
 
 def case_one_f_one_b_rr_routes_microbatch_k_to_replica_k_mod_r():
+    """1F1B-RR: input k on replica k mod r, forward and backward with one version; the replicas
+    average their gradients at every step, so they end with equal weights (bitwise); inputs
+    that would make them step unequally often are refused on every rank."""
     reps = _replicas()
-    M = 7
+    M = 8
     sched = one_f_one_b(len(reps), M, replicas=reps)
     model = PipelineModel(layers(2 * len(reps)), schedule=sched, loss_fn=loss_fn,
                           optimizer=sgd(0.05))
@@ -249,6 +253,22 @@ def case_one_f_one_b_rr_routes_microbatch_k_to_replica_k_mod_r():
         assert vf == vb, ((q, k), vf, vb)
     check_memory(model, "1f1b-rr")
     assert (loss is not None) == (model.stage == len(reps) - 1)
+    mine = torch.cat([prm.detach().reshape(-1) for m in model.modules for prm in m.parameters()])
+    every = MPI.COMM_WORLD.allgather((model.stage, mine.numpy()))
+    for stage, w in every:
+        if stage == model.stage:
+            assert np.array_equal(w, mine.numpy()), (R, "replicas of stage %d differ" % stage)
+    if r > 1:
+        start = layers(2 * len(reps))
+        moved = [p for p in model.modules[0].parameters()]
+        assert any(not torch.equal(a, b) for a, b in zip(moved, start[0].parameters()))
+    try:
+        PipelineModel(layers(2 * len(reps)), schedule=one_f_one_b(len(reps), 7, replicas=reps),
+                      loss_fn=loss_fn, optimizer=sgd(0.05))
+    except ValueError as e:
+        assert "step equally often" in str(e), e
+    else:
+        raise AssertionError("rank %d: 7 inputs over 2 replicas accepted" % R)
 
 
 def case_replicated_stage_under_a_flush_equals_synchronous_sgd():
@@ -391,10 +411,10 @@ def case_partition_and_schedule_by_name():
     reps = _replicas()
     part = Partition([Stage(s, s, r) for s, r in enumerate(reps)], noam=P,
                      predicted_time_per_sample=1.0, predicted_throughput=1.0)
-    model = PipelineModel(layers(len(reps)), schedule="1f1b", microbatches=5, partition=part,
+    model = PipelineModel(layers(len(reps)), schedule="1f1b", microbatches=6, partition=part,
                           loss_fn=loss_fn, optimizer=sgd())
-    assert model.schedule.replicas == reps and model.schedule.microbatches == 5
-    x, y = data(10)
+    assert model.schedule.replicas == reps and model.schedule.microbatches == 6
+    x, y = data(12)
     loss = model.train_step(x, y)
     assert (loss is not None) == model.is_last
     # a partition that does not match the schedule is refused
