@@ -912,23 +912,9 @@ def partition_results(args, profiles, part, pred, runs, wbytes, dp_pace, sched):
 
 def balanced_boundaries(times, p):
     """First layer of pieces 1..p-1 of the contiguous split of `times` minimising the largest
-    piece sum (ties to the earliest cut)."""
-    n = len(times)
-    c = np.concatenate(([0.0], np.cumsum(times)))
-    best = np.full((p + 1, n + 1), np.inf)
-    cut = np.zeros((p + 1, n + 1), np.int64)
-    best[0][0] = 0.0
-    for k in range(1, p + 1):
-        for j in range(k, n + 1):
-            for s in range(k - 1, j):
-                v = max(best[k - 1][s], c[j] - c[s])
-                if v < best[k][j]:
-                    best[k][j], cut[k][j] = v, s
-    bounds, j = [], n
-    for k in range(p, 0, -1):
-        j = int(cut[k][j])
-        bounds.append(j)
-    return sorted(bounds)[1:]
+    piece sum (ties to the earliest cut): the 2BW planner's balanced split."""
+    from mlfabric.pipeline.partition import _balanced_split
+    return [first for first, _ in _balanced_split(list(times), p)[1:]]
 
 
 def init_gloo(comm):
