@@ -55,7 +55,6 @@ import statistics
 import subprocess
 import sys
 import time
-import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -68,6 +67,7 @@ from mpi4py import MPI  # noqa: E402
 from mlfabric import _dtypes  # noqa: E402
 from mlfabric.bench.kernels import cpu_name  # noqa: E402
 from mlfabric.bench.report import host_info  # noqa: E402
+from mlfabric.bench.script import Parser, int_list, run_main  # noqa: E402
 from mlfabric.comm import algorithms  # noqa: E402
 from mlfabric.pipeline import schedules as sch  # noqa: E402
 from mlfabric.pipeline.validate import Timeline, simulate  # noqa: E402
@@ -1118,24 +1118,6 @@ def exp_overhead(comm, args, runs):
 
 # --- driver -------------------------------------------------------------------------------------
 
-class Parser(argparse.ArgumentParser):
-    """Help and errors printed by rank 0 only; every rank exits alike (status 2 on errors)."""
-
-    def _print_message(self, message, file=None):
-        if MPI.COMM_WORLD.rank == 0:
-            super()._print_message(message, file)
-
-
-def int_list(text):
-    try:
-        out = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError("expected comma-separated integers, got %r" % text)
-    if not out or min(out) < 1:
-        raise argparse.ArgumentTypeError("expected integers >= 1, got %r" % text)
-    return out
-
-
 def name_list(known):
     def parse(text):
         out = [x.strip() for x in text.split(",") if x.strip()]
@@ -1314,12 +1296,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        status = main()
-    except SystemExit:
-        raise
-    except BaseException:  # noqa: B902 - one rank's failure must not leave the others waiting
-        traceback.print_exc()
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(1)
-    sys.exit(status)
+    run_main(main)

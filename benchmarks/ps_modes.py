@@ -28,13 +28,13 @@ import statistics
 import subprocess
 import sys
 import time
-import traceback
 
 import numpy as np
 from mpi4py import MPI
 
 from mlfabric.bench.kernels import cpu_name
 from mlfabric.bench.report import host_info
+from mlfabric.bench.script import Parser, run_main
 from mlfabric.emulate import Emulation
 from mlfabric.ps.driver import default_update, run_job
 from mlfabric.runtime.roles import Roles
@@ -84,14 +84,6 @@ REGIME = {
                "little: the latencies are the control plane's own (pickled messages, the "
                "daemons' event loops) on 8 processes sharing 2 cores.",
 }
-
-
-class Parser(argparse.ArgumentParser):
-    """Help and errors printed by rank 0 only; every rank exits alike (status 2 on errors)."""
-
-    def _print_message(self, message, file=None):
-        if MPI.COMM_WORLD.rank == 0:
-            super()._print_message(message, file)
 
 
 def parse_args(argv):
@@ -586,12 +578,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        status = main()
-    except SystemExit:
-        raise
-    except BaseException:  # noqa: B902 - one rank's failure must not leave the others waiting
-        traceback.print_exc()
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(1)
-    sys.exit(status)
+    run_main(main)

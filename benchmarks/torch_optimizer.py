@@ -61,6 +61,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import mlfabric.torch as hvd
 from mlfabric.bench.kernels import cpu_name
 from mlfabric.bench.report import host_info
+from mlfabric.bench.script import Parser, int_list  # noqa: E402
 from mlfabric.torch import ops as hvd_ops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -71,24 +72,6 @@ FUSION_VARIANTS = ("one", "grouped", "cat+one", "unfused", "unfused-async", "opt
 SCALING_MAX = 1.2   # hvd step at 2 ranks / single-process step, compute-bound model
 FUSION_MAX = 2.0    # 100 small tensors fused / one tensor of the same size
 GLOO_MIN = 1.5      # DDP-on-gloo step / hvd step
-
-
-class Parser(argparse.ArgumentParser):
-    """Help and errors printed by rank 0 only; every rank exits alike (status 2 on errors)."""
-
-    def _print_message(self, message, file=None):
-        if MPI.COMM_WORLD.rank == 0:
-            super()._print_message(message, file)
-
-
-def int_list(text):
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers")
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: needs integers >= 1")
-    return values
 
 
 def parse_args(argv):

@@ -18,13 +18,15 @@ import os
 import platform
 import sys
 import time
-import traceback
 
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+from mlfabric.bench.script import run_main  # noqa: E402,F401  (the scripts' entry: common.run_main)
+
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "paper")
 
 BASE_RATE = 50e6            # bytes/s standing for the paper's 10 Gbps
@@ -437,18 +439,3 @@ def plot_curves(ax, jobs, target, label_of, xkey="t"):
     ax.axhline(target, color="k", lw=0.8, ls="--")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-
-
-def run_main(main):
-    """A script's entry under mpirun: exit with main()'s status; any other failure on one rank
-    aborts the whole job instead of leaving the other ranks waiting for it."""
-    try:
-        status = main()
-    except SystemExit:
-        raise
-    except BaseException:  # noqa: B902 - one rank's failure must not leave the others waiting
-        traceback.print_exc()
-        sys.stderr.flush()
-        from mpi4py import MPI
-        MPI.COMM_WORLD.Abort(1)
-    sys.exit(status)

@@ -65,9 +65,14 @@ def _flat(params):
                         % sorted(str(d) for d in dtypes))
     if any(p.device.type != "cpu" for p in params):
         raise TypeError("the parameter-server runtime moves CPU tensors only")
+    return params, _vector(params)
+
+
+def _vector(params):
+    """The parameters as one new flat numpy vector (their dtype)."""
     import torch
     with torch.no_grad():
-        return params, torch.cat([p.detach().reshape(-1) for p in params]).numpy().copy()
+        return torch.cat([p.detach().reshape(-1) for p in params]).numpy()
 
 
 def _load(params, vec):
@@ -123,8 +128,8 @@ class PSOptimizer:
             raise MlfabricError("PSOptimizer is for worker ranks; this rank is the %s (it calls "
                                 "serve_model)" % ps.role())
         self.optimizer = optimizer
-        self.params, vec = _flat(params)
-        self.size = vec.size
+        self.params, vec = _flat(params)   # checked once: one dtype, CPU
+        self.size, self.dtype = vec.size, vec.dtype
         self.cuts = shards(vec.size, _job["servers"])
         self.servers = roles.server_ranks
         self.scale = 1.0 / len(roles.worker_ranks) if _job["mode"] == "sync" else 1.0
@@ -133,7 +138,7 @@ class PSOptimizer:
         self._pull()   # start from the server's model, whatever this rank built
 
     def _pull(self):
-        vec = np.empty(self.size, self._dtype())
+        vec = np.empty(self.size, self.dtype)
         for s, (a, b) in zip(self.servers, self.cuts):
             model, self.version = ps.get(s)
             if model.size != b - a:
@@ -142,10 +147,6 @@ class PSOptimizer:
             vec[a:b] = model
         _load(self.params, vec)
         self.last = vec
-
-    def _dtype(self):
-        import torch
-        return torch.empty(0, dtype=self.params[0].dtype).numpy().dtype
 
     def zero_grad(self, set_to_none=True):
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -157,8 +158,7 @@ class PSOptimizer:
     def step(self, closure=None):
         """One worker iteration: returns the closure's loss, if any."""
         loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
-        _, now = _flat(self.params)
-        change = now - self.last
+        change = _vector(self.params) - self.last
         if self.scale != 1.0:
             change *= self.scale
         for s, (a, b) in zip(self.servers, self.cuts):
