@@ -17,11 +17,14 @@ import math
 import numpy as np
 from mpi4py import MPI
 
-from .. import kernels
+from .. import _config, kernels
 from ..errors import MlfabricError, NotInitializedError, PeerTimeoutError
 from ..runtime.core import Config, Runtime
 from ..runtime.roles import REPLICA, SCHEDULER, SERVER, WORKER, Roles
 
+# Control and data communicators of jobs that ended with a failed or hung peer: never freed, so
+# that Open MPI never reuses their context ids for a later job's (messages may be left on them).
+_KEPT = []
 _state = {"config": None, "comm": None, "rt": None, "role": None, "pushes": {}, "versions": {},
           "next_id": 0, "handler": None}  # handler: the role object serve() drives
 
@@ -215,8 +218,12 @@ def _end(rt):
         _state["config"] = None
     # everyone has the summary: the job's communicators can go (collective, so only now)
     rt.dp.close(timeout=5.0)
-    for comm in (rt.ctrl, rt.data, rt.comm):
-        comm.Free()
+    if not rt.daemon.is_alive() and rt.channel.close(_config.timeout_s()):
+        rt.ctrl.Free()
+        rt.data.Free()
+    else:  # a peer failed or hangs: messages may be left on them (see control.py), keep them
+        _KEPT.extend((rt.ctrl, rt.data))
+    rt.comm.Free()
     _state["comm"] = None
     return summary
 

@@ -20,13 +20,20 @@ Kinds (body in brackets; job times are the scheduler's):
   any -> scheduler       report [(egress, ingress available, out, in achieved)] (the monitor)
   scheduler -> all       stop []; summary [Summary]; any -> scheduler: ledger [Ledger]
   any -> all             error [text] (a daemon failed: everyone stops with that message)
+
+Every message carries its sequence number on its (sender, receiver) pair, so a lost or stale
+message is an error naming it, never a silent hang. At the end of a job every rank receives what
+its peers sent it but it has not yet taken (close()), before the communicator is freed: Open MPI
+reuses a freed communicator's context id, and a message left unreceived on the old one would
+otherwise be matched on the next job's control communicator in place of a real one.
 """
 import time
 
+import numpy as np
 from mpi4py import MPI
 
 from .. import _config
-from ..errors import PeerTimeoutError
+from ..errors import MlfabricError, PeerTimeoutError
 
 TAG = 0x6D63  # "mc": control traffic
 
@@ -40,11 +47,15 @@ class Channel:
         self.dead = set()    # ranks known failed (ULFM): nothing more is sent to them
         self._status = MPI.Status()
         self._inbox = []     # received before an interruption, not yet handed out
+        self.sent = np.zeros(comm.size, np.int64)      # messages sent to each rank
+        self.received = np.zeros(comm.size, np.int64)  # messages taken from each rank
 
     def send(self, dst, kind, body=None):
         if dst in self.dead:
             return
-        self.inflight.append((self.comm.isend((kind, body), dst, TAG), dst, kind,
+        seq = int(self.sent[dst])
+        self.sent[dst] += 1
+        self.inflight.append((self.comm.isend((seq, kind, body), dst, TAG), dst, kind,
                               time.monotonic()))
 
     def forget(self, rank):
@@ -62,7 +73,8 @@ class Channel:
                 return out
             while True:
                 src = st.Get_source()
-                kind, body = comm.recv(source=src, tag=TAG)
+                seq, kind, body = comm.recv(source=src, tag=TAG)
+                self._count(src, seq, kind)
                 out.append((src, kind, body))
                 if not comm.Iprobe(MPI.ANY_SOURCE, TAG, st):
                     break
@@ -70,6 +82,39 @@ class Channel:
             self._inbox = out
             raise
         return out
+
+    def _count(self, src, seq, kind):
+        want = self.received[src]
+        if seq != want:
+            raise MlfabricError(
+                "control channel of rank %d: message %r from rank %d is number %d on that pair, "
+                "expected number %d: a control message was lost or left over from an earlier "
+                "job (an internal error; please report it)" % (self.comm.rank, kind, src, seq, want))
+        self.received[src] = want + 1
+
+    def close(self, timeout):
+        """Collective, once every daemon has stopped sending: take every message peers sent this
+        rank that it has not received yet (late monitor reports, ...) and discard it, so none is
+        left on the communicator when it is freed. True when done; False when it could not be
+        (a peer failed, or did not reach the end within `timeout`): then the communicator must
+        be kept, never freed, so that its context id is never reused."""
+        comm = self.comm
+        end = time.monotonic() + timeout
+        try:
+            due = np.empty_like(self.sent)
+            req = comm.Ialltoall(self.sent, due)
+            while not req.Test():
+                if time.monotonic() > end:
+                    return False
+                time.sleep(0.0005)
+            while (self.received < due).any():
+                if not self.receive():
+                    if time.monotonic() > end:
+                        return False
+                    time.sleep(0.0005)
+        except MPI.Exception:
+            return False
+        return True
 
     def progress(self, now):
         """Retire completed sends; PeerTimeoutError for one a peer has not taken in time."""
