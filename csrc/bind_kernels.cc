@@ -102,6 +102,27 @@ void bind_kernels(py::module_& m) {
       [](uintptr_t dst, uintptr_t src, size_t nbytes) { mlf::copy(ptr(dst), ptr(src), nbytes); },
       py::arg("dst"), py::arg("src"), py::arg("nbytes"), nogil(),
       "memcpy (streaming stores for large copies); dst and src must not overlap.");
+  m.def(
+      "gather",
+      [](uintptr_t dst, const std::vector<uintptr_t>& srcs, const std::vector<size_t>& nbytes) {
+        if (srcs.size() != nbytes.size())
+          throw py::value_error("gather: srcs and nbytes differ in length");
+        char* d = static_cast<char*>(ptr(dst));
+        for (size_t i = 0; i < srcs.size(); d += nbytes[i], ++i) mlf::copy(d, ptr(srcs[i]), nbytes[i]);
+      },
+      py::arg("dst"), py::arg("srcs"), py::arg("nbytes"), nogil(),
+      "Copy buffers srcs[i] (nbytes[i] bytes each) back to back into dst: one call for the many "
+      "small tensors of a fused allreduce.");
+  m.def(
+      "scatter",
+      [](uintptr_t src, const std::vector<uintptr_t>& dsts, const std::vector<size_t>& nbytes) {
+        if (dsts.size() != nbytes.size())
+          throw py::value_error("scatter: dsts and nbytes differ in length");
+        const char* s = static_cast<const char*>(ptr(src));
+        for (size_t i = 0; i < dsts.size(); s += nbytes[i], ++i) mlf::copy(ptr(dsts[i]), s, nbytes[i]);
+      },
+      py::arg("src"), py::arg("dsts"), py::arg("nbytes"), nogil(),
+      "The inverse of gather: consecutive pieces of src (nbytes[i] bytes each) into dsts[i].");
   m.def("isa", []() { return std::string(mlf::isa()); },
         "Instruction set the CPU kernels use: 'scalar', 'avx2' or 'avx512'.");
   m.def("set_isa", [](const std::string& name) { return mlf::set_isa(name.c_str()); },

@@ -36,20 +36,26 @@ class Context:
             self.shm = ShmTransport(self.node_comm)
         self.executor = Executor()
         self.plain_plans = {}  # (dtype, shape, op) -> plan of allreduce's direct path
+        # called before the shared memory goes: owners of long-lived shared buffers that users
+        # can still reach (DistributedOptimizer's gradient buckets) move them to private memory
+        self.on_close = []
+
+    def close(self):
+        self.executor.shutdown()
+        if self.broken():
+            return  # freeing windows and communicators is collective: it could wait forever
+        for fn in self.on_close:
+            fn()
+        if self.shm is not None:
+            self.shm.close()
+        self.node_comm.Free()
+        self.comm.Free()
 
     def broken(self):
         """True after a timeout or engine failure: peers may be gone, so nothing collective."""
         from .comm import p2p
         return bool((self.shm is not None and self.shm.engine.any_failed) or p2p.abandoned())
 
-    def close(self):
-        self.executor.shutdown()
-        if self.broken():
-            return  # freeing windows and communicators is collective: it could wait forever
-        if self.shm is not None:
-            self.shm.close()
-        self.node_comm.Free()
-        self.comm.Free()
 
 
 def _check_same_settings(comm):

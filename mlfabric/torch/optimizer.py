@@ -38,8 +38,12 @@ import functools
 import weakref
 import zlib
 
+import numpy as np
 import torch
 
+from .. import collectives as _coll
+from .. import context as _context
+from .. import shared as _shared
 from ..errors import MlfabricError
 from . import ops
 from .compression import Compression, check as _check_compression
@@ -50,18 +54,31 @@ FIRST_BUCKET = 1 << 20  # bytes, as DDP (torch.distributed._DEFAULT_FIRST_BUCKET
 class _Bucket:
     __slots__ = ("index", "params", "views", "flat", "half", "name", "waiting", "pending")
 
-    def __init__(self, index, params, names, fp16):
+    def __init__(self, index, params, names, fp16, flat):
         self.index, self.params = index, params
         shown = ", ".join(names[:4]) + (f", ... ({len(names)} in all)" if len(names) > 4 else "")
         self.name = f"gradients[{index}]: {shown}"
-        sizes = [p.numel() for p in params]
-        self.flat = torch.zeros(sum(sizes), dtype=params[0].dtype)
-        self.views = [v.view(p.shape) for v, p in zip(self.flat.split(sizes), params)]
+        self._place(flat)
         # fp16 compression: the float16 copy that travels, for floating types other than it
         self.half = (torch.empty(self.flat.numel(), dtype=torch.float16)
                      if fp16 and self.flat.dtype != torch.float16 else None)
         self.waiting = len(params)  # parameters not yet through all their backward passes
         self.pending = None         # (handle, the tensor reduced, compression ctx) once started
+
+    def _place(self, flat):
+        """Make flat the bucket's buffer, each parameter's view a slice of it."""
+        self.flat = flat
+        sizes = [p.numel() for p in self.params]
+        self.views = [v.view(p.shape) for v, p in zip(flat.split(sizes), self.params)]
+
+    def unshare(self):
+        """Before mlfabric's shared memory is freed (finalize): move the bucket to private
+        memory. The same tensor objects are re-pointed (set_), so .grad, and any reference a
+        user kept to it, stay readable; only views made from them by hand would not."""
+        storage = self.flat.clone().untyped_storage()
+        with torch.no_grad():
+            for t in (self.flat, *self.views):
+                t.set_(storage, t.storage_offset(), t.shape, t.stride())
 
 
 class _Slot:
@@ -108,16 +125,20 @@ class _DistributedOptimizer:
         order = params[::-1]
         threshold = ops.fusion_threshold()
         fp16 = compression is Compression.fp16
-        self._mlf_buckets = [
-            _Bucket(b, [order[i] for i in members], [names[id(order[i])] for i in members], fp16)
-            for b, members in enumerate(ops.fuse(order, threshold,
-                                                 min(FIRST_BUCKET, threshold)))]
-        self._mlf_slots = [_Slot(b, v, backward_passes_per_step)
-                           for b in self._mlf_buckets for v in b.views]
+        plan = ops.fuse(order, threshold, min(FIRST_BUCKET, threshold))
         # Every bucket's allreduce carries (a hash of) the whole model's dtypes and shapes: ranks
         # holding different models fail together at the first bucket.
         self._mlf_layout = zlib.crc32(repr(
             tuple((str(p.dtype), tuple(p.shape)) for p in params)).encode())
+        flats = _bucket_buffers(self._mlf_layout, [[order[i] for i in m] for m in plan])
+        self._mlf_buckets = [
+            _Bucket(b, [order[i] for i in members], [names[id(order[i])] for i in members], fp16,
+                    flat)
+            for (b, members), flat in zip(enumerate(plan), flats)]
+        if flats and _shared.is_shared(flats[0]):
+            _context.get().on_close.append(functools.partial(_unshare, weakref.ref(self)))
+        self._mlf_slots = [_Slot(b, v, backward_passes_per_step)
+                           for b in self._mlf_buckets for v in b.views]
         self._mlf_done = 0              # parameters through all their passes since the reset
         self._mlf_next = 0              # the next bucket to start
         self._mlf_synchronized = False  # reduced since the last backward pass / step()
@@ -243,6 +264,38 @@ class _DistributedOptimizer:
                 "Call step() (or synchronize()) first")
         self._mlf_reset()  # an accumulation of backward passes starts again
         return super().zero_grad(set_to_none)
+
+
+def _bucket_buffers(layout, buckets):
+    """A zeroed flat buffer per bucket (a list of parameters). In shared memory when every rank
+    is on this host (and MLFABRIC_SHM is on) and every rank holds the same model: then each
+    bucket's allreduce reads the peers' buckets in place (zero-copy: 3-6x faster for 16 MB
+    here) instead of copying through the engine's segment. Deciding that is collective (one
+    allgather of the model's hash, then the allocations), so it runs in the calls' queue, in
+    order with them. Ranks with different models get private buckets, and the first bucket's
+    allreduce reports the mismatch on every rank, naming the ranks (as without shared memory)."""
+    specs = [(sum(p.numel() for p in ps), ps[0].dtype) for ps in buckets]
+
+    def private():
+        return [torch.zeros(n, dtype=dt) for n, dt in specs]
+
+    if not _context.initialized() or _context.get().shm is None:
+        return private()
+
+    def job():
+        every = _coll.allgather(np.array([layout], np.int64))
+        if not (every == every[0]).all():
+            return private()
+        return [_shared.shared_empty(n, dt).zero_() for n, dt in specs]
+
+    return ops._state().queue.run("DistributedOptimizer (gradient buckets)", job)
+
+
+def _unshare(ref):
+    opt = ref()
+    if opt is not None:
+        for b in opt._mlf_buckets:
+            b.unshare()
 
 
 def _gather(b):

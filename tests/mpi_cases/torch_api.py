@@ -234,6 +234,91 @@ def case_grouped_allreduce_staging_and_outputs():
     check(b.grad, np.full(2, 2.0 * n), "float64", "grouped grad b")
 
 
+def _zero_copy_calls():
+    from mlfabric import context
+    shm = context.get().shm
+    return None if shm is None else shm.zero_copy_calls
+
+
+def case_grouped_allreduce_direct_copies_and_shared_staging():
+    """Lists of contiguous tensors of one dtype are copied in and out by the C++ gather /
+    scatter (no torch op per tensor), through a staging buffer in shared memory: a large list's
+    allreduce is zero-copy. Results equal float64 references; the in-place form bumps the
+    tensors' versions as a torch in-place op would (autograd then refuses a tensor it saved);
+    while a rank is joined the others still reduce (through private staging, no collective
+    allocation the joined rank would miss)."""
+    n, r = hvd.size(), hvd.rank()
+    sizes = [0, 1, 7, 1000, 4096, 30_000, 3, 100_000, 11]  # > 100k elements in all
+    stacks = [np.stack([inputs(q, k, "float64", "sum", salt=i) for q in range(n)])
+              for i, k in enumerate(sizes)]
+    for dtype in ("float64", "float32"):
+        xs = [as_tensor(st[r], dtype).clone() for st in stacks]  # not sharing st's memory
+        xs[1] = xs[1].reshape(())  # a 0-d tensor among them
+        before = _zero_copy_calls()
+        outs = hvd.grouped_allreduce(xs, op=hvd.Sum)
+        versions = [x._version for x in xs]
+        assert hvd.grouped_allreduce_(xs, op=hvd.Sum) is not None
+        after = _zero_copy_calls()
+        for i, (got, got_, st) in enumerate(zip(outs, xs, stacks)):
+            want = reference("sum", st).reshape(got.shape)
+            mag = np.abs(st).sum(0).reshape(got.shape)
+            check(got, want, dtype, f"grouped direct {dtype} [{i}]", mag)
+            check(got_, want, dtype, f"grouped direct in place {dtype} [{i}]", mag)
+        assert all(x._version > v for x, v in zip(xs, versions)), "versions not bumped"
+        if n > 1 and before is not None:
+            assert after == before + 2, f"{dtype}: {after - before} zero-copy calls, expected 2"
+    # autograd sees the in-place write
+    w = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    h = w * 1.0
+    loss = (h * h).sum()  # saves h for backward
+    hvd.grouped_allreduce_([h, torch.ones(2, dtype=torch.float64)], op=hvd.Sum)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    # A joined rank: the others' grouped allreduces still run (and find the sum of the active
+    # ranks' tensors); then everyone is back to shared staging.
+    if n > 1:
+        big = [torch.full((60_000,), float(r + 1)), torch.full((50_000,), 2.0 * (r + 1))]
+        # the others join together after rank n - 1: the highest of them is reported
+        if r == n - 1:
+            assert hvd.join() == n - 2
+        else:
+            got = hvd.grouped_allreduce(big, op=hvd.Sum)
+            active = sum(q + 1 for q in range(n - 1))
+            assert torch.equal(got[0], torch.full((60_000,), float(active))), got[0][:4]
+            assert torch.equal(got[1], torch.full((50_000,), 2.0 * active)), got[1][:4]
+            assert hvd.join() == n - 2
+        got = hvd.grouped_allreduce(big, op=hvd.Sum)
+        assert torch.equal(got[0], torch.full((60_000,), float(n * (n + 1) // 2)))
+
+
+def case_distributed_optimizer_buckets_shared_and_kept_over_shutdown():
+    """With every rank on this host, the gradient buckets live in shared memory (their
+    allreduces are zero-copy); hvd.shutdown() moves them (and the .grad views) to private
+    memory, so the gradients stay readable and equal; the optimizer's step still works after
+    init() again."""
+    n, r = hvd.size(), hvd.rank()
+    torch.manual_seed(3)
+    model = torch.nn.Linear(400, 300).double()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                   named_parameters=model.named_parameters())
+    before = _zero_copy_calls()
+    opt.zero_grad(set_to_none=False)  # gradients are then the buckets' views
+    x = torch.full((2, 400), float(r + 1), dtype=torch.float64)
+    model(x).sum().backward()
+    opt.synchronize()
+    if n > 1 and before is not None:
+        assert _zero_copy_calls() > before, "bucket allreduces were not zero-copy"
+    # d(sum)/dW = column sums of x: 2 (r + 1) everywhere; averaged over ranks: n + 1
+    want = np.full((300, 400), float(n + 1))
+    check(model.weight.grad, want, "float64", "shared bucket gradient")
+    grad = model.weight.grad
+    hvd.shutdown()
+    check(grad, want, "float64", "gradient view after shutdown")
+    check(model.weight.grad, want, "float64", ".grad after shutdown")
+    hvd.init()
+    _still_works()
+
+
 # --- allgather, broadcast, alltoall ---------------------------------------------------------------
 
 def case_allgather_uneven_first_dims():
