@@ -278,9 +278,10 @@ def exp_step(comm, args, groups, batch):
         "local / alone": v["local"] / v["alone"],
         "ddp-gloo / hvd": v["ddp-gloo"] / v["hvd"],
         "ddp-mlfabric / hvd": v["ddp-mlfabric"] / v["hvd"],
-        # what communication adds over the same steps without it, gloo's over hvd's
-        "ddp-gloo added / hvd added": ((v["ddp-gloo"] - v["local"])
-                                       / max(v["hvd"] - v["local"], 1e-9)),
+        # what communication adds over the same steps without it, gloo's over hvd's; None when
+        # hvd added nothing measurable (noise made hvd's median <= local's: no ratio to give)
+        "ddp-gloo added / hvd added": ((v["ddp-gloo"] - v["local"]) / (v["hvd"] - v["local"])
+                                       if v["hvd"] > v["local"] else None),
     }
     for n in names[len(STEP_VARIANTS):]:
         out["ratios"][f"{n} / alone"] = v[n] / v["alone"]
@@ -391,7 +392,8 @@ def print_step(res, size):
         print(f"{name:>13}: {r['median_ms']:8.2f} ms  ({s['forward']:.2f} / {s['backward']:.2f}"
               f" / {s['sync']:.2f} / {s['update']:.2f}; rounds "
               f"{min(r['per_round_ms']):.2f}..{max(r['per_round_ms']):.2f})")
-    print("  " + ", ".join(f"{k}: {v:.2f}" for k, v in res["ratios"].items()))
+    print("  " + ", ".join(f"{k}: {'n/a' if v is None else f'{v:.2f}'}"
+                           for k, v in res["ratios"].items()))
     print("  max |weight difference|: " + ", ".join(
         f"{k} {v:.1e}" for k, v in res["max_abs_weight_diff"].items()))
 

@@ -5,7 +5,7 @@ How it works:
 - gradient buckets are fixed at construction: the parameters in reverse order (gradients become
   ready roughly from the last layer back), fused per dtype as DDP does: a first bucket of at most
   1 MiB, so that the first allreduce starts early in backward, then buckets of at most
-  MLFABRIC_FUSION_THRESHOLD bytes (default 25 MiB, DDP's bucket_cap_mb). Every rank builds the
+  MLFABRIC_FUSION_THRESHOLD bytes (default 4 MiB; see ops.fusion_threshold). Every rank builds the
   same buckets from the same model, and buckets always start in bucket order, so every rank
   issues the same allreduces in the same order whatever order its hooks fire in;
 - each bucket owns one flat buffer for the optimizer's lifetime, and each parameter's .grad is a
@@ -17,6 +17,11 @@ How it works:
   slice before autograd accumulates (a tensor pre-hook: a memset, then an add that reads two
   tensors): the same within noise on an MLP's 16.8 MB of gradients, about 0.15 ms cheaper per
   backward over 100 small ones (no second Python hook per parameter);
+- with every rank on one host (MLFABRIC_SHM on) and the same model everywhere, the bucket
+  buffers are in shared memory, allocated collectively at construction: each bucket's allreduce
+  then reads the peers' buckets in place (zero-copy). mlfabric's finalize (hvd.shutdown(), or
+  the end of the process) first moves them to private memory, re-pointing the same .grad tensor
+  objects, so gradients stay readable after it;
 - a hook after each gradient accumulation (register_post_accumulate_grad_hook) counts the
   backward passes of its parameter; when the last parameter of a bucket has had
   backward_passes_per_step passes, the bucket (and any ready buckets after it) starts an async
