@@ -57,7 +57,6 @@ class Context:
         return bool((self.shm is not None and self.shm.engine.any_failed) or p2p.abandoned())
 
 
-
 def _check_same_settings(comm):
     """MismatchError-like failure on every rank when ranks run with different settings."""
     every = comm.allgather(_config.shaping_settings())

@@ -218,7 +218,7 @@ def _end(rt):
         _state["config"] = None
     # everyone has the summary: the job's communicators can go (collective, so only now)
     rt.dp.close(timeout=5.0)
-    if not rt.daemon.is_alive() and rt.channel.close(_config.timeout_s()):
+    if not rt.failed and not rt.daemon.is_alive() and rt.channel.close(_config.timeout_s()):
         rt.ctrl.Free()
         rt.data.Free()
     else:  # a peer failed or hangs: messages may be left on them (see control.py), keep them

@@ -836,8 +836,8 @@ def fusion_threshold():
     gradient buckets after the first, broadcast_parameters); default 4 MiB; 0 turns fusion off.
     Every rank must use the same value. A bucket waits for all its gradients, so smaller buckets
     overlap more of backward; each costs a control round and an allreduce call, which with
-    buckets in shared memory (zero-copy) is cheap enough that 4 MiB beat DDP's 25 MiB (and
-    Horovod's 64 MiB) on every step measured (BENCHMARKS.md, DistributedOptimizer)."""
+    buckets in shared memory (zero-copy) is cheap enough that 4 MiB beat DDP's 25 MiB (the
+    previous default) on every step measured (BENCHMARKS.md, DistributedOptimizer)."""
     raw = os.environ.get("MLFABRIC_FUSION_THRESHOLD", "").strip()
     if not raw:
         return 4 << 20

@@ -80,10 +80,11 @@ class _Bucket:
         """Before mlfabric's shared memory is freed (finalize): move the bucket to private
         memory. The same tensor objects are re-pointed (set_), so .grad, and any reference a
         user kept to it, stay readable; only views made from them by hand would not."""
+        base = self.flat.storage_offset()  # the bucket is a slice of a larger shared buffer
         storage = self.flat.clone().untyped_storage()
         with torch.no_grad():
             for t in (self.flat, *self.views):
-                t.set_(storage, t.storage_offset(), t.shape, t.stride())
+                t.set_(storage, t.storage_offset() - base, t.shape, t.stride())
 
 
 class _Slot:
@@ -291,7 +292,17 @@ def _bucket_buffers(layout, buckets):
         every = _coll.allgather(np.array([layout], np.int64))
         if not (every == every[0]).all():
             return private()
-        return [_shared.shared_empty(n, dt).zero_() for n, dt in specs]
+        # one shared buffer per dtype, cut into the buckets (a window per bucket could run
+        # into MPI's limits with many small buckets)
+        totals = {}
+        for n, dt in specs:
+            totals[dt] = totals.get(dt, 0) + n
+        pools = {dt: _shared.shared_empty(n, dt).zero_() for dt, n in totals.items()}
+        flats, at = [], dict.fromkeys(pools, 0)
+        for n, dt in specs:
+            flats.append(pools[dt][at[dt]:at[dt] + n])
+            at[dt] += n
+        return flats
 
     return ops._state().queue.run("DistributedOptimizer (gradient buckets)", job)
 

@@ -865,8 +865,14 @@ def case_distributed_optimizer_gradients_are_bucket_views():
             params = [p for p in model.parameters() if p.requires_grad][::-1]
             buckets = ops.fuse(params, cap, min(FIRST_BUCKET, cap))
             assert len(buckets) == (1 if threshold is None else 3)  # 192 B (first), 56, 280
-            storages = {p.grad.untyped_storage().data_ptr() for p in params}
-            assert len(storages) == len(buckets), f"{len(storages)} storages, {len(buckets)}"
+            # each bucket is one flat buffer whose slices, back to back, are the .grad tensors
+            assert [b.params for b in opt._mlf_buckets] == [[params[i] for i in m]
+                                                             for m in buckets]
+            for b in opt._mlf_buckets:
+                at = b.flat.data_ptr()
+                for p, view in zip(b.params, b.views):
+                    assert p.grad is view and p.grad.data_ptr() == at
+                    at += p.grad.nbytes
             same_everywhere(torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
                             f"passes {passes}, threshold {threshold}")
 
