@@ -13,12 +13,29 @@ def mpirun_path():
     return here if os.path.exists(here) else shutil.which("mpirun")
 
 
+_SHARED_MEMORY_BTL = []
+
+
+def shared_memory_btl():
+    """Open MPI's on-host transport: "sm" from 5.0 on, "vader" in 3.x and 4.x (asked of mpirun
+    once, without importing mpi4py here)."""
+    if not _SHARED_MEMORY_BTL:
+        try:
+            out = subprocess.run([mpirun_path() or "mpirun", "--version"], stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            out = ""
+        old = any(f"Open MPI) {v}." in out or f"Open MPI {v}." in out for v in "1234")
+        _SHARED_MEMORY_BTL.append("vader" if old else "sm")
+    return _SHARED_MEMORY_BTL[0]
+
+
 def mpi_env(extra=None):
     env = dict(os.environ)
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                PYTHONUNBUFFERED="1", MLFABRIC_TIMEOUT=env.get("MLFABRIC_TIMEOUT", "20"),
                # Keep Open MPI from probing networks: everything is on this host.
-               OMPI_MCA_btl="self,sm", OMPI_MCA_osc="^ucx")
+               OMPI_MCA_btl="self," + shared_memory_btl(), OMPI_MCA_osc="^ucx")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra or {})
     return env

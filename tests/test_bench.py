@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from mlfabric.bench import driver, impls, report
+from tests.mpi_util import shared_memory_btl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 120
@@ -188,7 +189,8 @@ def bench(n, *args, tmp_path=None, timeout=TIMEOUT):
         path = os.path.join(str(tmp_path), "bench.json")
         args += ["--json", path]
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               PYTHONUNBUFFERED="1", OMPI_MCA_btl="self,sm", MLFABRIC_TIMEOUT="30")
+               PYTHONUNBUFFERED="1", OMPI_MCA_btl="self," + shared_memory_btl(),
+               MLFABRIC_TIMEOUT="30")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [exe, "--oversubscribe", "-n", str(n), sys.executable, "-m", "mlfabric.bench", *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,

@@ -19,8 +19,10 @@ def test_torch_api(n):
 @pytest.mark.parametrize("n,extra", [(2, []), (3, ["--fp16-allreduce"])])
 def test_horovod_style_script_trains(n, extra):
     script = os.path.join(ROOT, "tests", "mpi_cases", "horovod_style_script.py")
+    # --no-cuda: the script's own flag; mlfabric.torch moves CPU tensors only (on a GPU host the
+    # script would put rank r on GPU r, and GPU tensors are refused with an error)
     proc = run_mpi(n, ["-W", "ignore", script, "--epochs", "3", "--lr", "0.05",
-                       "--batch-size", "32", *extra], timeout=300)
+                       "--batch-size", "32", "--no-cuda", *extra], timeout=300)
     assert proc.returncode == 0, proc.stdout
     losses = [float(v) for v in re.findall(r"Test set: Average loss: ([0-9.]+)", proc.stdout)]
     assert len(losses) == 3, proc.stdout
