@@ -1,7 +1,8 @@
 """The runtime's pure parts in one process: roles by rank, the job config's checks, the ledger's
-summary, the divergence gate, the emulated NIC's calendars."""
+summary, the divergence gate, the emulated NIC's calendars, the data plane's stream prefix."""
 import math
 
+import numpy as np
 import pytest
 
 from mlfabric.emulate import Emulation
@@ -88,3 +89,34 @@ def test_worker_nics_follow_the_preset_and_dedicated_ranks_do_not():
     rates = {em.nic(w, 4, 0.0).egress_rate(t) for w in range(4) for t in range(20)}
     assert rates == {10.0, 100.0}               # N3: 1 or 10 Gbps, scaled
     assert em.nic(None, 4, 0.0).egress_rate(7.0) == 100.0
+
+
+def test_stream_prefix_counts_chunks_in_order_only():
+    """A cut-through forward may send only bytes that arrived in order from the start: chunk
+    completions seen out of order do not advance it until the gap is filled; a failed flow
+    reads VOID."""
+    from mlfabric.runtime import dataplane as dpm
+
+    class Req:
+        def __init__(self):
+            self.done = False
+
+        def Test(self):
+            return self.done
+
+    f = dpm._RxFlow(1, ("k",), 2, np.dtype(np.uint8), (250,), 250, 100, 0.0)
+    stream = dpm.Stream(1, ("k",), f.data(), f)
+    reqs = [Req() for _ in range(3)]
+    f.reqs = [(r, i) for i, r in enumerate(reqs)]
+    assert stream.available() == 0
+    reqs[1].done = True  # the second chunk is seen first
+    dpm._retire_rx(f, 1.0)
+    assert (f.received, f.prefix, stream.available()) == (1, 0, 0)
+    reqs[0].done = True
+    dpm._retire_rx(f, 2.0)
+    assert (f.received, f.prefix, stream.available()) == (2, 2, 200)
+    reqs[2].done = True
+    dpm._retire_rx(f, 3.0)
+    assert (f.received, stream.available(), f.reqs, f.last) == (3, 250, [], 3.0)
+    f.void = "its sender died"
+    assert stream.available() == dpm.VOID

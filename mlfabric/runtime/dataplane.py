@@ -35,6 +35,15 @@ Protocol, per message ("flow"):
   drift below the NIC's under a loaded CPU. After a longer idle gap they restart at `now`.
 - The header goes with Issend too, so a zero-byte message is done (on_done) once it is taken, and
   a dead receiver is noticed even for a message with no payload.
+- Cut-through (streamed flows): at an inbound header the owner's on_stream(src, key, Stream) may
+  forward the flow before it has arrived, send(..., payload=stream.data,
+  available=stream.available): a chunk is booked only once its bytes have come in, in order. Such
+  a flow ends with a one-byte trailer on its tag (after the last chunk is taken): OK, or VOID
+  when its source failed on the way (the sender died or timed out upstream; the forwarder then
+  sends the rest as filler rather than leaving the receiver waiting). The receiver hands out an
+  OK flow as usual and drops a VOID one, listing it in take_voided(). No control message and
+  no cancelled request is needed, and a flow's tag is freed in the usual way. (Used by tests
+  only so far: the runtime's relays and aggregations are still store-and-forward.)
 Limits of the emulation: pacing is at chunk granularity (milliseconds). The sender picks the
 chunk size from its own rates, so a receiver much slower than the sender sees proportionally
 longer chunks (a sender with unlimited egress sends max_chunk pieces; a receiver's share of ingress
@@ -71,6 +80,28 @@ _dtype_to_descr = np.lib.format.dtype_to_descr
 _descr_to_dtype = np.lib.format.descr_to_dtype
 
 
+VOID = -1              # what an `available` callable returns once its source has failed
+STATUS_OK, STATUS_VOID = b"\x00", b"\x01"
+
+
+class Stream:
+    """An inbound flow seen at its header (DataPlane.on_stream): `data` is the array it is being
+    received into (dtype and shape as sent), `available()` the bytes of it received so far,
+    in order, or VOID once the flow failed (its sender died or timed out). Forward it before it
+    is complete with send(..., payload=stream.data, available=stream.available): cut-through."""
+
+    __slots__ = ("src", "key", "data", "_flow")
+
+    def __init__(self, src, key, data, flow):
+        self.src, self.key, self.data, self._flow = src, key, data, flow
+
+    def available(self):
+        f = self._flow
+        if f.void is not None:
+            return VOID
+        return f.nbytes if f.prefix >= f.nchunks else f.prefix * f.chunk
+
+
 class Message:
     """A fully received payload: `data` is a fresh array the receiver owns (dtype and shape as
     sent); `arrived` is the time.monotonic() at which its last byte was through."""
@@ -88,11 +119,13 @@ class Message:
 class _TxFlow:
     __slots__ = ("dst", "key", "view", "payload", "rate", "not_before", "on_done", "tag", "chunk",
                  "nchunks", "booked", "taken", "staged", "reqs", "hdr", "hdr_req",
-                 "cap_ready", "last")
+                 "cap_ready", "last", "available", "status", "status_req")
 
-    def __init__(self, dst, key, payload, view, rate, not_before, on_done):
+    def __init__(self, dst, key, payload, view, rate, not_before, on_done, available=None):
         self.dst, self.key, self.payload, self.view = dst, key, payload, view
         self.rate, self.not_before, self.on_done = rate, not_before, on_done
+        self.available = available  # streamed (cut-through): bytes of payload there so far
+        self.status = self.status_req = None  # streamed: the trailer (STATUS_OK / _VOID)
         self.tag = None          # set when the flow starts (header posted)
         self.chunk = self.nchunks = 0
         self.booked = 0          # chunks booked on the egress calendar so far
@@ -106,12 +139,21 @@ class _TxFlow:
     def outstanding(self):
         return len(self.staged) + len(self.reqs)
 
+    def chunk_ready(self, i):
+        """May chunk i be booked? Always, unless streamed and its bytes are not there yet (a
+        failed source: the rest goes as filler, and the trailer says void)."""
+        if self.available is None:
+            return True
+        have = self.available()
+        return have == VOID or have >= min((i + 1) * self.chunk, self.view.size)
+
 
 class _RxFlow:
     __slots__ = ("src", "key", "tag", "dtype", "shape", "nbytes", "chunk", "nchunks", "buf",
-                 "posted", "received", "reqs", "due", "last")
+                 "posted", "received", "reqs", "due", "last", "streamed", "prefix", "finished",
+                 "status", "status_req", "void")
 
-    def __init__(self, src, key, tag, dtype, shape, nbytes, chunk, now):
+    def __init__(self, src, key, tag, dtype, shape, nbytes, chunk, now, streamed=False):
         self.src, self.key, self.tag = src, key, tag
         self.dtype, self.shape, self.nbytes, self.chunk = dtype, shape, nbytes, chunk
         self.nchunks = -(-nbytes // chunk) if nbytes else 0
@@ -120,6 +162,15 @@ class _RxFlow:
         self.reqs = []
         self.due = now           # when the last booked chunk is through the ingress calendar
         self.last = now
+        self.streamed = streamed  # its sender forwards as it receives: a trailer follows
+        self.prefix = 0           # chunks received in order from the first (for Stream)
+        self.finished = set()     # chunks received beyond the prefix
+        self.status = self.status_req = None
+        self.void = None          # why it failed, once it has
+
+    def data(self):
+        return self.buf.view(self.dtype).reshape(self.shape) if self.nbytes else np.empty(
+            self.shape, self.dtype)
 
 
 class DataPlane:
@@ -154,16 +205,26 @@ class DataPlane:
         self._closed = False
         self._dead = set()                   # peers known failed: nothing is sent to them
         self._dead_done = []                 # on_done of sends to them, called in progress()
+        self._voided = []                    # (src, key, why): streamed flows whose source failed
+        # on_stream(src, key, Stream): called at each inbound header, before any byte, so the
+        # owner can forward the flow as it arrives (cut-through); None: nobody asks
+        self.on_stream = None
 
     # ------------------------------------------------------------------------------- public
 
-    def send(self, dst, key, payload, *, rate=None, not_before=None, on_done=None):
+    def send(self, dst, key, payload, *, rate=None, not_before=None, on_done=None,
+             available=None):
         """Queue `payload` (a C-contiguous numpy array, not modified by the caller until on_done())
         for rank `dst` under `key` (a small picklable tuple naming it for the receiver). rate caps
         the flow in bytes/s (None: as fast as the NIC lets); no byte leaves before `not_before`
         (time.monotonic()); on_done() is called from progress() once the receiver has taken the
         last chunk. Sending to oneself delivers a copy at the next progress(), unpaced. Returns at
-        once."""
+        once.
+
+        available (cut-through): a callable giving how many leading bytes of payload are there
+        yet (Stream.available of an inbound flow); a chunk leaves only once its bytes are. If it
+        returns VOID (the source failed) the rest goes as filler and a trailer tells the
+        receiver, which drops the message (take_voided()) instead of handing it out."""
         self._check_open()
         if not isinstance(dst, (int, np.integer)) or not 0 <= dst < self.size:
             raise ValueError(f"dst must be a rank in 0..{self.size - 1}, got {dst!r}")
@@ -183,10 +244,12 @@ class DataPlane:
                              f"{not_before!r}")
         if on_done is not None and not callable(on_done):
             raise TypeError("on_done must be callable")
+        if available is not None and not callable(available):
+            raise TypeError("available must be callable")
         dst = int(dst)
         nb = -math.inf if not_before is None else float(not_before)
         flow = _TxFlow(dst, key, payload, payload.reshape(-1).view(np.uint8),
-                       None if rate is None else float(rate), nb, on_done)
+                       None if rate is None else float(rate), nb, on_done, available)
         eff = _min_rate(flow.rate, self.nic.egress_rate())
         chunk = self.max_chunk if eff is None else int(eff * self.chunk_s)
         flow.chunk = max(self.min_chunk, min(self.max_chunk, chunk))
@@ -195,6 +258,8 @@ class DataPlane:
         # and the same everywhere, not later in progress().
         flow.hdr = self._header(flow)
         if dst == self.rank:
+            if available is not None:
+                raise ValueError("a streamed send (available=) cannot go to this rank itself")
             self._local.append((nb, key, payload, on_done))
         elif dst in self._dead:  # it died (forget_peer): nothing will ever take it
             if on_done is not None:
@@ -245,15 +310,16 @@ class DataPlane:
                 else:
                     inflight = True  # waiting for a flow tag to come free
                 continue
-            if f.hdr_req is not None or f.reqs:
-                inflight = True
+            if f.hdr_req is not None or f.reqs or f.status_req is not None or (
+                    f.booked < f.nchunks and not f.chunk_ready(f.booked)):
+                inflight = True  # (a streamed flow waiting for its source's bytes, too)
             if f.staged:
                 t = min(t, f.staged[0][0])
             if f.booked < f.nchunks and f.outstanding() < WINDOW:
                 t = min(t, max(egress_free, f.cap_ready))
         ingress_free = self.nic.ingress_free
         for f in self._rx:
-            if f.reqs:
+            if f.reqs or f.status_req is not None:
                 inflight = True
             if f.posted < f.nchunks and len(f.reqs) < WINDOW:
                 t = min(t, ingress_free)
@@ -262,6 +328,13 @@ class DataPlane:
         if t <= now:
             return 0.0
         return min(t - now, IN_FLIGHT_WAKE_S if inflight else IDLE_WAKE_S)
+
+    def take_voided(self):
+        """The streamed messages dropped since the last call, as (src, key, why): their sender
+        was forwarding them as they arrived and its own source failed, so what came is not the
+        message. The owner accounts for them (a worker asks for its model again, ...)."""
+        out, self._voided = self._voided, []
+        return out
 
     def busy(self):
         """True while sends or receives are in flight (queued, paced or posted)."""
@@ -310,7 +383,8 @@ class DataPlane:
 
     def _header(self, flow):
         hdr = pickle.dumps((flow.key, _dtype_to_descr(flow.payload.dtype), flow.payload.shape,
-                            flow.view.size, flow.chunk), protocol=pickle.HIGHEST_PROTOCOL)
+                            flow.view.size, flow.chunk, flow.available is not None),
+                           protocol=pickle.HIGHEST_PROTOCOL)
         if len(hdr) + 8 > HEADER_MAX:
             raise ValueError(f"key {flow.key!r} is too large for a data-plane header "
                              f"({len(hdr)} bytes pickled, at most {HEADER_MAX - 8})")
@@ -329,8 +403,9 @@ class DataPlane:
             comm.Recv([self._hdr_buf, MPI.BYTE], src, HEADER_TAG, st)
             count = st.Get_count(MPI.BYTE)
             tag = int.from_bytes(self._hdr_buf[:4], "little")
-            key, descr, shape, nbytes, chunk = pickle.loads(bytes(self._hdr_buf[8:count]))
-            self._take_header((src, tag, key, descr, shape, nbytes, chunk), now)
+            key, descr, shape, nbytes, chunk, streamed = pickle.loads(
+                bytes(self._hdr_buf[8:count]))
+            self._take_header((src, tag, key, descr, shape, nbytes, chunk, streamed), now)
             if not comm.Iprobe(MPI.ANY_SOURCE, HEADER_TAG, st):
                 return
 
@@ -344,9 +419,11 @@ class DataPlane:
             self._start_rx(hdr, now)
 
     def _start_rx(self, hdr, now):
-        src, tag, key, descr, shape, nbytes, chunk = hdr
-        f = _RxFlow(src, key, tag, _descr_to_dtype(descr), shape, nbytes, chunk, now)
-        if f.nchunks == 0:
+        src, tag, key, descr, shape, nbytes, chunk, streamed = hdr
+        f = _RxFlow(src, key, tag, _descr_to_dtype(descr), shape, nbytes, chunk, now, streamed)
+        if self.on_stream is not None:
+            self.on_stream(src, key, Stream(src, key, f.data(), f))
+        if f.nchunks == 0 and not streamed:
             self._finish_rx(f, now)
             return
         self._rx_by_tag[(src, tag)] = f
@@ -358,13 +435,16 @@ class DataPlane:
         finished = []
         for f in self._rx:
             if f.reqs:
-                f.received += _retire(f, now)
-                if f.received == f.nchunks:
-                    finished.append(f)
+                _retire_rx(f, now)
+            if f.received == f.nchunks and _trailer_in(f, self.comm, now):
+                finished.append(f)
         for f in finished:
             self._rx.remove(f)
             del self._rx_by_tag[(f.src, f.tag)]
-            self._finish_rx(f, now)
+            if f.status == STATUS_VOID:
+                self._voided.append((f.src, f.key, "its sender's source failed mid-stream"))
+            else:
+                self._finish_rx(f, now)
             waiting = self._rx_deferred.get((f.src, f.tag))
             if waiting:
                 hdr = waiting.pop(0)
@@ -390,8 +470,7 @@ class DataPlane:
             f.posted += 1
 
     def _finish_rx(self, f, now):
-        data = f.buf.view(f.dtype).reshape(f.shape) if f.nbytes else np.empty(f.shape, f.dtype)
-        msg = Message(f.src, f.key, data, max(now, f.due))
+        msg = Message(f.src, f.key, f.data(), max(now, f.due))
         if f.due > now:
             self._held.append((f.due, msg))
         else:
@@ -431,7 +510,7 @@ class DataPlane:
                 f.taken += _retire(f, now)
             while f.staged and f.staged[0][0] <= now:
                 self._post_chunk(f, f.staged.popleft()[1], now, comm)
-            if f.taken == f.nchunks and f.hdr_req is None:
+            if f.taken == f.nchunks and f.hdr_req is None and _trailer_out(f, comm, now):
                 finished.append(f)
         for f in finished:
             self._tx.remove(f)
@@ -445,7 +524,8 @@ class DataPlane:
             if t is None:
                 break
             f = _next_turn(tx, lambda f: (f.tag is not None and f.booked < f.nchunks
-                                          and f.outstanding() < WINDOW and f.cap_ready <= now))
+                                          and f.outstanding() < WINDOW and f.cap_ready <= now
+                                          and f.chunk_ready(f.booked)))
             if f is None:
                 break
             i = f.booked
@@ -513,7 +593,10 @@ class DataPlane:
         for f in [f for f in self._rx if f.src == rank]:
             self._rx.remove(f)
             del self._rx_by_tag[(f.src, f.tag)]
+            f.void = "its sender died"  # flows forwarding it send filler and a void trailer
             self._parked.extend((req, f.buf, None) for req, _ in f.reqs)
+            if f.status_req is not None:
+                self._parked.append((f.status_req, f.status, None))
             lost.append(("receive", f.key))
         for key in [k for k in self._rx_deferred if k[0] == rank]:
             lost.extend(("receive", hdr[2]) for hdr in self._rx_deferred.pop(key))
@@ -522,7 +605,7 @@ class DataPlane:
     def _check_timeouts(self, now):
         limit = now - self.timeout
         for f in self._tx:
-            if (f.reqs or f.hdr_req is not None) and f.last < limit:
+            if (f.reqs or f.hdr_req is not None or f.status_req is not None) and f.last < limit:
                 self._tx.remove(f)
                 self._tags_busy[f.dst].discard(f.tag)
                 self._park_tx(f)
@@ -532,11 +615,13 @@ class DataPlane:
                     f"{f.taken}/{f.nchunks} chunks taken): the peer died or stopped "
                     "driving its data plane")
         for f in self._rx:
-            if f.reqs and f.last < limit:
+            if (f.reqs or f.status_req is not None) and f.last < limit:
                 self._rx.remove(f)
                 del self._rx_by_tag[(f.src, f.tag)]
+                f.void = "its sender timed out"
                 for req, _ in f.reqs:
                     self._cancel(req)
+                self._cancel(f.status_req)
                 raise PeerTimeoutError(
                     f"data plane of rank {self.rank}: receive of {f.key!r} from rank {f.src} made "
                     f"no progress within {self.timeout:g} s (MLFABRIC_TIMEOUT; "
@@ -546,7 +631,7 @@ class DataPlane:
     def _park_tx(self, f):
         # Cancelling a send is deprecated and unreliable in MPI 4: keep the requests (and through
         # them the payload) alive instead; they may still complete if the peer turns up.
-        reqs = [r for r, _ in f.reqs] + ([f.hdr_req] if f.hdr_req is not None else [])
+        reqs = [r for r, _ in f.reqs] + [r for r in (f.hdr_req, f.status_req) if r is not None]
         self._parked.extend((r, f.payload, f.hdr) for r in reqs)
 
     def _cancel(self, req):
@@ -583,6 +668,54 @@ def _retire(f, now):
     if done:
         f.last = now
     return done
+
+
+def _retire_rx(f, now):
+    """_retire for an inbound flow, also advancing its in-order prefix (chunks of one flow
+    match in order, but their completions may be seen out of order)."""
+    keep, done = [], []
+    for item in f.reqs:
+        (done if item[0].Test() else keep).append(item[1])
+    if not done:
+        return
+    f.reqs = [item for item in f.reqs if item[1] in keep]
+    f.received += len(done)
+    f.last = now
+    f.finished.update(done)
+    while f.prefix in f.finished:
+        f.finished.discard(f.prefix)
+        f.prefix += 1
+
+
+def _trailer_in(f, comm, now):
+    """All chunks of f are in: True once it is complete (a streamed flow: once its one-byte
+    trailer has come too, posted now if not yet)."""
+    if not f.streamed:
+        return True
+    if f.status_req is None:
+        f.status = bytearray(1)
+        f.status_req = comm.Irecv([f.status, MPI.BYTE], f.src, f.tag)
+        f.last = now
+    if not f.status_req.Test():
+        return False
+    f.status_req = None
+    f.status = bytes(f.status)
+    return True
+
+
+def _trailer_out(f, comm, now):
+    """Every chunk of f was taken: True once it is done (a streamed flow: once its trailer,
+    saying whether its source failed on the way, has been taken too)."""
+    if f.available is None:
+        return True
+    if f.status_req is None:
+        f.status = STATUS_VOID if f.available() == VOID else STATUS_OK
+        f.status_req = comm.Issend([f.status, MPI.BYTE], f.dst, f.tag)
+        f.last = now
+    if not f.status_req.Test():
+        return False
+    f.status_req = None
+    return True
 
 
 def _min_rate(a, b):
