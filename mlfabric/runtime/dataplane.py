@@ -88,7 +88,9 @@ class Stream:
     """An inbound flow seen at its header (DataPlane.on_stream): `data` is the array it is being
     received into (dtype and shape as sent), `available()` the bytes of it received so far,
     in order, or VOID once the flow failed (its sender died or timed out). Forward it before it
-    is complete with send(..., payload=stream.data, available=stream.available): cut-through."""
+    is complete with send(..., payload=stream.data, available=stream.available): cut-through.
+    The same array becomes the Message's data when the flow completes: leave it unmodified until
+    the forwards are done (their on_done)."""
 
     __slots__ = ("src", "key", "data", "_flow")
 
