@@ -456,3 +456,20 @@ def test_package_import_is_light():
             "print(bad); sys.exit(1 if bad else 0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_lockstep_and_grid_public():
+    """validate.lockstep gives every action its lockstep step (GPipe p=2, m=2: F0 F1 on rank 0 in
+    steps 0-1, rank 1 one step behind, then the backward passes mirrored), and validate.grid
+    draws a prefix of the run with a rank's next action marked (the executor's failure grid)."""
+    from mlfabric.pipeline.validate import grid, lockstep
+    sched = gpipe(2, 2)
+    rounds, step_of = lockstep(sched)
+    assert len(step_of) == sum(len(a) for a in sched.actions.values())
+    assert sorted(set(step_of.values())) == list(range(len(rounds)))
+    assert [step_of[(0, i)] for i in range(2)] == [0, 1]
+    assert [step_of[(1, i)] for i in range(2)] == [1, 2]
+    for (r, i), t in step_of.items():
+        assert rounds[t][r] is sched.actions[r][i]
+    text = grid(sched, rounds[:2], {1: sched.actions[1][1]})
+    assert ">>" in text and "!" in text and text.count("\n") >= 3

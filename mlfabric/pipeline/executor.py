@@ -67,7 +67,7 @@ from torch.func import functional_call
 from .. import _config, _dtypes
 from ..comm import algorithms, p2p
 from ..errors import MismatchError, MlfabricError, PeerTimeoutError
-from .validate import _check_structure, _grid, _run, validate, weight_versions
+from .validate import grid, lockstep, validate, weight_versions
 from .schedules import Schedule
 
 # Tensor dtypes a header can name (the index is the code on the wire).
@@ -744,17 +744,9 @@ class PipelineExecutor:
         `position` runs, that action marked '!' (validate.py's renderer)."""
         sched = self.schedule
         if not hasattr(self, "_rows"):
-            owner = _check_structure(sched)
-            order, rows = _run(sched, owner)
-            step_of, j = {}, 0
-            for t, row in enumerate(rows):
-                for _ in row:
-                    step_of[order[j]] = t
-                    j += 1
-            self._rows, self._step_of = rows, step_of
+            self._rows, self._step_of = lockstep(sched)
         step = self._step_of[(self.rank, position)]
-        return _grid(sched, self._rows[:step],
-                               {self.rank: sched.actions[self.rank][position]})
+        return grid(sched, self._rows[:step], {self.rank: sched.actions[self.rank][position]})
 
     def _where(self, a, i):
         return "%s at %s (position %d)" % (self.schedule.rank_label(self.rank),

@@ -94,6 +94,24 @@ def weight_versions(schedule):
 
 # --- structure ------------------------------------------------------------------------------------
 
+def lockstep(schedule):
+    """The lockstep run of a valid schedule: (rounds, step_of), rounds[t] = {rank: action} run in
+    step t, step_of[(rank, position)] = t. ScheduleError if it is not valid."""
+    order, rounds = _run(schedule, _check_structure(schedule))
+    step_of, j = {}, 0
+    for t, row in enumerate(rounds):
+        for _ in row:
+            step_of[order[j]] = t
+            j += 1
+    return rounds, step_of
+
+
+def grid(schedule, rounds, stuck):
+    """The step x rank grid of `rounds` (from lockstep(), or a prefix of them) with the next step
+    marked '>>': each rank in `stuck` ({rank: action}) shows that action followed by '!'."""
+    return _grid(schedule, rounds, stuck)
+
+
 def _check_structure(sched):
     """Every pass belongs to its rank's stage and exists exactly once, each B on its F's rank;
     return owner: (kind, piece, k) -> (rank, position)."""
