@@ -18,7 +18,6 @@ record: mode, settings, accounting, timings], "results": {the experiment's summa
 0 when every job's accounting balanced (pushed = applied + dropped, id by id), 1 otherwise, 2 for a
 bad command line (reported once, by rank 0). An exception in a job aborts the whole MPI job.
 """
-import argparse
 import hashlib
 import json
 import math
@@ -34,7 +33,7 @@ from mpi4py import MPI
 
 from mlfabric.bench.kernels import cpu_name
 from mlfabric.bench.report import host_info
-from mlfabric.bench.script import Parser, run_main
+from mlfabric.bench.script import parser, run_main
 from mlfabric.emulate import Emulation
 from mlfabric.ps.driver import default_update, run_job
 from mlfabric.runtime.roles import Roles
@@ -87,8 +86,7 @@ REGIME = {
 
 
 def parse_args(argv):
-    p = Parser(prog="benchmarks/ps_modes.py", description=__doc__.split("\n\n")[0],
-               formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser("benchmarks/ps_modes.py", __doc__)
     p.add_argument("experiment", choices=sorted(DEFAULTS))
     p.add_argument("--preset", help="compute-network emulation preset, e.g. C2-N1")
     p.add_argument("--base-rate", type=float, default=50e6,

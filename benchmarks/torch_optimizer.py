@@ -41,7 +41,6 @@ the JSON ({"meta": command, host, git state, parameters, load; "step": per workl
 per size; "targets": the three targets' ratios and verdicts}). Exit status 0, 1 when a result
 was wrong (a reduction or the hvd/DDP weights), 2 for a bad command line.
 """
-import argparse
 import contextlib
 import hashlib
 import json
@@ -61,7 +60,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import mlfabric.torch as hvd
 from mlfabric.bench.kernels import cpu_name
 from mlfabric.bench.report import host_info
-from mlfabric.bench.script import Parser, int_list  # noqa: E402
+from mlfabric.bench.script import parser, int_list  # noqa: E402
 from mlfabric.torch import ops as hvd_ops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,8 +74,7 @@ GLOO_MIN = 1.5      # DDP-on-gloo step / hvd step
 
 
 def parse_args(argv):
-    p = Parser(prog="benchmarks/torch_optimizer.py", description=__doc__.split("\n\n")[0],
-               formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser("benchmarks/torch_optimizer.py", __doc__)
     p.add_argument("--experiments", default="step,fusion",
                    help="comma-separated: step, fusion (default both)")
     p.add_argument("--inputs", type=int, default=1024, help="MLP input width")

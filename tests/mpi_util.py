@@ -50,6 +50,17 @@ def run_mpi(n, args, timeout=180, env=None, mpirun_args=()):
                           stderr=subprocess.STDOUT, text=True, timeout=timeout)
 
 
+def run_script_json(n, script_args, out, timeout):
+    """Run `mpirun -n n python script_args...` (a benchmark script writing JSON to `out`); fail
+    with its output unless it exits 0; return (the JSON document, the output)."""
+    import json
+    proc = run_mpi(n, script_args, timeout=timeout)
+    assert proc.returncode == 0, (f"{' '.join(script_args)} at {n} ranks failed "
+                                  f"(rc={proc.returncode}):\n{proc.stdout}")
+    with open(out) as f:
+        return json.load(f), proc.stdout
+
+
 def run_cases(module, n, pattern="", timeout=180, env=None):
     """Run tests/mpi_cases/<module>.py's case_* functions on n ranks; fail with the job's output."""
     proc = run_mpi(n, ["-m", "tests.mpi_cases.runner", module, pattern], timeout=timeout, env=env)

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from .mpi_util import ROOT, mpi_env, run_mpi
+from .mpi_util import ROOT, mpi_env, run_mpi, run_script_json
 
 TIMEOUT = 120
 META = {"command", "script", "git", "cpu", "hostname", "timestamp", "mpi_library",
@@ -29,11 +29,8 @@ def load_reproduce():
 
 def bench(n, script, tmp_path, *args):
     out = str(tmp_path / (os.path.splitext(script)[0] + ".json"))
-    proc = run_mpi(n, ["benchmarks/paper/" + script, "--quick", *args, "--out", out],
-                   timeout=TIMEOUT)
-    assert proc.returncode == 0, f"{script} --quick at {n} ranks failed:\n{proc.stdout}"
-    with open(out) as f:
-        doc = json.load(f)
+    doc, _ = run_script_json(n, ["benchmarks/paper/" + script, "--quick", *args, "--out", out],
+                             out, TIMEOUT)
     assert META <= set(doc["meta"]), META - set(doc["meta"])
     assert doc["meta"]["command"].startswith(
         f"mpirun --oversubscribe -n {n} python benchmarks/paper/{script} --quick")

@@ -4,12 +4,11 @@ what the benchmark must get right whatever the timing: the measured timeline fol
 rank's action list, the executor's stash and version counts equal validate()'s, the partitioner's
 stages cover the model, mlfabric and torch.distributed.pipelining end one step at the same
 weights. Timings are not asserted: they are what the benchmark is for."""
-import json
 import os
 
 import pytest
 
-from .mpi_util import run_mpi
+from .mpi_util import run_script_json
 
 TIMEOUT = 90
 META = {"command", "experiment", "ranks", "parameters", "compute", "git", "hostname", "cpu",
@@ -18,16 +17,14 @@ META = {"command", "experiment", "ranks", "parameters", "compute", "git", "hostn
 
 def bench(n, args, tmp_path):
     out = str(tmp_path / "out.json")
-    proc = run_mpi(n, ["benchmarks/pipeline.py", *args, "--out", out, "-q"], timeout=TIMEOUT)
-    assert proc.returncode == 0, f"pipeline.py {' '.join(args)} at {n} ranks failed:\n{proc.stdout}"
-    with open(out) as f:
-        doc = json.load(f)
+    doc, stdout = run_script_json(n, ["benchmarks/pipeline.py", *args, "--out", out, "-q"], out,
+                                  TIMEOUT)
     meta = doc["meta"]
     assert META <= set(meta), META - set(meta)
     assert meta["ranks"] == n and meta["experiment"] == args[0]
     assert meta["command"].startswith("mpirun -n %d python benchmarks/pipeline.py %s"
                                       % (n, args[0]))
-    return doc, proc.stdout
+    return doc, stdout
 
 
 @pytest.mark.mpi

@@ -2,12 +2,11 @@
 tiny size under real mpirun, bounded in time, checking the exit status, the JSON's structure and
 that every job's accounting balanced (pushed = applied + dropped, no id missing or twice). Timings
 are not asserted: they are what the benchmark is for."""
-import json
 import os
 
 import pytest
 
-from .mpi_util import run_mpi
+from .mpi_util import run_mpi, run_script_json
 
 TIMEOUT = 120
 TINY = ["--size", "4096", "--iterations", "3", "--compute-ms", "1"]
@@ -18,10 +17,7 @@ HOST_FIELDS = {"command", "experiment", "ranks", "workers", "preset", "base_rate
 
 def bench(n, args, tmp_path):
     out = str(tmp_path / "out.json")
-    proc = run_mpi(n, ["benchmarks/ps_modes.py", *args, "--out", out], timeout=TIMEOUT)
-    assert proc.returncode == 0, f"ps_modes.py {' '.join(args)} at {n} ranks failed:\n{proc.stdout}"
-    with open(out) as f:
-        return json.load(f), proc.stdout
+    return run_script_json(n, ["benchmarks/ps_modes.py", *args, "--out", out], out, TIMEOUT)
 
 
 def check_common(doc, n, experiment, jobs):

@@ -3,11 +3,10 @@ on gloo side by side) at a tiny size under real mpirun, bounded in time: the exi
 JSON's structure, and what the benchmark checks about its own results (every reduction equal to
 the float64 mean over ranks; hvd and both DDPs end at the same weights). Timings are not
 asserted: they are what the benchmark is for."""
-import json
 
 import pytest
 
-from .mpi_util import run_mpi
+from .mpi_util import run_mpi, run_script_json
 
 TIMEOUT = 60
 TINY = ["--inputs", "16", "--hidden", "16", "--layers", "2", "--batches", "4,2", "--steps", "2",
@@ -16,10 +15,8 @@ TINY = ["--inputs", "16", "--hidden", "16", "--layers", "2", "--batches", "4,2",
 
 def bench(n, args, tmp_path):
     out = str(tmp_path / "out.json")
-    proc = run_mpi(n, ["benchmarks/torch_optimizer.py", *args, "--out", out], timeout=TIMEOUT)
-    assert proc.returncode == 0, f"torch_optimizer.py at {n} ranks failed:\n{proc.stdout}"
-    with open(out) as f:
-        return json.load(f), proc.stdout
+    return run_script_json(n, ["benchmarks/torch_optimizer.py", *args, "--out", out], out,
+                           TIMEOUT)
 
 
 @pytest.mark.mpi

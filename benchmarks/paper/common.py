@@ -25,7 +25,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from mlfabric.bench.script import run_main  # noqa: E402,F401  (the scripts' entry: common.run_main)
+# the scripts' parser and entry: common.parser, common.run_main
+from mlfabric.bench.script import parser, run_main  # noqa: E402,F401
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "paper")
 
@@ -68,8 +69,10 @@ def relpath(path):
 # --- the JSON every script writes ----------------------------------------------------------------
 
 def command_line(script, argv, ranks=None):
-    """The exact command that reproduces a run (relative to the repo root)."""
-    cmd = "python benchmarks/paper/%s %s" % (script, " ".join(argv))
+    """The exact command that reproduces a run (relative to the repo root); argv None: this
+    process's own arguments."""
+    cmd = "python benchmarks/paper/%s %s" % (script, " ".join(sys.argv[1:] if argv is None
+                                                             else argv))
     return ("mpirun --oversubscribe -n %d %s" % (ranks, cmd) if ranks else cmd).strip()
 
 
@@ -421,13 +424,15 @@ def log(comm, text):
         print(text, file=sys.stderr, flush=True)
 
 
-def parser(prog, doc):
-    """argparse whose help and errors rank 0 alone prints (ps_modes.py's Parser)."""
-    import argparse
+def begin(parse_args, argv):
+    """The opening of every MPI paper script's main(): (comm, args, workers, host, t_start),
+    workers being the worker ranks of the default roles (one scheduler, one server)."""
+    from mpi4py import MPI
 
-    from benchmarks.ps_modes import Parser
-    return Parser(prog=prog, description=doc.split("\n\n")[0],
-                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    from mlfabric.runtime.roles import Roles
+    comm = MPI.COMM_WORLD
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    return comm, args, len(Roles(comm.size).worker_ranks), host(comm), time.monotonic()
 
 
 def plot_curves(ax, jobs, target, label_of, xkey="t"):

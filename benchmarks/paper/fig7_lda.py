@@ -68,14 +68,7 @@ def parse_args(argv):
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    from mpi4py import MPI
-    from mlfabric.runtime.roles import Roles
-    comm = MPI.COMM_WORLD
-    args = parse_args(argv)
-    workers = len(Roles(comm.size).worker_ranks)
-    host = common.host(comm)
-    t_start = time.monotonic()
+    comm, args, workers, host, t_start = common.begin(parse_args, argv)
     task = common.LdaTask(workers, payload_bytes=args.payload_mb * 1e6, docs=args.docs,
                           test_docs=max(10, args.docs // 8), doc_len=args.doc_len,
                           vocab=args.vocab, topics=args.topics, seed=args.seed)

@@ -36,18 +36,12 @@ def parse_args(argv):
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    from mpi4py import MPI
-
     from benchmarks import ps_modes
-    comm = MPI.COMM_WORLD
-    args = parse_args(argv)
+    comm, args, _, host, t_start = common.begin(parse_args, argv)
     pargv = ["replica", "--div-max", args.div_max, "--size", str(args.size), "--compute-ms",
              str(args.compute_ms), "--iterations", str(args.iterations), "--seed",
              str(args.seed), "--out", args.out, "--quiet"]
     pa = ps_modes.parse_args(pargv)
-    host = common.host(comm)
-    t_start = time.monotonic()
     jobs = ps_modes.Jobs(comm, pa, ps_modes.job_count(pa))
     res = ps_modes.exp_replica(jobs, pa)   # also plots the PNG beside --out
     if comm.rank != 0:

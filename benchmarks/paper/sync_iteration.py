@@ -65,14 +65,8 @@ def mean_compute(emulation, workers, compute_s, iterations):
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    from mpi4py import MPI
-
     from benchmarks import ps_modes
-    comm = MPI.COMM_WORLD
-    args = parse_args(argv)
-    host = common.host(comm)
-    t_start = time.monotonic()
+    comm, args, _, host, t_start = common.begin(parse_args, argv)
     presets = {}
     for preset in args.presets:
         pa = ps_modes.parse_args(ps_argv(args, preset))

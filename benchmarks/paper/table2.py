@@ -71,15 +71,8 @@ def parse_args(argv):
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    from mpi4py import MPI
-    from mlfabric.runtime.roles import Roles
-    comm = MPI.COMM_WORLD
-    args = parse_args(argv)
-    workers = len(Roles(comm.size).worker_ranks)
+    comm, args, workers, host, t_start = common.begin(parse_args, argv)
     tau_max = float(workers) if args.tau_max is None else args.tau_max
-    host = common.host(comm)
-    t_start = time.monotonic()
     task = common.ClassifierTask(comm, workers, payload_bytes=args.payload_mb * 1e6, lr=args.lr,
                                   pretrain=args.pretrain, seed=args.seed, dataset=args.dataset)
     start = task.start

@@ -16,6 +16,13 @@ class Parser(argparse.ArgumentParser):
             super()._print_message(message, file)
 
 
+def parser(prog, doc):
+    """The script's Parser: `prog` as named in its usage line, the first paragraph of its module
+    docstring `doc` as the description, laid out as written."""
+    return Parser(prog=prog, description=doc.split("\n\n")[0],
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def int_list(text):
     """argparse type: comma-separated integers >= 1."""
     try:

@@ -677,13 +677,13 @@ def _retire_rx(f, now):
     match in order, but their completions may be seen out of order)."""
     keep, done = [], []
     for item in f.reqs:
-        (done if item[0].Test() else keep).append(item[1])
+        (done if item[0].Test() else keep).append(item)
     if not done:
         return
-    f.reqs = [item for item in f.reqs if item[1] in keep]
+    f.reqs = keep
     f.received += len(done)
     f.last = now
-    f.finished.update(done)
+    f.finished.update(i for _, i in done)
     while f.prefix in f.finished:
         f.finished.discard(f.prefix)
         f.prefix += 1
