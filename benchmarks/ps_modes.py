@@ -85,6 +85,18 @@ REGIME = {
 }
 
 
+# A mode name may end in "/saf": the same mode with store-and-forward relays (cut_through=False),
+# to measure what cut-through buys side by side.
+SAF = "/saf"
+
+
+def split_mode(mode):
+    """(runtime mode, extra ps.init settings) of a mode name."""
+    if mode.endswith(SAF):
+        return mode[:-len(SAF)], {"cut_through": False}
+    return mode, {}
+
+
 def parse_args(argv):
     p = parser("benchmarks/ps_modes.py", __doc__)
     p.add_argument("experiment", choices=sorted(DEFAULTS))
@@ -126,7 +138,8 @@ def parse_args(argv):
     known = {"sync": ("mlfabric-S", "tr-sync", "rr-sync", "ssp", "mlfabric-A", "async"),
              "async": ("mlfabric-A", "async", "ssp"), "replica": ("mlfabric-A", "ssp"),
              "control": ("mlfabric-A", "mlfabric-S", "ssp")}[args.experiment]
-    bad = [m for m in args.modes if m not in known]
+    bad = [m for m in args.modes if split_mode(m)[0] not in known
+           or (m.endswith(SAF) and not m.startswith(("mlfabric", "ssp")))]
     if bad or not args.modes:
         p.error("%s: modes must be among %s, got %s" % (args.experiment, ", ".join(known),
                                                         ",".join(args.modes) or "none"))
@@ -178,9 +191,11 @@ class Jobs:
 
     def run(self, mode, label, **kw):
         a, comm = self.args, self.comm
+        named = mode  # the name the records use ("/saf" kept)
+        mode, extra = split_mode(mode)
         settings = dict(size=a.size, iterations=a.iterations, compute_s=a.compute_ms / 1e3,
                         dtype=DTYPE, emulation=a.emulation, servers=a.servers,
-                        batch_interval=a.batch_interval, seed=a.seed)
+                        batch_interval=a.batch_interval, seed=a.seed, **extra)
         if mode in ("mlfabric-A", "ssp"):
             settings["tau_max"] = a.tau_max
         settings.update(kw)
@@ -196,11 +211,11 @@ class Jobs:
         comm.Barrier()
         if comm.rank != 0:
             return None
-        rec = self._record(mode, label, settings, res.summary, wall, parts)
+        rec = self._record(named, label, settings, res.summary, wall, parts)
         self.records.append(rec)
         if not a.quiet:
             print("[%2d/%d] %-22s %-10s %6.2f s  %s%s" % (
-                len(self.records), self.total, label, mode, wall, res.summary,
+                len(self.records), self.total, label, named, wall, res.summary,
                 "" if rec["summary"]["balanced"] else "  <- UNBALANCED"),
                 file=sys.stderr, flush=True)
         return rec

@@ -120,3 +120,41 @@ def test_stream_prefix_counts_chunks_in_order_only():
     assert (f.received, stream.available(), f.reqs, f.last) == (3, 250, [], 3.0)
     f.void = "its sender died"
     assert stream.available() == dpm.VOID
+
+
+def test_streaming_sum_follows_the_slowest_member():
+    """An aggregate streamed out while its members come in (relay.StreamingSum): ready bytes are
+    the smallest prefix among the members, cut to whole elements, summed exactly as the whole
+    sum; a member that fails makes it VOID; members must agree on dtype and shape."""
+    from mlfabric.runtime import dataplane as dpm
+    from mlfabric.runtime.relay import StreamingSum
+
+    rng = np.random.default_rng(3)
+    n = 1001
+    vals = [rng.standard_normal(n) for _ in range(3)]
+    flows = []
+    parts = [vals[0].copy()]   # one member whole already (the aggregator's own update)
+    for v in vals[1:]:
+        f = dpm._RxFlow(1, ("u",), 2, np.dtype(np.float64), (n,), v.nbytes, 1000, 0.0)
+        flows.append(f)
+        parts.append(dpm.Stream(1, ("u",), f.data(), f))
+
+    def arrive(f, nbytes, v):   # the first nbytes of v are in, in order
+        f.buf[:nbytes] = v.view(np.uint8)[:nbytes]
+        f.prefix = nbytes // f.chunk if nbytes < f.nbytes else f.nchunks
+
+    s = StreamingSum(parts)
+    assert s() == 0
+    arrive(flows[0], 3000, vals[1])
+    assert s() == 0                                 # the other stream has nothing yet
+    arrive(flows[1], 5000, vals[2])
+    assert s() == 3000 // 8 * 8                     # the slower one, whole elements only
+    arrive(flows[0], flows[0].nbytes, vals[1])
+    assert s() == 5000 // 8 * 8
+    arrive(flows[1], flows[1].nbytes, vals[2])
+    assert s() == s.total.nbytes
+    np.testing.assert_allclose(s.total, vals[0] + vals[1] + vals[2], rtol=1e-15, atol=0)
+    flows[1].void = "its sender died"
+    assert s() == dpm.VOID
+    with pytest.raises(ValueError, match="disagree"):
+        StreamingSum([np.zeros(3), np.zeros(4)])

@@ -31,7 +31,7 @@ _state = {"config": None, "comm": None, "rt": None, "role": None, "pushes": {}, 
 
 def init(mode="mlfabric-A", *, servers=1, replicas=0, aggregators=None, batch_interval=0.1,
          t_lag=0.2, slack=2, gamma=0.0, emulation=None, seed=0, distribution=True,
-         checkpoint_every=0, checkpoint_dir=None, resume=False, comm=None):
+         cut_through=True, checkpoint_every=0, checkpoint_dir=None, resume=False, comm=None):
     """Set the job's configuration (not collective: it only records it) and return this rank's
     role: 'scheduler', 'server', 'replica' or 'worker' (mlfabric.runtime.roles says which).
     mlfabric.runtime.Config documents every setting."""
@@ -47,7 +47,8 @@ def init(mode="mlfabric-A", *, servers=1, replicas=0, aggregators=None, batch_in
     cfg = Config(mode=mode, servers=servers, replicas=replicas, aggregators=aggregators,
                  batch_interval=batch_interval, t_lag=t_lag, slack=slack, gamma=gamma,
                  emulation=emulation if emulation is not None else Emulation(), seed=seed,
-                 distribution=distribution, checkpoint_every=checkpoint_every,
+                 distribution=distribution, cut_through=cut_through,
+                 checkpoint_every=checkpoint_every,
                  checkpoint_dir=checkpoint_dir, resume=resume)
     comm = MPI.COMM_WORLD if comm is None else comm
     roles = Roles(comm.size, cfg.servers, cfg.replicas)

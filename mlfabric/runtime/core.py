@@ -38,6 +38,7 @@ class Config:
     slack: int = 2               # SSP's K
     gamma: float = 0.0           # server momentum (eq. 2); the replica bound uses it
     distribution: bool = True    # answer simultaneous gets through distributors (§10.3)
+    cut_through: bool = True     # relays and aggregates forward bytes as they come (worker.py)
     checkpoint_every: int = 0    # servers write model + version every this many updates (0: off)
     checkpoint_dir: str = None
     resume: bool = False         # servers start from their checkpoint in checkpoint_dir

@@ -100,6 +100,12 @@ class Daemon(threading.Thread):
             self._control(src, kind, body)
         for msg in dp.progress(now):
             self.role.on_data(msg)
+        for src, key, why in dp.take_voided():   # streamed payloads whose source failed
+            on_voided = getattr(self.role, "on_voided", None)
+            if on_voided is None:
+                raise RuntimeError("rank %d (%s): unexpected void payload %r from %d (%s)"
+                                   % (rt.rank, rt.role, key, src, why))
+            on_voided(src, key, why)
         self.role.tick(now)
         if reporter.due(now):
             rates = reporter.report(now)

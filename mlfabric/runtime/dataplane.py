@@ -71,7 +71,7 @@ from .control import probe
 HEADER_TAG = 1
 FLOW_TAG_BASE = 2
 FLOW_TAGS = 16000      # per destination; read when a flow starts (tests shrink it)
-HEADER_MAX = 2048      # bytes of a pickled header (the key must be small)
+HEADER_MAX = 16384     # bytes of a pickled header (a key: small; a pipeline's nested forwards)
 WINDOW = 2             # chunks outstanding per flow
 IN_FLIGHT_WAKE_S = 0.005
 IDLE_WAKE_S = 0.05

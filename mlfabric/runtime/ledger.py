@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 DROP_SERVER_FAILED = "server-failed"   # applied only at a server that died, never at its replica
 DROP_WORKER_FAILED = "worker-failed"   # its worker died before the update could be sent
 DROP_AGGREGATOR_FAILED = "aggregator-failed"  # its aggregator died holding it
+DROP_STREAM_VOIDED = "aggregate-voided"  # summed (cut-through) with a member whose sender died
 
 
 @dataclass
@@ -22,6 +23,9 @@ class Ledger:
     bytes_out: int = 0
     bytes_in: int = 0
     plan_latency: list = field(default_factory=list)  # worker: scheduler's send -> our receipt (s)
+    # cut-through relays (worker.py): 'forward' a payload passed on from its header, 'sum' an
+    # aggregate streamed out while its members came in
+    relayed: Counter = field(default_factory=Counter)
 
     def merge(self, other):
         self.pushed |= other.pushed
@@ -33,6 +37,7 @@ class Ledger:
         self.bytes_out += other.bytes_out
         self.bytes_in += other.bytes_in
         self.plan_latency.extend(other.plan_latency)
+        self.relayed.update(other.relayed)
 
 
 @dataclass
@@ -51,6 +56,7 @@ class Summary:
     failed: list = field(default_factory=list)     # ranks that died during the job (ULFM)
     control: dict = field(default_factory=dict)    # control-plane timings (the scheduler's)
     failovers: list = field(default_factory=list)  # (server, new rank, its version, job time)
+    relayed: dict = field(default_factory=dict)    # cut-through relays by kind (Ledger.relayed)
 
     def __str__(self):
         drops = ", ".join("%s %d" % kv for kv in sorted(self.dropped.items())) or "none"
@@ -87,4 +93,4 @@ def summarize(ledgers, server_ranks=(), replica_ranks=(), dead=(), known=()):
         missing=missing, twice=twice,
         server_bytes_in=sum(ledgers[r].bytes_in for r in server_ranks if ledgers[r]),
         replica_bytes_in=sum(ledgers[r].bytes_in for r in replica_ranks if ledgers[r]),
-        failed=sorted(dead))
+        failed=sorted(dead), relayed=dict(total.relayed))

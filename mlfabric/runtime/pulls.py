@@ -6,7 +6,7 @@ Mixed into SchedulerRole (scheduler.py); latency-critical, so planned when asked
 import time
 
 from ..sched import Update, distribute, schedule
-from .worker import Assignment
+from .worker import assignments_of, rate_of
 
 
 class SchedulerPulls:
@@ -31,7 +31,8 @@ class SchedulerPulls:
         key_of = dict(requests)
         dist, _ = distribute([idx[w] for w, _ in requests], self.view.network(hosts, t), 0,
                              float(nbytes), distributors=[idx[a] for a in self.aggregators],
-                             start=t, seed=rt.config.seed * 1000003 + self.batches)
+                             start=t, seed=rt.config.seed * 1000003 + self.batches,
+                             cut_through=rt.config.cut_through)
         for tr in dist.transfers():
             self.view.book(hosts[tr.src], hosts[tr.dst], tr.segments)
         direct = [(hosts[tr.dst], key_of[hosts[tr.dst]], tr.start, rate_of(tr))
@@ -39,14 +40,21 @@ class SchedulerPulls:
         # unreachable on the view (no capacity left, ever): sent directly all the same, the
         # real network decides
         direct += [(hosts[h], key_of[hosts[h]], t, None) for h in dist.unserved]
-        relays = []
-        for d in dist.distributors:
-            out = {hosts[tr.dst]: tr for tr in d.outbound}
-            forwards = []
-            for w in map(hosts.__getitem__, d.workers):
+        # what each distributor forwards, to whom, under which key: a worker that relays further
+        # (a cut-through pipeline) is sent ('d', its own forwards), nested
+        relay_of = {id(d.inbound): d for d in dist.distributors}
+
+        def forwards(d):
+            out = {tr.dst: tr for tr in d.outbound}
+            fw = []
+            for w in d.workers:
                 tr = out.get(w)
-                forwards.append((w, key_of[w], tr.start if tr else t, rate_of(tr)))
-            relays.append((hosts[d.host], d.inbound.start, rate_of(d.inbound), forwards))
+                nested = relay_of.get(id(tr)) if tr is not None else None
+                key = ("d", forwards(nested)) if nested is not None else key_of[hosts[w]]
+                fw.append((hosts[w], key, tr.start if tr else t, rate_of(tr)))
+            return fw
+        relays = [(hosts[d.host], d.inbound.start, rate_of(d.inbound), forwards(d))
+                  for d in dist.distributors if d.inbound.src == 0]
         rt.channel.send(src, "distribute", (tag, direct, relays))
         self.plan_time.append(time.perf_counter() - t_start)
 
@@ -71,7 +79,7 @@ class SchedulerPulls:
         plan, _ = schedule(ups, self.view.network(hosts, t), 0,
                            aggregators=[idx[w] for w in self.aggregators if w != root],
                            start=t, seed=self.rt.config.seed * 1000003 + self.batches,
-                           mode="sync")
+                           mode="sync", cut_through=self.rt.config.cut_through)
         self.batches += 1
         for tr in plan.transfers():
             self.view.book(hosts[tr.src], hosts[tr.dst], tr.segments)
@@ -80,11 +88,12 @@ class SchedulerPulls:
             sends.setdefault(hosts[tr.src], []).append(
                 (tr.ids[0], root, call, tr.start, rate_of(tr), True))
         for j, a in enumerate(plan.aggregates):
-            for tr in a.inbound:
+            parts, inputs = assignments_of(a, ("ar", k, j), call, hosts, k)
+            for uid, hop, tr in inputs:
                 sends.setdefault(hosts[tr.src], []).append(
-                    (tr.ids[0], hosts[a.aggregator], call, tr.start, rate_of(tr), True))
-            aggs.setdefault(hosts[a.aggregator], []).append(Assignment(
-                ("ar", k, j), call, a.members, a.transfer.start, rate_of(a.transfer), k))
+                    (uid, hop, call, tr.start, rate_of(tr), True))
+            for rank, assignment in parts:
+                aggs.setdefault(rank, []).append(assignment)
         for rank, entries in aggs.items():
             self.rt.channel.send(rank, "aggregate", entries)
         sent = self.rt.now()
@@ -92,10 +101,3 @@ class SchedulerPulls:
             self.rt.channel.send(rank, "send", (sent, entries))
         self.plan_time.append(time.perf_counter() - t_start)
 
-
-def rate_of(tr):
-    """The planned average rate of a transfer (bytes/s); None for an empty one."""
-    if tr is None:
-        return None
-    d = tr.end - tr.start
-    return tr.size / d if d > 0 and tr.size > 0 else None

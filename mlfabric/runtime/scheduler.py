@@ -21,9 +21,9 @@ from ..sched.view import SchedulerView
 from .gate import DivergenceGate
 from .ledger import summarize
 from .monitor import UNPACED, ReportedCapacities
-from .pulls import SchedulerPulls, rate_of
+from .pulls import SchedulerPulls
 from .recovery import SchedulerRecovery
-from .worker import Assignment
+from .worker import Assignment, assignments_of, rate_of
 
 
 class SchedulerRole(SchedulerRecovery, SchedulerPulls):
@@ -234,7 +234,9 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
         plan, net = schedule(ups, self.view.network(hosts, t), 0,
                              aggregators=[idx[a] for a in self.aggregators], tau_max=self.tau_max,
                              v_init=self.v_init[server], start=t, seed=seed, mode=self.mode,
-                             after=self.after[server], norm_cap=cap)
+                             after=self.after[server], norm_cap=cap,
+                             # streaming sums only without a replica (worker.py)
+                             cut_through=cfg.cut_through and state is None)
         by_id = {u.id: u for u in updates}
         if state is not None:
             state = replace(state, punted=[replace(u, worker=idx[u.id >> 32])
@@ -273,14 +275,14 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
             need = gate.commit((u.norm,)) if gate else 0
             expect.append((("u", uid), (uid,), (u.version,), need, u.worker))
         for k, a in enumerate(plan.aggregates):
-            for tr in a.inbound:
-                uid = tr.ids[0]
-                sends.setdefault(by_id[uid].worker, []).append(
-                    (uid, hosts[a.aggregator], server, tr.start, rate_of(tr), final))
             key = (self.batches, k)
             version = by_id[a.members[0]].version if self.mode == "sync" else None
-            aggs.setdefault(hosts[a.aggregator], []).append(Assignment(
-                key, server, a.members, a.transfer.start, rate_of(a.transfer), version))
+            parts, inputs = assignments_of(a, key, server, hosts, version)
+            for uid, hop, tr in inputs:
+                sends.setdefault(by_id[uid].worker, []).append(
+                    (uid, hop, server, tr.start, rate_of(tr), final))
+            for rank, assignment in parts:
+                aggs.setdefault(rank, []).append(assignment)
             need = gate.commit([by_id[u].norm for u in a.members]) if gate else 0
             expect.append((("a", key), tuple(a.members),
                            tuple(by_id[u].version for u in a.members), need, hosts[a.aggregator]))

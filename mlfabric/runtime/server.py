@@ -19,7 +19,7 @@ from math import inf
 import numpy as np
 
 from .. import kernels
-from .ledger import DROP_AGGREGATOR_FAILED, DROP_WORKER_FAILED
+from .ledger import DROP_AGGREGATOR_FAILED, DROP_STREAM_VOIDED, DROP_WORKER_FAILED
 
 
 def _pick(planned, values, ids):
@@ -160,6 +160,26 @@ class ServerRole:
             self._apply(ids, versions, msg.data)
         else:
             self.order.arrive(key[:2], ids, msg.data)
+            self._apply_due()
+        self._answer_gets()
+
+    def on_voided(self, src, key, why):
+        """A streamed aggregate came void (a member's sender died while the sum was streaming
+        out): it arrives empty, so the order and the sync iteration go on, and its members are
+        dropped with their reason (the live ones too: their bytes were summed with the dead
+        one's)."""
+        if key[0] != "a" or "r" in key[1]:
+            raise RuntimeError("server rank %d: unexpected void payload %r" % (self.rt.rank, key))
+        ids = key[2]
+        self.rt.channel.send(0, "lost", [(u, DROP_STREAM_VOIDED) for u in ids])
+        for uid in ids:
+            if uid >> 32 in self.processed:
+                self.processed[uid >> 32] += 1
+        if self.mode == "mlfabric-S":
+            self._arrived_sync(key[:2])
+            self._close_iteration()
+        else:
+            self.order.arrive(key[:2], (), None)
             self._apply_due()
         self._answer_gets()
 

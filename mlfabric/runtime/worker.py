@@ -15,25 +15,79 @@ the server, replica or ('ar', call, root) its aggregate goes to); ('a', key, ids
 aggregate's sum; ('m', request, version) a model reply; ('A', call) an allreduce result;
 ('d', forwards) a payload to relay to other workers under their keys (and to keep, when one of
 them is this worker).
+
+Cut-through (Config.cut_through, the default): relays and aggregates do not wait for whole
+payloads. At the header of a ('d', forwards) payload the forwards start, each chunk leaving once
+it is in; an update for one of our aggregates is kept as its inbound Stream, and once every member
+of an aggregate has at least begun to arrive the sum streams out (relay.StreamingSum). A stream
+whose source fails on the way reaches its receiver void (dataplane.py): a voided model request is
+asked again, a voided aggregate's members are dropped by the server with their reason.
 """
 import collections
 
 import numpy as np
 
 from .. import kernels
-from ..errors import MismatchError
-from .ledger import DROP_WORKER_FAILED
+from ..errors import MismatchError, MlfabricError
+from .dataplane import Stream
+from .ledger import DROP_AGGREGATOR_FAILED, DROP_WORKER_FAILED
+from .relay import StreamingSum
 from .server import send_distribution
 
 
 class Assignment:
     """Sum `members` (update ids, in order) as they arrive, then send the sum to `dst` no earlier
-    than `not_before` (job time) at `rate` bytes/s. `key` names the aggregate at its destination."""
-    __slots__ = ("key", "dst", "members", "not_before", "rate", "version")
+    than `not_before` (job time) at `rate` bytes/s. `key` names the aggregate at its destination.
 
-    def __init__(self, key, dst, members, not_before, rate, version):
+    In a cut-through pipeline (sched.aggregation.pipeline) the sum also takes in `upstream`, the
+    running sum of the aggregators before this one, as (its key, its ids, the rank sending it),
+    and goes to rank `via` (the next aggregator) instead of `dst` unless it is the last. `ids`
+    are the update ids the sum carries (default: members)."""
+    __slots__ = ("key", "dst", "members", "not_before", "rate", "version", "ids", "via",
+                 "upstream")
+
+    def __init__(self, key, dst, members, not_before, rate, version, ids=None, via=None,
+                 upstream=None):
         self.key, self.dst, self.members = key, dst, tuple(members)
         self.not_before, self.rate, self.version = not_before, rate, version
+        self.ids = self.members if ids is None else tuple(ids)
+        self.via, self.upstream = via, upstream
+
+    def slots(self):
+        """Its inputs as stash keys: (update id, destination) per member; (key, None) for the
+        upstream sum."""
+        out = [(uid, self.dst) for uid in self.members]
+        if self.upstream is not None:
+            out.append((self.upstream[0], None))
+        return out
+
+
+def assignments_of(a, key, dst, hosts, version):
+    """How the daemons carry plan aggregate `a` (a sched Aggregate, hosts as indices into
+    `hosts`) to `dst` under `key`: ([(aggregator rank, Assignment)], [(update id, the rank it is
+    sent to, its Transfer)]). One Assignment per aggregator of a cut-through pipeline; a partial
+    sum's key is ('up', key, level)."""
+    levels = a.levels()
+    out, sends, upstream = [], [], None
+    for j, lv in enumerate(levels):
+        last = j == len(levels) - 1
+        k = key if last else ("up", key, j)
+        own = [t.ids[0] for t in lv.inbound if t.what == "update"]
+        sends += [(t.ids[0], hosts[lv.aggregator], t) for t in lv.inbound if t.what == "update"]
+        rank = hosts[lv.aggregator]
+        out.append((rank, Assignment(k, dst, own, lv.transfer.start, rate_of(lv.transfer), version,
+                                     ids=lv.members, via=None if last else hosts[lv.dst],
+                                     upstream=upstream)))
+        upstream = (k, tuple(lv.members), rank)
+    return out, sends
+
+
+def rate_of(tr):
+    """The planned average rate of a transfer (bytes/s); None for an empty one."""
+    if tr is None:
+        return None
+    d = tr.end - tr.start
+    return tr.size / d if d > 0 and tr.size > 0 else None
 
 
 class WorkerRole:
@@ -44,10 +98,18 @@ class WorkerRole:
         self.ready = []          # (id, server, nbytes, version, norm, sent at) not yet reported
         self.gets = {}           # request id -> (Future, server, clock)
         self.next_get = 0
-        # (update id, the aggregate's destination) -> payload that came before its Assignment, and
-        # -> the Assignment waiting for it (one update may pass here for a server and a replica)
+        # (update id, the aggregate's destination) -> payload that came before its Assignment (a
+        # Stream while it is still coming, cut-through), and -> the Assignment waiting for it
+        # (one update may pass here for a server and a replica)
         self.stash = {}
         self.assigned = {}
+        self.streamed = set()    # members a streaming sum took while they were still coming
+        self.cut_through = rt.config.cut_through
+        # A streaming sum voided by a member's failure drops its live members too; a replica,
+        # sent its own copies of them, could not follow, so replicated jobs sum whole payloads.
+        self.stream_sums = self.cut_through and not rt.config.replicas
+        if self.cut_through:
+            rt.dp.on_stream = self.on_stream
         self.pending_aggs = []   # Assignments with members still to come
         self.plan_latency = []   # seconds from the scheduler's send to our receipt (control plane)
         self.allreduces = {}     # call -> Future of this worker's allreduce
@@ -124,8 +186,8 @@ class WorkerRole:
         elif kind == "aggregate":
             for a in body:
                 self.pending_aggs.append(a)
-                for uid in a.members:
-                    self.assigned[(uid, a.dst)] = a
+                for slot in a.slots():
+                    self.assigned[slot] = a
                 self._try_aggregate(a)
             if rt.failed:  # planned before the scheduler knew of a death
                 self.peers_failed(sorted(rt.failed), [], resend=False)
@@ -134,33 +196,77 @@ class WorkerRole:
                                % (rt.rank, kind, src))
 
     # --- payloads ---------------------------------------------------------------------------------
+    def on_stream(self, src, key, stream):
+        """At an inbound header (cut-through): start a relay's forwards now; keep an update for
+        one of our aggregates as its Stream, and start the aggregate if it was the last member."""
+        kind = key[0]
+        if kind == "d":
+            self.rt.ledger.relayed["forward"] += self._forward(key[1], stream.data,
+                                                               stream.available)
+        elif self.stream_sums and self._summed_here(key):
+            self._take(self._slot(key), stream)
+
+    def _forward(self, forwards, data, available=None):
+        """Pass `data` on to the other workers in `forwards`; returns how many."""
+        rt, n = self.rt, 0
+        for w, key, start, rate in forwards:
+            if w != rt.rank and w not in rt.failed:
+                rt.dp.send(w, key, data, rate=rate, not_before=rt.local(start),
+                           available=available)
+                n += 1
+        return n
+
+    def _for_our_allreduce(self, key):
+        return isinstance(key[3], tuple) and key[3][2] == self.rt.rank
+
+    def _summed_here(self, key):
+        """An input of one of our aggregates: an update we aggregate for its destination, or a
+        pipeline's running sum."""
+        return ((key[0] == "u" and not self._for_our_allreduce(key))
+                or (key[0] == "a" and key[1][0] == "up"))
+
+    @staticmethod
+    def _slot(key):
+        return (key[1], key[3]) if key[0] == "u" else (key[1], None)
+
+    def _take(self, slot, data):
+        """An input (whole, or a Stream) is here: stash it, and sum if its aggregate is ready."""
+        self.stash[slot] = data
+        a = self.assigned.get(slot)
+        if a is not None:
+            self._try_aggregate(a)
+
     def on_data(self, msg):
         kind = msg.key[0]
         if kind == "m":
             self._answer(msg.key[1], msg.data, msg.key[2])
         elif kind == "d":  # we relay this payload (§10.3)
-            for w, key, start, rate in msg.key[1]:
-                if w == self.rt.rank:
-                    self.on_data(type(msg)(msg.src, key, msg.data, msg.arrived))
-                elif w not in self.rt.failed:
-                    self.rt.dp.send(w, key, msg.data, rate=rate, not_before=self.rt.local(start))
+            forwards = msg.key[1]
+            if not self.cut_through:   # (cut-through: forwarded at its header, on_stream)
+                self._forward(forwards, msg.data)
+            for w, key, _, _ in forwards:
+                if w == self.rt.rank:  # ours too: a copy while the forwards still read it
+                    data = msg.data.copy() if len(forwards) > 1 else msg.data
+                    self.on_data(type(msg)(msg.src, key, data, msg.arrived))
         elif kind == "A":
             self.allreduces.pop(msg.key[1]).set(msg.data)
-        elif kind == "u" and isinstance(msg.key[3], tuple) and msg.key[3][2] == self.rt.rank:
+        elif kind == "u" and self._for_our_allreduce(msg.key):
             self._root_add(msg.key[3][1], (msg.key[1],), msg.data)   # our allreduce call
         elif kind == "a" and msg.key[1][0] == "ar":
             self._root_add(msg.key[1][1], msg.key[2], msg.data)
-        elif kind == "u":  # we aggregate it for its destination (a server, replica or root)
-            member = (msg.key[1], msg.key[3])
-            self.stash[member] = msg.data
-            a = self.assigned.get(member)
-            if a is not None:
-                self._try_aggregate(a)
+        elif self._summed_here(msg.key):  # an update we aggregate (or a pipeline's sum)
+            slot = self._slot(msg.key)
+            if slot in self.streamed:  # its sum already took it as it came
+                self.streamed.discard(slot)
+                return
+            self._take(slot, msg.data)
         else:
             raise RuntimeError("worker rank %d: unexpected payload %r" % (self.rt.rank, msg.key))
 
     def _try_aggregate(self, a):
-        stash, members = self.stash, [(uid, a.dst) for uid in a.members]
+        """Send aggregate `a` once every member is here (cut-through: once every member has at
+        least begun to arrive; the sum then streams out as they come)."""
+        stash, members = self.stash, a.slots()
         if not all(m in stash for m in members):
             return
         parts = [stash.pop(m) for m in members]
@@ -168,16 +274,44 @@ class WorkerRole:
             del self.assigned[m]
         self.pending_aggs.remove(a)
         rt = self.rt
+        available = None
         if not parts:  # failures took every member: the destination still expects the key
             total = np.empty(0, np.uint8)
+        elif any(isinstance(p, Stream) for p in parts):
+            self.streamed.update(m for m, p in zip(members, parts) if isinstance(p, Stream))
+            available = StreamingSum(parts)
+            rt.ledger.relayed["sum"] += 1
+            total = available.total
         else:
             total = parts[0].copy() if len(parts) == 1 else kernels.reduce(parts)
         if not isinstance(a.dst, tuple):  # allreduce contributions are not PS updates
             rt.ledger.aggregated.update(a.members)
-        dst = (a.dst[2] if isinstance(a.dst, tuple) else
+        dst = (a.via if a.via is not None else a.dst[2] if isinstance(a.dst, tuple) else
                self.server_rank[a.dst] if a.dst in self.server_rank else a.dst)
-        rt.dp.send(dst, ("a", a.key, a.members, a.version), total, rate=a.rate,
-                   not_before=rt.local(a.not_before))
+        rt.dp.send(dst, ("a", a.key, a.ids, a.version), total, rate=a.rate,
+                   not_before=rt.local(a.not_before), available=available)
+
+    def on_voided(self, src, key, why):
+        """A streamed payload for us came void (its sender's source failed on the way): ask
+        again for a voided model; an allreduce whose result or contribution was lost fails."""
+        kind = key[0]
+        if kind == "m":
+            got = self.gets.pop(key[1], None)
+            if got is not None:
+                self._get(*got)
+        elif kind == "d":
+            for w, inner, _, _ in key[1]:
+                if w == self.rt.rank:
+                    self.on_voided(src, inner, why)
+        elif kind == "a" and key[1][0] == "up":
+            pass  # a pipeline's running sum: ours, streaming on, carries the void to the end
+        elif kind in ("A", "a"):
+            call = key[1] if kind == "A" else key[1][1]
+            raise MlfabricError("allreduce call %s: a %s from rank %d was lost (%s); the call "
+                                "cannot complete" % (call, "result" if kind == "A" else
+                                                     "contribution", src, why))
+        else:
+            raise RuntimeError("worker rank %d: unexpected void payload %r" % (self.rt.rank, key))
 
     def _root_add(self, k, ids, data, workers=None):
         """Allreduce call k, at its root: sum what comes (our own first or not); when every
@@ -223,14 +357,27 @@ class WorkerRole:
         dead = set(ranks)
         gone = []
         for a in list(self.pending_aggs):
-            cut = [u for u in a.members if u >> 32 in dead and (u, a.dst) not in self.stash]
-            if not cut:
+            # an input from the dead is cut unless it is whole here (a Stream from them is void)
+            def lost(slot):
+                return not isinstance(self.stash.get(slot), np.ndarray)
+            cut = [u for u in a.members if u >> 32 in dead and lost((u, a.dst))]
+            up = a.upstream
+            cut_up = up is not None and up[2] in dead and lost((up[0], None))
+            if not cut and not cut_up:
                 continue
-            for u in cut:
-                del self.assigned[(u, a.dst)]
-            a.members = tuple(u for u in a.members if u not in cut)
+            slots = [(u, a.dst) for u in cut] + ([(up[0], None)] if cut_up else [])
+            for slot in slots:
+                del self.assigned[slot]
+                self.stash.pop(slot, None)
+            why = [(u, DROP_WORKER_FAILED) for u in cut]
+            if cut_up:  # the pipeline's sum so far died with the aggregator before us
+                why += [(u, DROP_AGGREGATOR_FAILED) for u in up[1]]
+                a.upstream = None
+            dropped = {u for u, _ in why}
+            a.members = tuple(u for u in a.members if u not in dropped)
+            a.ids = tuple(u for u in a.ids if u not in dropped)
             if a.dst in self.server_rank:
-                gone += [(u, DROP_WORKER_FAILED) for u in cut]
+                gone += why
             self._try_aggregate(a)
         if gone:
             self.rt.channel.send(0, "lost", gone)
@@ -244,9 +391,9 @@ class WorkerRole:
         old = {server, rank}
         for a in [a for a in self.pending_aggs if a.dst in old]:
             self.pending_aggs.remove(a)
-            for uid in a.members:
-                self.assigned.pop((uid, a.dst), None)
-                self.stash.pop((uid, a.dst), None)
+            for slot in a.slots():
+                self.assigned.pop(slot, None)
+                self.stash.pop(slot, None)
         self.server_rank[server] = rank
         self._resend_gets(lambda s: s == server)
 

@@ -24,6 +24,18 @@ the paper leaves a choice open:
   weighs more than Div_max would put the two models more than Div_max apart for as long as the
   other side has not applied it, whatever the order (a single update heavier than Div_max still
   goes alone). Only the reference loops take a cap (scheduler.schedule picks them when one is set).
+- `cut_through` (not in the paper; default False = the paper's rule, an aggregate leaves when its
+  last member has arrived): the aggregator streams the sum out as its members come in, chunk by
+  chunk (the runtime's data plane does), so the aggregate starts with its last member's inbound
+  transfer and never ends before that member has arrived (Network.t_en_relay). The constraint on
+  the group is unchanged. Reference loops only, as norm_cap.
+- With cut_through one more case is tried, the pipeline (a reduce chain): the hosts of the batch,
+  the one whose updates are ready first first, pass one running sum down the line, each adding its
+  own updates as the sum streams through, the last sending it to the server. Every hop goes at
+  the pace of the one before (Network.t_en_relay), so the server gets the whole batch in about one
+  transfer time, as one commit (an Aggregate with `upstream` levels). It is kept when its makespan
+  is at most the best case's (it sends the server the fewest bytes). It needs at least two hosts,
+  every host after the first an aggregator, and the batch's norms within norm_cap.
 """
 import random
 from dataclasses import dataclass
@@ -40,6 +52,7 @@ class Grouping:
     network: object   # the network after all of it is reserved
     makespan: float   # last arrival at the server
     cases: list       # makespan of every case n = 0..|U| (inf: infeasible)
+    pipeline: float = inf  # makespan of the cut-through pipeline (inf: not possible, not tried)
 
 
 def group_order(aggregators, seed):
@@ -85,7 +98,7 @@ def _transfer(src, dst, size, end, segs, what, ids):
 
 
 def det_agg(n, order, updates, network, server, aggs, start, record=False, agg_scale=1.0,
-            norm_cap=inf):
+            norm_cap=inf, cut_through=False):
     """DetAgg(n): makespan of case n, and with record=True the groups (direct, aggregates, network).
     `network` is not modified."""
     nw = network.copy()
@@ -120,7 +133,12 @@ def det_agg(n, order, updates, network, server, aggs, start, record=False, agg_s
             continue
         size = max(updates[m].size for m in members) * (agg_scale if len(members) > 1 else 1.0)
         ready = max(t.end for t in inbound)
-        end, segs = nw.send(agg, server, size, ready)
+        if cut_through:  # the sum streams out as every member's bytes come in
+            end, segs = nw.t_en_relay(agg, server, size, max(t.start for t in inbound), ready)
+            if segs:
+                nw.reserve(agg, server, segs)
+        else:
+            end, segs = nw.send(agg, server, size, ready)
         if end == inf:
             return inf, None
         t_max = max(t_max, end)
@@ -136,10 +154,59 @@ def det_agg(n, order, updates, network, server, aggs, start, record=False, agg_s
     return t_max, (direct, aggregates, nw)
 
 
-def aggregate(order, updates, network, server, aggs, *, start=0.0, agg_scale=1.0, norm_cap=inf):
+def pipeline(order, updates, network, server, aggs, start, agg_scale=1.0, norm_cap=inf):
+    """The cut-through pipeline case (module header): (makespan, the last Aggregate, network
+    after); (inf, None, None) when it is not possible. `network` is not modified."""
+    mine, hosts = {}, []        # host -> its updates (in order); hosts by first appearance
+    for uid in order:
+        h = updates[uid].worker
+        if h not in mine:
+            mine[h] = []
+            hosts.append(h)
+        mine[h].append(uid)
+    ready = {h: max(max(updates[u].ready, start) for u in mine[h]) for h in hosts}
+    hosts.sort(key=ready.__getitem__)   # stable: ties keep the order's
+    if (len(hosts) < 2 or not set(hosts[1:]) <= set(aggs) or server in hosts
+            or sum(updates[u].norm for u in order) > norm_cap):
+        return inf, None, None
+    position = {uid: i for i, uid in enumerate(order)}
+    nw = network.copy()
+    first = hosts[0]
+    inbound = []                # into the next host: the first host's own updates, then sums
+    for uid in mine[first]:
+        u = updates[uid]
+        end, segs = nw.send(first, hosts[1], u.size, max(u.ready, start))
+        if end == inf:
+            return inf, None, None
+        inbound.append(_transfer(first, hosts[1], u.size, end, segs, "update", (uid,)))
+    members, upstream = list(mine[first]), None
+    for i, h in enumerate(hosts[1:], 1):
+        own = []
+        for uid in mine[h]:     # its own updates: no network (a path to itself is empty)
+            r = max(updates[uid].ready, start)
+            own.append(_transfer(h, h, updates[uid].size, r, (), "update", (uid,)))
+        into = inbound + own
+        members = sorted(members + mine[h], key=position.__getitem__)
+        dst = hosts[i + 1] if i + 1 < len(hosts) else server
+        size = max(updates[m].size for m in members) * agg_scale
+        end, segs = nw.t_en_relay(h, dst, size, max(t.start for t in into),
+                                  max(t.end for t in into))
+        if end == inf:
+            return inf, None, None
+        if segs:
+            nw.reserve(h, dst, segs)
+        out = _transfer(h, dst, size, end, segs, "aggregate", tuple(members))
+        upstream = Aggregate(h, dst, list(members), into, out, upstream)
+        inbound = [out]
+    return upstream.transfer.end, upstream, nw
+
+
+def aggregate(order, updates, network, server, aggs, *, start=0.0, agg_scale=1.0, norm_cap=inf,
+              cut_through=False):
     """Alg. 3: enumerate the |U|+1 cases and keep the first with the least makespan. `updates` maps
     id -> Update; `aggs` is the pre-assigned aggregator order (see group_order); `norm_cap`: the
-    most an aggregate's members' norms may sum to (module header)."""
+    most an aggregate's members' norms may sum to (module header); `cut_through` (module
+    header): an aggregate streams out as its members come in."""
     if server in aggs:
         raise ValueError("the server's host %d cannot be one of its aggregators" % server)
     if not agg_scale >= 1.0:
@@ -147,7 +214,7 @@ def aggregate(order, updates, network, server, aggs, *, start=0.0, agg_scale=1.0
     if not norm_cap >= 0:
         raise ValueError("norm_cap must be >= 0, got %r" % (norm_cap,))
     cases = [det_agg(n, order, updates, network, server, aggs, start, agg_scale=agg_scale,
-                     norm_cap=norm_cap)[0]
+                     norm_cap=norm_cap, cut_through=cut_through)[0]
              for n in range(len(order) + 1)]
     best = min(range(len(cases)), key=lambda n: (cases[n], n))
     if cases[best] == inf:
@@ -155,5 +222,11 @@ def aggregate(order, updates, network, server, aggs, *, start=0.0, agg_scale=1.0
                          % (order, server))
     makespan, (direct, aggregates, nw) = det_agg(best, order, updates, network, server, aggs,
                                                  start, record=True, agg_scale=agg_scale,
-                                                 norm_cap=norm_cap)
-    return Grouping(best, direct, aggregates, nw, makespan, cases)
+                                                 norm_cap=norm_cap, cut_through=cut_through)
+    chain = inf
+    if cut_through:
+        chain, last, chain_nw = pipeline(order, updates, network, server, aggs, start,
+                                         agg_scale=agg_scale, norm_cap=norm_cap)
+        if chain <= makespan:
+            return Grouping(0, [], [last], chain_nw, chain, cases, chain)
+    return Grouping(best, direct, aggregates, nw, makespan, cases, chain)

@@ -37,6 +37,15 @@ Where the paper leaves a choice open, this is what we do, and why:
   listed as unserved rather than failing the whole batch.
 - The server is never its own distributor (it is dropped from the list, as schedule() drops it
   from the aggregators).
+
+Cut-through (cut_through=True, not in the paper; the runtime's data plane forwards a payload as
+it arrives): a forward starts with its distributor's inbound transfer and never ends before it
+(Network.t_en_relay). That makes one more shape worth trying, the pipeline: the server sends one
+copy to the first requester, which passes it on to the next as it comes, and so on down the
+order, every hop at the pace of the one before (a relay of a relay: a Distributor whose inbound
+comes from another distributor). It is kept when its makespan is below every two-level case's
+(ties too: the server sends one copy). It needs every requester to be a distributor, and at
+most PIPELINE_MAX of them (the runtime nests each hop's forwards in the one before's key).
 """
 from dataclasses import dataclass, field
 from math import inf, isfinite
@@ -44,6 +53,9 @@ from math import inf, isfinite
 from .aggregation import group_order
 from .network import t_en as path_t_en
 from .plan import Transfer
+
+
+PIPELINE_MAX = 64
 
 
 @dataclass(frozen=True)
@@ -56,8 +68,9 @@ class Delivery:
 
 @dataclass
 class Distributor:
-    """A distributor used by the schedule: `inbound` brings it the model from the server; it then
-    serves `workers` (itself first if it requested the model too) through `outbound`."""
+    """A distributor used by the schedule: `inbound` brings it the model from the server (or, in
+    a cut-through pipeline, from the distributor before it); it then serves `workers` (itself
+    first if it requested the model too) through `outbound`."""
     host: int
     inbound: Transfer
     workers: list
@@ -65,7 +78,8 @@ class Distributor:
 
     @property
     def ready(self):
-        """When it has the model and may start forwarding it."""
+        """When it has the whole model (store-and-forward: when it may start forwarding it;
+        cut-through forwards start with the inbound transfer)."""
         return self.inbound.end
 
 
@@ -83,6 +97,7 @@ class Distribution:
     deliveries: dict           # worker -> Delivery, every served requester exactly once
     unserved: list = field(default_factory=list)
     cases: list = field(default_factory=list)   # makespan of every case n = 0..|order| (inf: none)
+    pipeline: float = inf   # makespan of the cut-through pipeline (inf: not possible or not tried)
 
     @property
     def makespan(self):
@@ -92,14 +107,18 @@ class Distribution:
     @property
     def server_bytes(self):
         """Bytes that leave the server's NIC (distribution lowers this)."""
-        return self.model_size * (len(self.direct) + len(self.distributors))
+        return self.model_size * (len(self.direct) + sum(d.inbound.src == self.server
+                                                         for d in self.distributors))
 
     def transfers(self):
-        """Every transfer: server -> distributor and its forwards, then the direct group."""
-        out = []
+        """Every transfer once: into each distributor and its forwards, then the direct group
+        (in a pipeline a distributor's inbound is the previous one's forward)."""
+        out, seen = [], set()
         for d in self.distributors:
-            out.append(d.inbound)
-            out.extend(d.outbound)
+            for t in (d.inbound, *d.outbound):
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    out.append(t)
         out.extend(self.direct)
         return out
 
@@ -110,8 +129,9 @@ class Distribution:
                  % (v, self.model_size, self.server, len(self.deliveries) + len(self.unserved),
                     self.makespan, self.server_bytes, len(self.direct), len(self.distributors))]
         for d in self.distributors:
-            lines.append("  S%-4d -> d%-4d [%.6g, %.6g]  distributor for %s"
-                         % (self.server, d.host, d.inbound.start, d.inbound.end,
+            lines.append("  %s%-4d -> d%-4d [%.6g, %.6g]  distributor for %s"
+                         % ("S" if d.inbound.src == self.server else "d", d.inbound.src,
+                            d.host, d.inbound.start, d.inbound.end,
                             ", ".join(("w%d (itself)" if w == d.host else "w%d") % w
                                       for w in d.workers)))
             for t in d.outbound:
@@ -181,7 +201,7 @@ def rank_direct(requests, network, server, size, start):
     return out
 
 
-def _case(n, order, network, server, dists, size, start):
+def _case(n, order, network, server, dists, size, start, cut_through=False):
     """Case n: (makespan, direct transfers, Distributors, network after). makespan is inf (and
     the rest None) when the case cannot serve everyone. `network` is not modified."""
     direct_group = order[:n]
@@ -199,6 +219,8 @@ def _case(n, order, network, server, dists, size, start):
         arr, segs = trial.send(server, d, size, start)
         if arr == inf:
             continue
+        # store-and-forward: the forwards start once the model is in; cut-through: as it comes
+        inbound_start = segs[0].t0 if segs else arr
         # The horizon: when the server would finish its direct group, sent after this distributor.
         horizon = _last_end(trial, server, direct_group, size, start) if constrained else inf
         members, outbound = [], []
@@ -208,7 +230,10 @@ def _case(n, order, network, server, dists, size, start):
             queue = [w for w in pending if w != d]
         taken = 0
         for w in queue:
-            end, wsegs = trial.t_en(d, w, size, arr)
+            if cut_through:
+                end, wsegs = trial.t_en_relay(d, w, size, inbound_start, arr)
+            else:
+                end, wsegs = trial.t_en(d, w, size, arr)
             if end == inf or end > horizon:
                 break
             if wsegs:
@@ -235,11 +260,37 @@ def _case(n, order, network, server, dists, size, start):
     return makespan, direct, relays, nw
 
 
+def _pipeline(order, network, server, dists, size, start):
+    """The cut-through pipeline down `order` (module header): (makespan, Distributors, network
+    after). makespan is inf when it cannot serve everyone: a requester that is no distributor
+    (it would have to relay) or a path with no capacity."""
+    if not 2 <= len(order) <= PIPELINE_MAX or not set(order) <= set(dists):
+        return inf, None, None
+    nw = network.copy()
+    end, segs = nw.send(server, order[0], size, start)
+    if end == inf:
+        return inf, None, None
+    inbound = _transfer(server, order[0], size, end, segs)
+    relays = []
+    for d, w in zip(order, order[1:]):
+        end, segs = nw.t_en_relay(d, w, size, inbound.start, inbound.end)
+        if end == inf:
+            return inf, None, None
+        if segs:
+            nw.reserve(d, w, segs)
+        hop = _transfer(d, w, size, end, segs)
+        relays.append(Distributor(d, inbound, [d, w], [hop]))
+        inbound = hop
+    return inbound.end, relays, nw
+
+
 def distribute(requests, network, server, model_size, *, distributors=(), start=0.0, seed=0,
-               version=None):
+               version=None, cut_through=False):
     """Answer pull `requests` (requesting hosts) with one model of `model_size` bytes, ready at
     the server at `start`, through `distributors` (hosts; pre-assigned in a random order from
-    `seed`) on `network` (not modified). `version` is only recorded. Returns (Distribution,
+    `seed`) on `network` (not modified). `version` is only recorded. cut_through: distributors
+    forward the model as it arrives (Network.t_en_relay; the runtime's data plane does) instead
+    of once it is whole (the paper's store-and-forward, the default). Returns (Distribution,
     network after its reservations)."""
     _check_host(network, server, "server")
     if not (isinstance(model_size, (int, float)) and model_size > 0 and isfinite(model_size)):
@@ -270,7 +321,7 @@ def distribute(requests, network, server, model_size, *, distributors=(), start=
                         start)
 
     def best_case(order):
-        runs = [_case(n, order, network, server, dists, model_size, start)
+        runs = [_case(n, order, network, server, dists, model_size, start, cut_through)
                 for n in range(len(order) + 1)]
         # least makespan, then fewest sends out of the server, then the most direct transfers
         best = min(range(len(runs)), key=lambda n: (runs[n][0], n + len(runs[n][2] or ()), -n))
@@ -294,15 +345,20 @@ def distribute(requests, network, server, model_size, *, distributors=(), start=
         order = served
         best, runs = best_case(order)
     _, direct, relays, nw = runs[best]
+    pipeline = inf
+    if cut_through and not unserved:
+        pipeline, chain, chain_nw = _pipeline(order, network, server, dists, model_size, start)
+        if pipeline <= runs[best][0]:
+            best, direct, relays, nw = 0, [], chain, chain_nw
     deliveries = {}
     for r in relays:
         for w in r.workers:
-            if w == r.host:
-                deliveries[w] = Delivery(w, server, r.inbound)
+            if w == r.host and w not in deliveries:
+                deliveries[w] = Delivery(w, r.inbound.src, r.inbound)
         for t in r.outbound:
             deliveries[t.dst] = Delivery(t.dst, r.host, t)
     for t in direct:
         deliveries[t.dst] = Delivery(t.dst, server, t)
     dist = Distribution(server, float(model_size), version, start, order, best, direct, relays,
-                        deliveries, sorted(unserved), [r[0] for r in runs])
+                        deliveries, sorted(unserved), [r[0] for r in runs], pipeline)
     return dist, nw

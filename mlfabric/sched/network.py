@@ -267,6 +267,28 @@ class Network:
             raise ValueError("a transfer cannot start before time 0, got %r" % (start,))
         return t_en([self.links[k] for k in self.path(src, dst)], size, start)
 
+    def t_en_relay(self, src, dst, size, start, inbound_end):
+        """(end, segments) of `size` bytes relayed cut-through from src to dst: src forwards them
+        as they come in on an inbound transfer that starts at `start` and ends at `inbound_end`
+        (a distributor passing the model on, an aggregator streaming a sum). It takes the residual
+        bottleneck rate from `start`, as t_en, but cannot get ahead of what has come in, so it
+        never ends before `inbound_end`: if t_en would, its rate is capped at
+        size / (inbound_end - start) (a constant virtual link on the path), which ends it at
+        `inbound_end` when the path has that rate free throughout, later otherwise. The data
+        plane adds about one chunk (a few ms) that this model leaves out."""
+        if not start >= 0:
+            raise ValueError("a transfer cannot start before time 0, got %r" % (start,))
+        links = [self.links[k] for k in self.path(src, dst)]
+        end, segs = t_en(links, size, start)
+        if end >= inbound_end or not inbound_end > start:
+            return end, segs
+        end, segs = t_en(links + [Profile(size / (inbound_end - start))], size, start)
+        if end < inbound_end:  # float rounding over several segments: an ulp early
+            last = segs[-1]
+            segs = segs[:-1] + (Segment(last.t0, inbound_end, last.rate),)
+            end = inbound_end
+        return end, segs
+
     def reserve(self, src, dst, segments):
         """NetUp (Fig. 4c): take each segment's rate off every link of the path over its interval."""
         for k in self.path(src, dst):

@@ -61,17 +61,43 @@ class Transfer:
 
 @dataclass
 class Aggregate:
-    """Updates summed at `aggregator` (members in order) and forwarded as one to `dst`."""
+    """Updates summed at `aggregator` (members in order) and forwarded as one to `dst`.
+
+    In a cut-through pipeline (aggregation.pipeline) the sum passes through several aggregators:
+    `upstream` is then the Aggregate before this one, whose transfer (to this aggregator, carrying
+    its members) is one of this one's `inbound` and whose members are among this one's."""
     aggregator: int
     dst: int
     members: list
-    inbound: list          # the members' transfers to the aggregator
+    inbound: list          # the members' transfers to the aggregator (and the upstream sum's)
     transfer: Transfer     # the aggregate's transfer to dst
+    upstream: "Aggregate" = None
 
     @property
     def ready(self):
         """When the last member has arrived at the aggregator."""
         return max(t.end for t in self.inbound)
+
+    def levels(self):
+        """This aggregate and those upstream of it, the first of the pipeline first."""
+        out = [] if self.upstream is None else self.upstream.levels()
+        out.append(self)
+        return out
+
+    def transfers(self):
+        """Every transfer of it, upstream ones included, each once."""
+        out = []
+        for a in self.levels():
+            out.extend(t for t in a.inbound if a.upstream is None or t is not a.upstream.transfer)
+            out.append(a.transfer)
+        return out
+
+    def hop_of(self, uid):
+        """The aggregator member `uid` is first sent to."""
+        for a in self.levels():
+            if any(t.what == "update" and uid in t.ids for t in a.inbound):
+                return a.aggregator
+        return None
 
 
 @dataclass(frozen=True)
@@ -124,15 +150,14 @@ class Plan:
         """Where the update goes first: the server, or the aggregator of its group."""
         for a in self.aggregates:
             if uid in a.members:
-                return a.aggregator
+                return a.hop_of(uid)
         return self.server if uid in self.order else None
 
     def transfers(self):
         """Every transfer of the plan (server side, then the replica's if any)."""
         out = list(self.direct)
         for a in self.aggregates:
-            out.extend(a.inbound)
-            out.append(a.transfer)
+            out.extend(a.transfers())
         if self.replica is not None:
             out.extend(self.replica.transfers())
         return out
@@ -176,7 +201,11 @@ class Plan:
             lines.append("  #%d-%d aggregate at h%d of %d updates -> S%d [%.6g, %.6g]"
                          % (pos[0], pos[-1], a.aggregator, len(a.members), a.dst, a.transfer.start,
                             a.transfer.end))
-            for t in a.inbound:
+            for t in a.transfers()[:-1]:
+                if t.what != "update":   # a pipeline's partial sum, one aggregator to the next
+                    lines.append("      sum of %d  h%-4d -> h%-4d [%.6g, %.6g]"
+                                 % (len(t.ids), t.src, t.dst, t.start, t.end))
+                    continue
                 uid = t.ids[0]
                 lines.append("      u%-5d w%-4d -> h%-4d [%.6g, %.6g]  tau=%d"
                              % (uid, t.src, t.dst, t.start, t.end, self.delay(uid)))

@@ -45,9 +45,9 @@ class _View:
 
 def _plan_transfers(plan):
     out = [(t, "direct") for t in plan.direct]
-    for a in plan.aggregates:
-        out.extend((t, "to-aggregator") for t in a.inbound)
-        out.append((a.transfer, "aggregate"))
+    for a in plan.aggregates:   # (a cut-through pipeline's partial sums count as aggregates)
+        out.extend((t, "to-aggregator" if t.what == "update" else "aggregate")
+                   for t in a.transfers())
     transfers = getattr(plan.replica, "transfers", None)
     if callable(transfers):
         out.extend((t, "replica") for t in transfers())
@@ -69,9 +69,11 @@ def _plan_roles(plan, roles):
     for t in plan.direct:
         roles.setdefault(t.src, set()).add("worker")
     for a in plan.aggregates:
-        roles.setdefault(a.aggregator, set()).add("aggregator")
-        for t in a.inbound:
-            roles.setdefault(t.src, set()).add("worker")
+        for level in a.levels():
+            roles.setdefault(level.aggregator, set()).add("aggregator")
+            for t in level.inbound:
+                if t.what == "update":
+                    roles.setdefault(t.src, set()).add("worker")
 
 
 def _dropped_notes(dropped, updates):

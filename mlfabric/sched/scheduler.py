@@ -78,7 +78,7 @@ def _refuse_update(u, network):
 
 def schedule(updates, network, server, *, aggregators=(), tau_max=inf, v_init=0, start=0.0,
              seed=0, mode="async", momentum=False, after=None, engine="auto", timings=None,
-             norm_cap=inf):
+             norm_cap=inf, cut_through=False):
     """Plan one batch of `updates` (a list of Update) to `server` on `network` (not modified).
     `aggregators` are hosts that may aggregate for this server (in any order: they are pre-assigned
     to groups at random from `seed`). `momentum`: the server applies momentum (eq. 2), so an
@@ -87,7 +87,8 @@ def schedule(updates, network, server, *, aggregators=(), tau_max=inf, v_init=0,
     previous batch's last commit (default `start`). `engine`: see the module header; `timings` (a
     dict) receives the fast path's time split. `norm_cap`: the most an aggregate's members' norms
     may sum to (aggregation.py; a replicated server's Div_max); a finite cap runs the reference
-    loops, which alone implement it.
+    loops, which alone implement it, as does `cut_through` (aggregates stream out as their
+    members come in: aggregation.py).
     Returns (plan, network after the plan's reservations)."""
     if mode not in MODES:
         raise ValueError("mode must be one of %s, got %r" % (", ".join(MODES), mode))
@@ -102,17 +103,19 @@ def schedule(updates, network, server, *, aggregators=(), tau_max=inf, v_init=0,
     agg_scale = 2.0 if momentum else 1.0
     if not norm_cap >= 0:
         raise ValueError("norm_cap must be >= 0, got %r" % (norm_cap,))
+    plain_rules = norm_cap == inf and not cut_through
     if engine == "auto":
-        engine = "fast" if fast.available() and norm_cap == inf else "reference"
-    if engine != "reference" and norm_cap != inf:
-        raise ValueError("engine=%r does not implement norm_cap; use 'reference' or 'auto'"
-                         % (engine,))
+        engine = "fast" if fast.available() and plain_rules else "reference"
+    if engine != "reference" and not plain_rules:
+        raise ValueError("engine=%r implements neither norm_cap nor cut_through; use 'reference' "
+                         "or 'auto'" % (engine,))
     if engine == "reference":
         by_id = {u.id: u for u in updates}
         o = ordering.order_updates(updates, network, server, v_init=v_init, tau_max=tau_max,
                                    start=start)
         g = aggregation.aggregate(o.order, by_id, network, server, aggs, start=start,
-                                  agg_scale=agg_scale, norm_cap=norm_cap)
+                                  agg_scale=agg_scale, norm_cap=norm_cap,
+                                  cut_through=cut_through)
         order, dropped, direct, aggregates, after_nw = (o.order, o.dropped, g.direct,
                                                         g.aggregates, g.network)
     else:

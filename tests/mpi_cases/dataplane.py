@@ -336,7 +336,7 @@ def case_dp_bad_input():
         (lambda: dp.send(0, ("k",), [1, 2]), TypeError, "numpy array"),
         (lambda: dp.send(0, ("k",), x[:, 1]), ValueError, "C-contiguous"),
         (lambda: dp.send(0, ("k",), np.array([None])), TypeError, "Python objects"),
-        (lambda: dp.send(0, ("k" * 5000,), x), ValueError, "too large"),
+        (lambda: dp.send(0, ("k" * 20000,), x), ValueError, "too large"),
         (lambda: dp.send(0, ("k",), x, rate=0), ValueError, "rate"),
         (lambda: dp.send(0, ("k",), x, available=5), TypeError, "available must be callable"),
         (lambda: dp.send(RANK, ("k",), x, available=lambda: 0), ValueError, "itself"),

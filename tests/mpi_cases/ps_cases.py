@@ -52,6 +52,31 @@ def case_sync_equals_float64_reference():
             np.testing.assert_allclose(res.model, _reference(roles, 3), rtol=1e-12, atol=1e-14)
 
 
+def case_cut_through_relays_sum_exactly():
+    """Cut-through (the default) and store-and-forward relays give the float64 reference's model;
+    with cut-through, models pass on from their headers and aggregates stream out as their
+    members come (multi-chunk payloads: 1.6 MB at 50 MB/s), and neither happens without it."""
+    size, emu = 200_003, Emulation(base_rate=50e6)
+    roles = Roles(WORLD.size, 1)
+    # both jobs first, on every rank: a check failing on some ranks between the two jobs would
+    # leave the others alone in the second job's collective start-up
+    runs = {cut: run_job("mlfabric-S", size=size, iterations=3, emulation=emu,
+                         batch_interval=0.02, cut_through=cut) for cut in (True, False)}
+    for cut, res in runs.items():
+        _check_summary(res)
+        if res.role == "server":
+            np.testing.assert_allclose(res.model, _reference(roles, 3, size=size), rtol=1e-12,
+                                       atol=1e-14)
+        if res.role == "worker":
+            np.testing.assert_allclose(res.model, _reference(roles, 2, size=size), rtol=1e-12,
+                                       atol=1e-14)
+        relayed = res.summary.relayed
+        if cut:
+            assert relayed.get("forward", 0) > 0 and relayed.get("sum", 0) > 0, relayed
+        else:
+            assert not relayed, relayed
+
+
 def case_async_delays_within_tau_max():
     tau = 2
     res = run_job("mlfabric-A", size=SIZE, iterations=6, tau_max=tau, emulation=FAST,

@@ -1,0 +1,142 @@
+"""Cut-through relays in the scheduler's model (Network.t_en_relay; distribute and Alg. 3 with
+cut_through=True): a relay starts with its inbound transfer, never ends before it, books no link
+past its capacity, and never makes a batch end later than store-and-forward does."""
+from math import inf, isclose
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mlfabric.sched import Network, Update, schedule
+from mlfabric.sched.distribution import distribute
+from tests.sched_util import check_bytes, check_capacity, instances
+from tests.test_sched_distribution import instances as pull_instances
+
+PROPS = settings(max_examples=60, deadline=None)
+
+
+def test_relay_follows_its_inbound_on_a_free_path():
+    nw = Network.uniform(3, 10.0)
+    end, segs = nw.send(0, 1, 20.0, 1.0)       # inbound 1 -> 3
+    assert end == 3.0
+    r_end, r_segs = nw.t_en_relay(1, 2, 20.0, 1.0, end)
+    assert r_end == 3.0 and len(r_segs) == 1 and r_segs[0].t0 == 1.0 and r_segs[0].rate == 10.0
+    # a slower inbound caps the relay at its pace: it ends with it, not before
+    r_end, r_segs = nw.t_en_relay(1, 2, 20.0, 1.0, 5.0)
+    assert r_end == 5.0 and isclose(r_segs[0].rate, 5.0)
+    # a slower outbound path ends later, at its own pace
+    slow = Network([10.0, 4.0, 10.0], [10.0] * 3)
+    assert slow.t_en_relay(1, 2, 20.0, 1.0, 3.0)[0] == 6.0
+    # a busy relay host waits for its link, as any transfer does
+    nw.reserve(1, 0, nw.t_en(1, 0, 30.0, 0.0)[1])   # 1's egress busy over [0, 3)
+    assert nw.t_en_relay(1, 2, 20.0, 1.0, 3.0)[0] == 5.0
+    with pytest.raises(ValueError, match="before time 0"):
+        nw.t_en_relay(1, 2, 1.0, -1.0, 1.0)
+
+
+def test_cut_through_distribution_beats_store_and_forward():
+    """The runtime's setting: one server, six requesters on equal NICs, the requesters as
+    distributors. Each relay costs a whole transfer time store-and-forward, none cut-through: the
+    two-level tree takes 3 transfer times instead of 4, and the pipeline through all six 1."""
+    nw = Network.uniform(7, 10.0)
+    args = (list(range(1, 7)), nw, 0, 10.0)
+    saf, _ = distribute(*args, distributors=range(1, 7), seed=3)
+    ct, after = distribute(*args, distributors=range(1, 7), seed=3, cut_through=True)
+    assert saf.makespan == 4.0 and min(ct.cases) == 3.0
+    assert ct.makespan == ct.pipeline == 1.0 and ct.server_bytes == 10.0
+    assert sorted(ct.deliveries) == list(range(1, 7))
+    hops = [(r.inbound.src, r.host) for r in ct.distributors]
+    assert hops == list(zip([0] + ct.order[:-2], ct.order[:-1]))
+    assert ct.deliveries[ct.order[-1]].source == ct.order[-2]
+    check_capacity(nw, ct.transfers())
+    assert len(ct.transfers()) == 6 and "d%-4d -> d" % ct.order[0] in str(ct)
+    # a requester that may not relay rules the pipeline out
+    two, _ = distribute(*args, distributors=range(1, 6), seed=3, cut_through=True)
+    assert two.pipeline == inf and two.makespan == min(two.cases)
+
+
+@PROPS
+@given(pull_instances(), st.integers(0, 3))
+def test_cut_through_distribution_invariants(inst, seed):
+    net, server, requests, dists, size, start = inst
+    d, after = distribute(requests, net, server, size, distributors=dists, start=start,
+                          seed=seed, cut_through=True)
+    assert sorted(list(d.deliveries) + d.unserved) == sorted(requests)
+    for r in d.distributors:
+        assert r.inbound.dst == r.host
+        for t in r.outbound:   # a relay starts with its inbound at the soonest, never ends before
+            assert t.src == r.host
+            assert t.start >= r.inbound.start and t.end >= r.inbound.end
+    into = [t.dst for t in d.transfers()]   # nobody gets the model twice
+    assert len(into) == len(set(into))
+    check_capacity(net, d.transfers())
+    replay = net.copy()
+    for t in d.transfers():
+        if t.segments:
+            replay.reserve(t.src, t.dst, t.segments)
+    assert all(p.steps() == q.steps() for p, q in zip(replay.links, after.links))
+    assert d.makespan == min(min(d.cases), d.pipeline)
+    saf, _ = distribute(requests, net, server, size, distributors=dists, start=start, seed=seed)
+    # case n = all (everyone direct) is the same in both models, so neither can be worse than it
+    assert d.cases[-1] == saf.cases[-1]
+
+
+@PROPS
+@given(instances(allow_dead=True))
+def test_cut_through_aggregation_invariants(inst):
+    nw, updates, server, aggs, tau, v_init = inst
+    plan, after = schedule(updates, nw, server, aggregators=aggs, tau_max=tau, v_init=v_init,
+                           cut_through=True)
+    saf, _ = schedule(updates, nw, server, aggregators=aggs, tau_max=tau, v_init=v_init)
+    plain, _ = schedule(updates, nw, server, tau_max=tau, v_init=v_init)
+    # grouping changes, ordering and drops do not; everything is applied once or dropped
+    assert plan.order == saf.order and plan.dropped == saf.dropped
+    assert [g for c in plan.commits for g in c.ids] == plan.order
+    assert plan.makespan <= plain.makespan
+    for a in plan.aggregates:
+        assert a.transfer.start >= max(t.start for t in a.inbound)
+        assert a.transfer.end >= a.ready   # the sum cannot be through before its last member
+    check_bytes(plan.transfers())
+    check_capacity(nw, plan.transfers())
+
+
+def test_cut_through_aggregate_overlaps_its_members():
+    # three updates into one aggregator whose sum goes on to a server with a slow ingress: the
+    # sum streams out while the last member comes in
+    nw = Network([10.0] * 5, [4.0] + [10.0] * 4)
+    us = [Update(i, i + 1, 10.0, version=0) for i in range(3)]
+    saf, _ = schedule(us, nw, 0, aggregators=[4])
+    ct, _ = schedule(us, nw, 0, aggregators=[4], cut_through=True)
+    assert ct.makespan < saf.makespan
+    a = ct.aggregates[-1]
+    assert a.transfer.start < a.ready
+
+
+def test_cut_through_needs_the_reference_loops():
+    with pytest.raises(ValueError, match="cut_through"):
+        schedule([Update(0, 1, 1.0, 0)], Network.uniform(2, 1.0), 0, cut_through=True,
+                 engine="fast")
+
+
+def test_pipeline_reduces_a_batch_in_one_transfer_time():
+    """Six equal updates ready together, every worker an aggregator: Alg. 3's best two-level
+    grouping takes 4 transfer times at the server; the cut-through pipeline passes one running
+    sum w1 -> w2 -> ... -> w6 -> S in 1, as one commit of the whole batch in its order."""
+    nw = Network.uniform(7, 10.0)
+    us = [Update(i, i + 1, 10.0, version=0) for i in range(6)]
+    saf, _ = schedule(us, nw, 0, aggregators=list(range(1, 7)), mode="sync")
+    ct, after = schedule(us, nw, 0, aggregators=list(range(1, 7)), mode="sync", cut_through=True)
+    assert saf.makespan == 4.0 and ct.makespan == 1.0 and ct.server_bytes == 10.0
+    assert [c.ids for c in ct.commits] == [tuple(range(6))] and not ct.direct
+    (last,) = ct.aggregates
+    levels = last.levels()
+    assert [a.aggregator for a in levels] == [2, 3, 4, 5, 6]
+    assert [a.dst for a in levels] == [3, 4, 5, 6, 0]
+    assert [len(a.members) for a in levels] == [2, 3, 4, 5, 6]
+    assert ct.next_hop(0) == 2 and ct.next_hop(3) == 4    # w1 sends to w2; w4 sums its own
+    assert len(ct.transfers()) == 11                      # 6 updates (5 local) + 5 sums
+    check_capacity(nw, ct.transfers())
+    assert "sum of 5  h5" in str(ct)
+    # the pipeline is tried only when each host after the first may aggregate
+    part, _ = schedule(us, nw, 0, aggregators=[2, 3], mode="sync", cut_through=True)
+    assert all(a.upstream is None for a in part.aggregates)
