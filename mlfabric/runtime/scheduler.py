@@ -13,6 +13,7 @@ to the rank that serves it now (its replica's, after a failover). Times are job 
 the job's t0, on the scheduler's clock; daemons convert).
 """
 import time
+from bisect import bisect_right
 from dataclasses import replace
 from math import inf
 
@@ -141,7 +142,8 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
                 if s in self.promoting:
                     continue
                 if self.pending[s]:
-                    self._plan(s, t)
+                    if not self._ingress_full(s, t):
+                        self._plan(s, t)
                 elif s in self.rstate and self.rstate[s].punted:
                     # nothing new for the server: catch the replica up in full, it costs the
                     # server nothing and the divergence gate may be holding the server back
@@ -199,6 +201,25 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
 
     def wake_in(self, now_mono):
         return max(0.0, self.next_batch - self.rt.now()) if self.mode is not None else 0.01
+
+    def _ingress_full(self, server, t):
+        """Is the server's ingress booked full (as the view has it) from now until after the
+        next tick? Then the batch is held for that tick: none of it could reach the server
+        sooner, and held together more of it aggregates. (Not in the paper, which plans every
+        batch; it matters when few workers push at once: a 100 ms batch of one update cannot
+        aggregate, and the server link then takes one update at a time.) A link with no capacity
+        ever again holds nothing: the plan drops what cannot arrive."""
+        p = self.view.profile(self.view.hosts + self.rank_of[server], t)
+        horizon = t + self.rt.config.batch_interval
+        k = bisect_right(p.t, t) - 1
+        if p.v[k] > 0:
+            return False
+        for j in range(k + 1, len(p.t)):
+            if p.t[j] >= horizon:
+                return True
+            if p.v[j] > 0:
+                return False
+        return False
 
     # --- one batch --------------------------------------------------------------------------------
     def _iteration_planned(self, server, version, t):
