@@ -179,7 +179,9 @@ def summary_record(s):
             "replicated": s.replicated, "dropped": dict(s.dropped),
             "dropped_total": sum(s.dropped.values()), "max_delay": s.max_delay,
             "balanced": bool(s.balanced), "missing": len(s.missing), "twice": len(s.twice),
-            "server_bytes_in": s.server_bytes_in, "replica_bytes_in": s.replica_bytes_in}
+            "server_bytes_in": s.server_bytes_in, "replica_bytes_in": s.replica_bytes_in,
+            "relayed": dict(getattr(s, "relayed", {})),
+            "nic_bytes": {str(r): v for r, v in getattr(s, "nic_bytes", {}).items()}}
 
 
 class Jobs:
@@ -315,6 +317,18 @@ def commit_rate(commits):
     return sum(n for n, _ in commits[1:]) / span if span > 0 else None
 
 
+def nic_busy(rec, roles, base_rate):
+    """(egress, ingress) seconds of NIC time at the base rate per second of the job's wall, for
+    the servers (mean) and the workers (mean)."""
+    nb, wall = rec["summary"]["nic_bytes"], rec["wall_s"]
+
+    def mean(ranks):
+        got = [nb[str(r)] for r in ranks if str(r) in nb]
+        return tuple(sum(g[i] for g in got) / len(got) / base_rate / wall if got else 0.0
+                     for i in (0, 1))
+    return {"server": mean(roles.server_ranks), "workers": mean(roles.worker_ranks)}
+
+
 def exp_async(jobs, args):
     for r, m in alternating(args.modes, args.rounds):
         jobs.run(m, "round %d" % r)
@@ -365,6 +379,16 @@ def exp_async(jobs, args):
         print("%s: %.2fx (of means; per round %s; over wall time %.2fx)" % (
             k, v["of_means"] or float("nan"),
             " ".join("%.2f" % r if r else "-" for r in v["per_round"]), v["over_wall"]))
+    # where the bytes went: NIC time used over the job's wall, at the base rate (the profile
+    # behind the rates: a server link busy all along bounds vanilla async; relays load workers)
+    roles = Roles(jobs.comm.size, args.servers, 0)
+    for x in recs:
+        x["nic_busy"] = nic_busy(x, roles, args.base_rate)
+    print("NIC time used / wall, at the base rate (egress, ingress):")
+    for x in recs:
+        b = x["nic_busy"]
+        print("  %-8s %-14s server %.2f, %.2f   workers (mean) %.2f, %.2f" % (
+            x["label"], x["mode"], *b["server"], *b["workers"]))
     # every iteration also pulls the whole model; pulls answered one by one all leave through
     # the server's egress, which then bounds the job's wall time whatever the pushes do
     pulls = args.workers * args.iterations           # per server, each of 1/servers of the model

@@ -20,6 +20,12 @@ def test_dead_peer_times_out(n):
     run_cases("timeout_cases", n, timeout=120, env={"MLFABRIC_TIMEOUT": "3"})
 
 
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [4, 5])
+def test_ps_job_end_is_bounded_by_liveness(n):
+    run_cases("ps_liveness", n, timeout=120, env={"MLFABRIC_TIMEOUT": "3"})
+
+
 def _python(code, env=None):
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=mpi_env(env),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)

@@ -13,6 +13,7 @@ and it checks that all ranks agree on the config and on their roles. Everything 
 MLFABRIC_TIMEOUT seconds.
 """
 import math
+import time
 
 import numpy as np
 from mpi4py import MPI
@@ -206,7 +207,7 @@ def finish():
 
 def _end(rt):
     try:
-        summary = rt.summary.wait()
+        summary = _wait_for_summary(rt)
     except PeerTimeoutError as e:
         role_obj = rt.daemon.role if rt.daemon is not None else None
         why = getattr(role_obj, "waiting_for", None)
@@ -227,6 +228,28 @@ def _end(rt):
     rt.comm.Free()
     _state["comm"] = None
     return summary
+
+
+def _wait_for_summary(rt):
+    """The job's summary, however long the job lasts, as long as it is alive: this rank's daemon
+    turns, and (not at the scheduler) the scheduler's liveness messages keep coming (the
+    scheduler checks every other rank the same way). Silence for MLFABRIC_TIMEOUT is an error."""
+    limit = _config.timeout_s()
+    while True:
+        try:
+            return rt.summary.wait(timeout=min(limit, 1.0))
+        except PeerTimeoutError:
+            if rt.summary.done():
+                raise           # the job failed: its own error
+        now = time.monotonic()
+        if not rt.daemon.is_alive() or now - rt.daemon.last_turn > limit:
+            raise PeerTimeoutError("rank %d: the end of the job did not come and this rank's "
+                                   "daemon has stopped turning (MLFABRIC_TIMEOUT=%g s)"
+                                   % (rt.rank, limit))
+        if rt.rank != 0 and now - rt.channel.heard[0] > limit:
+            raise PeerTimeoutError("rank %d: the end of the job did not come and the scheduler "
+                                   "(rank 0) has sent nothing for %.0f s (MLFABRIC_TIMEOUT=%g s)"
+                                   % (rt.rank, now - rt.channel.heard[0], limit))
 
 
 # --- server, replica, scheduler -------------------------------------------------------------------

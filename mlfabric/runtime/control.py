@@ -18,7 +18,8 @@ Kinds (body in brackets; job times are the scheduler's):
   replica <-> scheduler  promote [(server, rank, SSP counts)]; promoted [(server, applied ids)]
   worker -> server       get [(request id, worker clock)]
   any -> scheduler       report [(egress, ingress available, out, in achieved)] (the monitor)
-  scheduler -> all       stop []; summary [Summary]; any -> scheduler: ledger [Ledger]
+  scheduler -> all       stop []; summary [Summary]; any -> scheduler: ledger [Ledger];
+                         alive [] (every t_lag: the others know the scheduler is running)
   any -> all             error [text] (a daemon failed: everyone stops with that message)
 
 Every message carries its sequence number on its (sender, receiver) pair, so a lost or stale
@@ -49,6 +50,9 @@ class Channel:
         self._inbox = []     # received before an interruption, not yet handed out
         self.sent = np.zeros(comm.size, np.int64)      # messages sent to each rank
         self.received = np.zeros(comm.size, np.int64)  # messages taken from each rank
+        # time.monotonic() of the last message from each rank (from the start, for none yet):
+        # liveness, read by the training thread at the end of a job (api._end)
+        self.heard = np.full(comm.size, time.monotonic())
 
     def send(self, dst, kind, body=None):
         if dst in self.dead:
@@ -91,6 +95,7 @@ class Channel:
                 "expected number %d: a control message was lost or left over from an earlier "
                 "job (an internal error; please report it)" % (self.comm.rank, kind, src, seq, want))
         self.received[src] = want + 1
+        self.heard[src] = time.monotonic()
 
     def close(self, timeout):
         """Collective, once every daemon has stopped sending: take every message peers sent this

@@ -35,6 +35,7 @@ class Daemon(threading.Thread):
         self.rt, self.role = rt, role
         self.stop = False
         self.reporter = Reporter(rt.nic, rt.config.t_lag)
+        self.last_turn = time.monotonic()   # liveness of this loop (api._end reads it)
 
     def run(self):
         rt = self.rt
@@ -89,7 +90,7 @@ class Daemon(threading.Thread):
         rt, reporter = self.rt, self.reporter
         channel, dp = rt.channel, rt.dp
         rt.wakeup.clear()
-        now = time.monotonic()
+        now = self.last_turn = time.monotonic()
         while True:
             try:
                 req = rt.requests.get_nowait()
@@ -135,6 +136,8 @@ class Daemon(threading.Thread):
         elif kind == "summary":
             rt.summary.set(body)
             self.stop = True
+        elif kind == "alive":
+            pass  # the scheduler runs (Channel.heard noted it)
         elif kind == "error":
             raise MlfabricError(body)
         elif kind == "promote":   # the role itself may change (a replica becomes a server)

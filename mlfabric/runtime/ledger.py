@@ -57,6 +57,7 @@ class Summary:
     control: dict = field(default_factory=dict)    # control-plane timings (the scheduler's)
     failovers: list = field(default_factory=list)  # (server, new rank, its version, job time)
     relayed: dict = field(default_factory=dict)    # cut-through relays by kind (Ledger.relayed)
+    nic_bytes: dict = field(default_factory=dict)  # rank -> (bytes out, bytes in), live ranks
 
     def __str__(self):
         drops = ", ".join("%s %d" % kv for kv in sorted(self.dropped.items())) or "none"
@@ -93,4 +94,5 @@ def summarize(ledgers, server_ranks=(), replica_ranks=(), dead=(), known=()):
         missing=missing, twice=twice,
         server_bytes_in=sum(ledgers[r].bytes_in for r in server_ranks if ledgers[r]),
         replica_bytes_in=sum(ledgers[r].bytes_in for r in replica_ranks if ledgers[r]),
-        failed=sorted(dead), relayed=dict(total.relayed))
+        failed=sorted(dead), relayed=dict(total.relayed),
+        nic_bytes={r: (lg.bytes_out, lg.bytes_in) for r, lg in enumerate(ledgers) if lg})

@@ -17,6 +17,8 @@ from bisect import bisect_right
 from dataclasses import replace
 from math import inf
 
+from .. import _config
+from ..errors import PeerTimeoutError
 from ..sched import ReplicaState, Update, replicate, schedule
 from ..sched.view import SchedulerView
 from .gate import DivergenceGate
@@ -72,6 +74,7 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
         self.allreduce_pending = {}  # ("ar", call, root) -> contributions reported ready
         self.failed_over = set()   # servers now served by their promoted replica
         self.failovers = []        # (server, new rank, updates in the promoted model, job time)
+        self.last_alive = 0.0      # time.monotonic() of the last liveness round
 
     def on_request(self, req):
         pass
@@ -150,6 +153,8 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
                     self._plan(s, t, catch_up=True)
             if self.batches % 10 == 0:
                 self.view.prune(t)
+        if now_mono - self.last_alive >= rt.config.t_lag:
+            self._liveness(now_mono)
         if not self.stopping and self._finished():
             self.stopping = True
             for r in range(1, rt.size):
@@ -157,6 +162,26 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
             self.ledgers[0] = rt.ledger
         if self.stopping and len(self.ledgers) == rt.size - len(rt.failed):
             self._summarize()
+
+    def _liveness(self, now_mono):
+        """Tell every rank the scheduler runs, and check that every live rank's daemon does:
+        each reports every t_lag (the monitor), so one silent for MLFABRIC_TIMEOUT is stuck or
+        died unnoticed, and the job stops with its name instead of waiting forever. (A job
+        itself may last as long as it likes.)"""
+        self.last_alive = now_mono
+        rt = self.rt
+        limit = _config.timeout_s()
+        for r in range(1, rt.size):
+            if r in rt.failed:
+                continue
+            rt.channel.send(r, "alive")
+            silent = now_mono - rt.channel.heard[r]
+            if silent > limit:
+                # (not "rank ..." first: _fail takes such a text for one already broadcast)
+                raise PeerTimeoutError(
+                    "no word from rank %d (%s) for %.0f s (MLFABRIC_TIMEOUT=%g s; every daemon "
+                    "reports to the scheduler every t_lag): it is stuck or died unnoticed"
+                    % (r, rt.roles.role(r), silent, limit))
 
     def _finished(self):
         """Every live worker is done and every update it pushed is resolved; nothing is pending

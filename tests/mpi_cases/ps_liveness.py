@@ -1,0 +1,52 @@
+"""A parameter-server job's end is bounded by liveness, not by its length (run by
+tests/test_errors.py with MLFABRIC_TIMEOUT=3): a job several timeouts long completes, and a rank
+whose daemon stops turning makes every rank fail with its name within a few timeouts. The stuck
+case runs last: its daemon thread stays stuck until the process ends."""
+import time
+
+import pytest
+from mpi4py import MPI
+
+import mlfabric.ps as ps
+from mlfabric import _config
+from mlfabric.errors import MlfabricError
+from mlfabric.ps import api
+from mlfabric.ps.driver import run_job
+from mlfabric.runtime.roles import Roles
+
+WORLD = MPI.COMM_WORLD
+
+
+def case_a_job_longer_than_the_timeout_ends_normally():
+    limit = _config.timeout_s()
+    t0 = time.monotonic()
+    res = run_job("mlfabric-A", size=1000, iterations=4, compute_s=limit * 0.8)
+    took = time.monotonic() - t0
+    assert res.summary.balanced, res.summary
+    assert took > 2.5 * limit, took   # the scheduler and servers waited longer than the timeout
+
+
+def case_z_a_stuck_daemon_fails_the_job_on_every_rank():
+    roles = Roles(WORLD.size, 1)
+    victim = roles.worker_ranks[-1]
+    limit = _config.timeout_s()
+    role = ps.init("mlfabric-A")
+    t0 = time.monotonic()
+    with pytest.raises(MlfabricError) as info:
+        if role == "worker":
+            ps.register_as_worker()
+            if WORLD.rank == victim:   # its daemon stops turning (a deadlock, say)
+                api._state["rt"].daemon._turn = lambda: time.sleep(3600)
+            ps.finish()
+        elif role == "server":
+            import numpy as np
+            ps.register_as_server(np.zeros(10))
+            ps.serve()
+        else:
+            ps.serve()
+    took, text = time.monotonic() - t0, str(info.value)
+    assert took < 4 * limit, (took, text)
+    if WORLD.rank == victim:
+        assert "daemon has stopped turning" in text, text
+    else:
+        assert "no word from rank %d (worker)" % victim in text, text
