@@ -356,10 +356,10 @@ class WorkerRole:
         that died may have been relaying our model."""
         dead = set(ranks)
         gone = []
+
+        def lost(slot):  # an input from the dead is lost unless whole here (a Stream is void)
+            return not isinstance(self.stash.get(slot), np.ndarray)
         for a in list(self.pending_aggs):
-            # an input from the dead is cut unless it is whole here (a Stream from them is void)
-            def lost(slot):
-                return not isinstance(self.stash.get(slot), np.ndarray)
             cut = [u for u in a.members if u >> 32 in dead and lost((u, a.dst))]
             up = a.upstream
             cut_up = up is not None and up[2] in dead and lost((up[0], None))
@@ -373,9 +373,9 @@ class WorkerRole:
             if cut_up:  # the pipeline's sum so far died with the aggregator before us
                 why += [(u, DROP_AGGREGATOR_FAILED) for u in up[1]]
                 a.upstream = None
-            dropped = {u for u, _ in why}
-            a.members = tuple(u for u in a.members if u not in dropped)
-            a.ids = tuple(u for u in a.ids if u not in dropped)
+            out = {u for u, _ in why}
+            a.members = tuple(u for u in a.members if u not in out)
+            a.ids = tuple(u for u in a.ids if u not in out)
             if a.dst in self.server_rank:
                 gone += why
             self._try_aggregate(a)

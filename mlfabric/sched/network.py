@@ -255,8 +255,10 @@ class Network:
 
     def path(self, src, dst):
         """Link indices from src to dst: egress, core links if any, ingress; () on one host."""
-        self._check_host(src)
-        self._check_host(dst)
+        n = self.hosts
+        if not (type(src) is int and type(dst) is int and 0 <= src < n and 0 <= dst < n):
+            self._check_host(src)   # (the plain case above is the hot one: the details here)
+            self._check_host(dst)
         if src == dst:
             return ()
         return (src,) + self._core_paths.get((src, dst), ()) + (self.hosts + dst,)
