@@ -11,7 +11,8 @@ ULFM = ("--with-ft", "ulfm", "--mca", "mpi_ft_detector", "true")
 @pytest.mark.mpi
 @pytest.mark.parametrize("scenario, n", [("server-replica", 6), ("server-replica", 5),
                                          ("server-alone", 5), ("worker-async", 5),
-                                         ("worker-async", 6), ("worker-sync", 6)])
+                                         ("worker-async", 6), ("worker-sync", 6),
+                                         ("relay-sync", 5), ("relay-sync", 6)])
 def test_a_killed_rank(scenario, n, tmp_path):
     proc = run_mpi(n, ["-m", "tests.mpi_cases.ps_failures", scenario, str(tmp_path)],
                    timeout=120, env={"MLFABRIC_TIMEOUT": "10"}, mpirun_args=ULFM)

@@ -7,6 +7,7 @@ usage: python -m tests.mpi_cases.ps_failures SCENARIO OUTDIR
   server-alone     no replica: the server dies; every survivor gets a clear error, nobody hangs
   worker-async     mlfabric-A; a worker dies mid-run; the others finish, accounts balance
   worker-sync      mlfabric-S; a worker dies mid-run; iterations go on with the others
+  relay-sync       mlfabric-S, cut-through: a worker dies while a running sum streams through
 Every surviving rank prints 'RESULT ok' or 'RESULT FAIL <why>'.
 """
 import json
@@ -159,8 +160,39 @@ def worker_job(mode):
     return job
 
 
+def relay_dies_mid_stream(outdir):
+    """mlfabric-S with cut-through pipelines: the victim is killed 30 ms after computing its
+    update of iteration 3, while the batch's running sum streams through the workers (4 MB
+    payloads, 80 ms a transfer). Whatever the stream was doing then, the others finish, every
+    update is applied or dropped with a reason (a sum voided by the death: 'aggregate-voided'),
+    and the server's model is exactly the sum of what it applied."""
+    import threading
+    size, at = 500_003, 3
+    roles = Roles(WORLD.size)
+    victim = roles.worker_ranks[len(roles.worker_ranks) // 2]
+    upd = default_update(size, np.float64)
+
+    def update(rank, i, model):
+        if rank == victim and i == at:
+            threading.Timer(0.03, die).start()
+        return upd(rank, i, model)
+    res = run_job("mlfabric-S", size=size, iterations=6, emulation=EMU, batch_interval=0.02,
+                  update_fn=update)
+    s = res.summary
+    assert s.failed == [victim], s.failed
+    assert s.balanced, s
+    assert set(s.dropped) <= {"aggregate-voided", "aggregator-failed", "worker-failed"}, s
+    if res.role == "server":
+        applied = {u for ids, *_ in res.applied_log for u in ids}
+        ref = sum((upd(u >> 32, u & 0xFFFFFFFF, None) for u in applied), np.zeros(size))
+        np.testing.assert_allclose(res.model, ref, rtol=1e-12, atol=1e-14)
+        assert res.applied_log[-1][1] == 6, res.applied_log[-1]
+        print("relay-sync: %s" % s, flush=True)
+
+
 SCENARIOS = {"server-replica": server_replica, "server-alone": server_alone,
-             "worker-async": worker_job("mlfabric-A"), "worker-sync": worker_job("mlfabric-S")}
+             "worker-async": worker_job("mlfabric-A"), "worker-sync": worker_job("mlfabric-S"),
+             "relay-sync": relay_dies_mid_stream}
 
 
 def main():
