@@ -248,7 +248,9 @@ class Jobs:
             rec["control"] = {"batches": control.get("batches"),
                               "ready_latency_s": stats(control.get("ready_latency", [])),
                               "plan_time_s": stats(control.get("plan_time", [])),
-                              "plan_latency_s": stats(control.get("plan_latency", []))}
+                              "plan_latency_s": stats(control.get("plan_latency", [])),
+                              "get_latency_s": stats(control.get("get_latency", [])),
+                              "pull_wait_s": stats(control.get("pull_wait", []))}
         return rec
 
 
@@ -384,11 +386,14 @@ def exp_async(jobs, args):
     roles = Roles(jobs.comm.size, args.servers, 0)
     for x in recs:
         x["nic_busy"] = nic_busy(x, roles, args.base_rate)
-    print("NIC time used / wall, at the base rate (egress, ingress):")
+    print("NIC time used / wall, at the base rate (egress, ingress); a get's latency and, of it, "
+          "the wait at the server for the previous pull batch to leave (mean s):")
     for x in recs:
-        b = x["nic_busy"]
-        print("  %-8s %-14s server %.2f, %.2f   workers (mean) %.2f, %.2f" % (
-            x["label"], x["mode"], *b["server"], *b["workers"]))
+        b, c = x["nic_busy"], x.get("control") or {}
+        gets, waits = c.get("get_latency_s") or {}, c.get("pull_wait_s") or {}
+        print("  %-8s %-14s server %.2f, %.2f   workers (mean) %.2f, %.2f   get %.3f, wait %.3f"
+              % (x["label"], x["mode"], *b["server"], *b["workers"],
+                 gets.get("mean", float("nan")), waits.get("mean", float("nan"))))
     # every iteration also pulls the whole model; pulls answered one by one all leave through
     # the server's egress, which then bounds the job's wall time whatever the pushes do
     pulls = args.workers * args.iterations           # per server, each of 1/servers of the model

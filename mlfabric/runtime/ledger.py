@@ -23,6 +23,8 @@ class Ledger:
     bytes_out: int = 0
     bytes_in: int = 0
     plan_latency: list = field(default_factory=list)  # worker: scheduler's send -> our receipt (s)
+    get_latency: list = field(default_factory=list)   # worker: get() asked -> model in (s)
+    pull_wait: list = field(default_factory=list)     # server: get in -> its pull batch leaves (s)
     # cut-through relays (worker.py): 'forward' a payload passed on from its header, 'sum' an
     # aggregate streamed out while its members came in
     relayed: Counter = field(default_factory=Counter)
@@ -37,6 +39,8 @@ class Ledger:
         self.bytes_out += other.bytes_out
         self.bytes_in += other.bytes_in
         self.plan_latency.extend(other.plan_latency)
+        self.get_latency.extend(other.get_latency)
+        self.pull_wait.extend(other.pull_wait)
         self.relayed.update(other.relayed)
 
 

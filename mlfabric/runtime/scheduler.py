@@ -394,6 +394,8 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
                             dead=rt.failed, known=self.ready_ids)
         summary.control = {"ready_latency": self.ready_latency, "plan_time": self.plan_time,
                            "plan_latency": [x for lg in ledgers if lg for x in lg.plan_latency],
+                           "get_latency": [x for lg in ledgers if lg for x in lg.get_latency],
+                           "pull_wait": [x for lg in ledgers if lg for x in lg.pull_wait],
                            "achieved_rates": dict(self.caps.achieved),
                            "batches": self.batches}
         summary.failovers = list(self.failovers)

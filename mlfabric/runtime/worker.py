@@ -97,6 +97,7 @@ class WorkerRole:
         self.outbox = {}         # id -> [server, payload, version] until its last planned send
         self.ready = []          # (id, server, nbytes, version, norm, sent at) not yet reported
         self.gets = {}           # request id -> (Future, server, clock)
+        self.asked = {}          # request id -> job time it was (last) sent (profile)
         self.next_get = 0
         # (update id, the aggregate's destination) -> payload that came before its Assignment (a
         # Stream while it is still coming, cut-through), and -> the Assignment waiting for it
@@ -151,12 +152,14 @@ class WorkerRole:
         rid = self.next_get
         self.next_get += 1
         self.gets[rid] = (fut, server, clock)
+        self.asked[rid] = self.rt.now()
         self.rt.channel.send(self.server_rank[server], "get", (rid, clock))
 
     def _answer(self, rid, data, version):
         got = self.gets.pop(rid, None)  # None: a request re-sent after a failure, answered twice
         if got is not None:
             got[0].set((data, version))
+            self.rt.ledger.get_latency.append(self.rt.now() - self.asked.pop(rid))
 
     def flush(self):
         if self.ready:
@@ -298,6 +301,7 @@ class WorkerRole:
         if kind == "m":
             got = self.gets.pop(key[1], None)
             if got is not None:
+                self.asked.pop(key[1], None)
                 self._get(*got)
         elif kind == "d":
             for w, inner, _, _ in key[1]:
@@ -401,6 +405,7 @@ class WorkerRole:
         for rid, (fut, server, clock) in list(self.gets.items()):
             if which(server):
                 del self.gets[rid]
+                self.asked.pop(rid, None)
                 self._get(fut, server, clock)
 
     def stopped(self, error):
