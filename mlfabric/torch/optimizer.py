@@ -142,7 +142,11 @@ class _DistributedOptimizer:
                     flat)
             for (b, members), flat in zip(enumerate(plan), flats)]
         if flats and _shared.is_shared(flats[0]):
-            _context.get().on_close.append(functools.partial(_unshare, weakref.ref(self)))
+            hooks = _context.get().on_close
+            # drop the hooks of optimizers gone since (a process may build thousands)
+            hooks[:] = [f for f in hooks if not (getattr(f, "func", None) is _unshare
+                                                 and f.args[0]() is None)]
+            hooks.append(functools.partial(_unshare, weakref.ref(self)))
         self._mlf_slots = [_Slot(b, v, backward_passes_per_step)
                            for b in self._mlf_buckets for v in b.views]
         self._mlf_done = 0              # parameters through all their passes since the reset

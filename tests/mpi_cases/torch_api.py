@@ -319,6 +319,25 @@ def case_distributed_optimizer_buckets_shared_and_kept_over_shutdown():
     _still_works()
 
 
+def case_distributed_optimizers_built_and_dropped_leave_no_close_hooks():
+    """Each optimizer with shared buckets registers a hook to unshare them at shutdown; the
+    hooks of optimizers that are gone are dropped when the next one is built."""
+    import gc
+
+    from mlfabric import context
+    from mlfabric.torch.optimizer import _unshare
+    if not hvd.is_initialized():   # (run alone)
+        hvd.init()
+    for _ in range(5):
+        model = torch.nn.Linear(30, 20)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters())
+        del opt, model
+        gc.collect()
+    hooks = [f for f in context.get().on_close if getattr(f, "func", None) is _unshare]
+    assert len(hooks) <= 1, len(hooks)   # (1: the last one's, not yet pruned; 0: private)
+
+
 # --- allgather, broadcast, alltoall ---------------------------------------------------------------
 
 def case_allgather_uneven_first_dims():
