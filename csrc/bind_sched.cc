@@ -119,7 +119,8 @@ void export_table(py::dict& out, const char* name, const sched::TransferTable& t
 py::dict sched_run(int hosts, const py::list& link_t, const py::list& link_v,
                    const py::dict& core_paths, int server, double start, const py::list& worker,
                    const py::list& size, const py::list& send_at, const py::list& deadline,
-                   const py::list& aggs, double agg_scale, bool plain, bool order_network) {
+                   const py::list& aggs, double agg_scale, bool cut_through, bool plain,
+                   bool order_network) {
   sched::Network base = make_network(hosts, link_t, link_v, core_paths);
   sched::Batch b;
   b.server = server;
@@ -130,6 +131,7 @@ py::dict sched_run(int hosts, const py::list& link_t, const py::list& link_v,
   b.deadline = doubles(deadline.ptr(), "deadline");
   b.aggs = ints(aggs.ptr(), "aggs");
   b.agg_scale = agg_scale;
+  b.cut_through = cut_through;
   check(agg_scale >= 1.0, "agg_scale must be >= 1");
   const size_t n = b.worker.size();
   check(b.size.size() == n && b.send_at.size() == n && b.deadline.size() == n,
@@ -173,6 +175,10 @@ py::dict sched_run(int hosts, const py::list& link_t, const py::list& link_v,
   out["agg_count"] = to_int_list(g.agg_count);
   export_table(out, "in", g.inbound);
   export_table(out, "at", g.agg_transfer);
+  out["pipeline"] = g.pipeline;
+  out["pipeline_chosen"] = g.pipeline_chosen;
+  out["pipe_hosts"] = to_int_list(g.pipe_hosts);
+  export_table(out, "pp", g.pipe);
   // The network after the plan stays in C++ until asked for (sched_network_lists): a caller
   // that never reads it (the simulator without a replica) never pays for ~2 lists per link.
   auto* after = new std::vector<sched::Profile>(std::move(g.network.links));
@@ -207,11 +213,13 @@ void bind_sched(py::module_& m) {
   m.def("sched_run", &sched_run, py::arg("hosts"), py::arg("link_t"), py::arg("link_v"),
         py::arg("core_paths"), py::arg("server"), py::arg("start"), py::arg("worker"),
         py::arg("size"), py::arg("send_at"), py::arg("deadline"), py::arg("aggs"),
-        py::arg("agg_scale"), py::arg("plain"), py::arg("order_network"),
+        py::arg("agg_scale"), py::arg("cut_through"), py::arg("plain"),
+        py::arg("order_network"),
         "Alg. 2 then Alg. 3 of the MLfabric scheduler (see mlfabric/sched/fast.py): links as "
         "lists of times and of values, core_paths {(src, dst): [link, ...]}, the batch as "
         "per-update lists in ascending id order, aggs in group order, agg_scale as "
-        "aggregation.aggregate's. Returns a dict of flat result lists. plain=True runs the "
+        "aggregation.aggregate's, cut_through as aggregation.aggregate's (the pipeline case "
+        "included). Returns a dict of flat result lists. plain=True runs the "
         "paper's loops without the exact shortcuts; order_network=False skips exporting the "
         "network after ordering.");
 }

@@ -1,7 +1,7 @@
 // sched_fast.cc — the scheduler's fast path: network model (Fig. 4), Alg. 2 and Alg. 3
 // (paper §5.1, §5.2) computing exactly what mlfabric/sched/{network,ordering,aggregation}.py
-// compute. See sched_fast.h for the contract and docs/sched/fast.md for why each shortcut is
-// exact.
+// compute, cut-through aggregates and the pipeline case included. See sched_fast.h for the
+// contract and docs/sched/fast.md for why each shortcut is exact.
 //
 // Bit-identical floats need the same operations in the same order as Python's: no fused
 // multiply-add (x - a * b must round twice, as Python's does) and no reassociation. setup.py
@@ -72,8 +72,9 @@ int Network::path(int src, int dst, int* out) const {
 }
 
 double Network::t_en(const int* path, int n, double size, double start, std::vector<Seg>* segs,
-                     double cut) const {
-  if (size <= 0 || n == 0) return start;
+                     double cut, double cap) const {
+  // (a cap alone is a path of one link to Python, so it is walked)
+  if (size <= 0 || (n == 0 && cap == kNoCap)) return start;
   constexpr int kStack = 16;
   int idx_stack[kStack];
   const Profile* prof_stack[kStack];
@@ -104,6 +105,7 @@ double Network::t_en(const int* path, int n, double size, double start, std::vec
       if (p.v[i] < rate) rate = p.v[i];
       if (i + 1 < static_cast<int>(p.t.size()) && p.t[i + 1] < nxt) nxt = p.t[i + 1];
     }
+    if (cap < rate) rate = cap;  // the cap link, last, has no breakpoint after t = 0
     if (rate > 0) {
       if (nxt == kInf || rate * (nxt - t) >= left) {
         const double end = t + left / rate;
@@ -123,6 +125,21 @@ double Network::t_en(const int* path, int n, double size, double start, std::vec
       if (idx[j] + 1 < static_cast<int>(p.t.size()) && p.t[idx[j] + 1] == nxt) ++idx[j];
     }
   }
+}
+
+double Network::t_en_relay(const int* path, int n, double size, double start, double inbound_end,
+                           std::vector<Seg>* segs) const {
+  const size_t mark = segs->size();
+  double end = t_en(path, n, size, start, segs, kInf);
+  if (end >= inbound_end || !(inbound_end > start)) return end;
+  // it would get ahead of its inbound: again, at most at the inbound's pace
+  segs->resize(mark);
+  end = t_en(path, n, size, start, segs, kInf, size / (inbound_end - start));
+  if (end < inbound_end && segs->size() > mark) {  // float rounding: an ulp early, as Python
+    segs->back().t1 = inbound_end;
+    end = inbound_end;
+  }
+  return end;
 }
 
 // Profile.subtract. The profile has no equal neighbours before, so after subtracting over
@@ -615,7 +632,9 @@ class Aggregator {
       // aggregators on a journal that is undone afterwards. A case stops as soon as its t_max
       // reaches the best makespan so far (t_max never decreases, and the first minimal case wins,
       // so such a case can never be chosen); once the direct group alone reaches it, every later
-      // case does too.
+      // case does too. t_max is a running max of the case's own arrivals, so this holds however
+      // an aggregate's transfer is computed, cut-through relays included; the pipeline is a
+      // separate candidate, evaluated in full afterwards.
       Network prefix = base_;
       Journal journal;
       double prefix_max = b_.start;
@@ -633,6 +652,19 @@ class Aggregator {
           best_ms = ms;
           best = n;
         }
+      }
+    }
+    // Cut-through: the pipeline, on the original network, replaces the best case when it ends
+    // no later (aggregation.aggregate). An infeasible batch is refused (fast.py), pipeline or not.
+    if (b_.cut_through && g.cases[best] < kInf) {
+      Network chain = base_;
+      g.pipeline = pipeline(chain, &g);
+      if (g.pipeline <= g.cases[best]) {  // cases[best] is DetAgg(best)'s makespan
+        g.pipeline_chosen = true;
+        g.n_direct = 0;
+        g.makespan = g.pipeline;
+        g.network = std::move(chain);
+        return g;
       }
     }
     // DetAgg(best) again, recording its groups
@@ -700,7 +732,7 @@ class Aggregator {
     for (int agg : b_.aggs) {
       if (i >= n_all) break;
       int members = 0;
-      double size = 0.0, ready = 0.0;
+      double size = 0.0, ready = 0.0, first = 0.0;  // first: the latest inbound start
       // an update joins this group only if it arrives by t_max: a walk that passes t_max cannot
       const double cut = (fast && constrained) ? std::nextafter(t_max, kInf) : kInf;
       while (i < n_all) {
@@ -710,12 +742,15 @@ class Aggregator {
         const double end = nw.t_en(path_.data(), np, b_.size[u], b_.send_at[u], &segs_, cut);
         if (end == kInf || (constrained && end > t_max)) break;
         if (!segs_.empty()) nw.reserve(path_.data(), np, segs_, j);
+        const double begin = segs_.empty() ? end : segs_[0].t0;  // aggregation._transfer's start
         if (members == 0) {
           size = b_.size[u];
           ready = end;
+          first = begin;
         } else {
           size = pymax(size, b_.size[u]);
           ready = pymax(ready, end);
+          first = pymax(first, begin);
         }
         ++members;
         if (rec != nullptr) rec->inbound.add(end, segs_);
@@ -725,7 +760,10 @@ class Aggregator {
       if (members > 1) size = size * b_.agg_scale;  // x 1.0 for one member changes nothing
       const int np = nw.path(agg, b_.server, path_.data());
       segs_.clear();
-      const double end = nw.t_en(path_.data(), np, size, ready, &segs_, kInf);
+      // cut-through: the sum streams out from the last member's start, never ending before it
+      const double end = b_.cut_through
+                             ? nw.t_en_relay(path_.data(), np, size, first, ready, &segs_)
+                             : nw.t_en(path_.data(), np, size, ready, &segs_, kInf);
       if (end == kInf) return kInf;
       if (!segs_.empty()) nw.reserve(path_.data(), np, segs_, j);
       t_max = pymax(t_max, end);
@@ -739,6 +777,87 @@ class Aggregator {
     }
     if (i < n_all) return kInf;
     return t_max;
+  }
+
+  // aggregation.pipeline on nw (a copy of the original network): the batch's hosts, the one
+  // whose updates are ready first first, pass one running sum down the line, each adding its own
+  // updates, the last sending it to the server; every hop a t_en_relay. Records the chain into
+  // rec->pipe_hosts and rec->pipe (see Grouping). Returns its makespan; +inf when not possible.
+  double pipeline(Network& nw, Grouping* rec) {
+    const int n_all = static_cast<int>(o_.order.size());
+    std::vector<int> slot(nw.hosts(), -1);   // host -> index in hosts
+    std::vector<int>& hosts = rec->pipe_hosts;
+    std::vector<std::vector<int>> mine;      // per host of hosts: its positions, in order
+    std::vector<double> ready;               // per host of hosts: its latest send time
+    for (int i = 0; i < n_all; ++i) {
+      const int u = o_.order[i];
+      const int h = b_.worker[u];
+      if (slot[h] < 0) {
+        slot[h] = static_cast<int>(hosts.size());
+        hosts.push_back(h);
+        mine.emplace_back();
+        ready.push_back(b_.send_at[u]);
+      } else {
+        ready[slot[h]] = pymax(ready[slot[h]], b_.send_at[u]);
+      }
+      mine[slot[h]].push_back(i);
+    }
+    // hosts by ready time, ties in the order's (Python's stable sort)
+    std::vector<int> by_ready(hosts.size());
+    for (size_t k = 0; k < hosts.size(); ++k) by_ready[k] = static_cast<int>(k);
+    std::stable_sort(by_ready.begin(), by_ready.end(),
+                     [&](int a, int b) { return ready[a] < ready[b]; });
+    std::vector<int> sorted_hosts;
+    for (int k : by_ready) sorted_hosts.push_back(hosts[k]);
+    hosts = sorted_hosts;
+    if (hosts.size() < 2 || slot[b_.server] >= 0) return kInf;
+    for (size_t k = 1; k < hosts.size(); ++k)
+      if (std::find(b_.aggs.begin(), b_.aggs.end(), hosts[k]) == b_.aggs.end()) return kInf;
+
+    // the first host's own updates go to the second host, one by one
+    const std::vector<int>& first = mine[slot[hosts[0]]];
+    double in_start = 0.0, in_end = 0.0;  // latest start and end of what comes into the next host
+    int np = nw.path(hosts[0], hosts[1], path_.data());
+    for (size_t k = 0; k < first.size(); ++k) {
+      const int u = o_.order[first[k]];
+      segs_.clear();
+      const double end = nw.t_en(path_.data(), np, b_.size[u], b_.send_at[u], &segs_, kInf);
+      if (end == kInf) return kInf;
+      if (!segs_.empty()) nw.reserve(path_.data(), np, segs_);
+      rec->pipe.add(end, segs_);
+      const double begin = segs_.empty() ? end : segs_[0].t0;
+      in_start = k == 0 ? begin : pymax(in_start, begin);
+      in_end = k == 0 ? end : pymax(in_end, end);
+    }
+    std::vector<char> member(n_all, 0);   // by position: in the running sum
+    for (int i : first) member[i] = 1;
+    double end = kInf;
+    for (size_t k = 1; k < hosts.size(); ++k) {
+      // its own updates join with no network: start = end = their send time
+      for (int i : mine[slot[hosts[k]]]) {
+        in_start = pymax(in_start, b_.send_at[o_.order[i]]);
+        in_end = pymax(in_end, b_.send_at[o_.order[i]]);
+        member[i] = 1;
+      }
+      double size = 0.0;  // the largest member, first maximum in the order (Python's max)
+      bool any = false;
+      for (int i = 0; i < n_all; ++i) {
+        if (!member[i]) continue;
+        size = any ? pymax(size, b_.size[o_.order[i]]) : b_.size[o_.order[i]];
+        any = true;
+      }
+      size = size * b_.agg_scale;
+      const int dst = k + 1 < hosts.size() ? hosts[k + 1] : b_.server;
+      np = nw.path(hosts[k], dst, path_.data());
+      segs_.clear();
+      end = nw.t_en_relay(path_.data(), np, size, in_start, in_end, &segs_);
+      if (end == kInf) return kInf;
+      if (!segs_.empty()) nw.reserve(path_.data(), np, segs_);
+      rec->pipe.add(end, segs_);
+      in_start = segs_.empty() ? end : segs_[0].t0;  // the next host's inbound: this sum
+      in_end = end;
+    }
+    return end;
   }
 
   const Network& base_;

@@ -1,6 +1,7 @@
 // sched_fast.h — the scheduler's fast path (mlfabric.sched.fast): the network model of paper
 // §5.1 / Fig. 4 (piecewise-constant residual capacity per link, t_en, NetUp), update ordering
-// (Alg. 2, §5.1.2-5.1.3) and in-network aggregation (Alg. 3, §5.2).
+// (Alg. 2, §5.1.2-5.1.3) and in-network aggregation (Alg. 3, §5.2), with or without cut-through
+// aggregates (aggregation.py's cut_through: Network.t_en_relay and the pipeline case).
 //
 // Contract: every function here computes EXACTLY what mlfabric/sched/network.py, ordering.py and
 // aggregation.py compute — same order, same drop reasons, same chosen case, same groups, same
@@ -13,6 +14,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -61,6 +63,8 @@ struct Journal {
 // egress(src) + the pair's core links (if given) + ingress(dst); empty on one host.
 class Network {
  public:
+  static constexpr double kNoCap = std::numeric_limits<double>::infinity();
+
   Network() = default;
   Network(int hosts, std::vector<Profile> links,
           std::unordered_map<int64_t, std::vector<int>> core_paths);
@@ -75,8 +79,15 @@ class Network {
   // Appends the segments to *segs when segs is not null. `cut`: the caller only needs to know
   // whether the end is < cut; the walk stops (returning +inf) as soon as its time reaches cut,
   // which is exact because the end is never earlier than any time the walk has reached.
+  // `cap` < +inf: one more link of that constant capacity at the end of the path (t_en_relay's
+  // rate cap; network.py appends it as the last Profile, so it is compared last here too).
   double t_en(const int* path, int n, double size, double start, std::vector<Seg>* segs,
-              double cut) const;
+              double cut, double cap = kNoCap) const;
+
+  // network.Network.t_en_relay: `size` bytes relayed cut-through, forwarded as they come in on
+  // an inbound transfer over [start, inbound_end). Appends the segments to *segs.
+  double t_en_relay(const int* path, int n, double size, double start, double inbound_end,
+                    std::vector<Seg>* segs) const;
 
   // NetUp (network.Network.reserve): take each segment's rate off every link of the path over
   // its interval. With a journal, each link's first change after the journal's reset is saved.
@@ -107,6 +118,7 @@ struct Batch {
   std::vector<double> deadline;  // dl(g) = v(g) + tau_max - v_init (eq. 9)
   std::vector<int> aggs;         // aggregators in their pre-assigned group order
   double agg_scale = 1.0;        // an aggregate of >= 2 members: largest member x agg_scale
+  bool cut_through = false;      // aggregates stream out as members come in; try the pipeline
 };
 
 enum class Mode { fast, plain };
@@ -139,6 +151,15 @@ struct Grouping {                       // aggregation.Grouping
   TransferTable inbound;                // per member after the direct group: to its aggregator
   TransferTable agg_transfer;           // per aggregate: to the server
   Network network;                      // after everything is reserved
+  // cut_through: the pipeline case (aggregation.pipeline). pipeline is its makespan (+inf: not
+  // possible, or not cut_through). When pipeline_chosen, it replaces the groups above (n_direct
+  // 0, no aggregates; makespan and network are the pipeline's): pipe_hosts are the chain's hosts
+  // in order, and pipe holds the first host's update transfers (to pipe_hosts[1], in the order's
+  // sequence) then each later host's sum to the next host (the last one's to the server).
+  double pipeline = std::numeric_limits<double>::infinity();
+  bool pipeline_chosen = false;
+  std::vector<int> pipe_hosts;
+  TransferTable pipe;
 };
 
 // Alg. 2 (ordering.order_updates) and Alg. 3 (aggregation.aggregate) over `base`, unmodified.

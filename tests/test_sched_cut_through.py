@@ -1,6 +1,7 @@
 """Cut-through relays in the scheduler's model (Network.t_en_relay; distribute and Alg. 3 with
 cut_through=True): a relay starts with its inbound transfer, never ends before it, books no link
-past its capacity, and never makes a batch end later than store-and-forward does."""
+past its capacity, and never makes a batch end later than store-and-forward does; the C++
+engines plan what the reference loops plan (tests/test_sched_fast.py compares them in depth)."""
 from math import inf, isclose
 
 import pytest
@@ -112,10 +113,32 @@ def test_cut_through_aggregate_overlaps_its_members():
     assert a.transfer.start < a.ready
 
 
-def test_cut_through_needs_the_reference_loops():
-    with pytest.raises(ValueError, match="cut_through"):
-        schedule([Update(0, 1, 1.0, 0)], Network.uniform(2, 1.0), 0, cut_through=True,
-                 engine="fast")
+@PROPS
+@given(instances(allow_dead=True), st.sampled_from(["sync", "async"]), st.booleans(),
+       st.booleans())
+def test_cut_through_fast_engines_equal_the_reference(inst, mode, momentum, every_aggregates):
+    """The C++ engines implement cut_through (relayed aggregates, the pipeline case): 'auto'
+    takes the fast path, and every engine gives the reference's plan and network."""
+    nw, updates, server, aggs, tau, v_init = inst
+    if every_aggregates:   # the pipeline case is possible when no worker is on the server's host
+        aggs = [h for h in range(nw.hosts) if h != server]
+    kw = dict(aggregators=aggs, tau_max=tau, v_init=v_init, mode=mode, momentum=momentum,
+              cut_through=True)
+    ref, ref_nw = schedule(updates, nw, server, engine="reference", **kw)
+    for engine in ("auto", "fast", "plain"):
+        plan, after = schedule(updates, nw, server, engine=engine, **kw)
+        assert plan == ref and str(plan) == str(ref)
+        assert [p.steps() for p in after.links] == [p.steps() for p in ref_nw.links]
+
+
+def test_cut_through_uses_the_fast_engine_and_norm_cap_the_reference():
+    us = [Update(i, i + 1, 10.0, version=0) for i in range(4)]
+    kw = dict(aggregators=[1, 2, 3, 4], mode="sync", cut_through=True)
+    timings = {}
+    plan, _ = schedule(us, Network.uniform(5, 10.0), 0, timings=timings, **kw)
+    assert timings and plan.makespan == 1.0   # 'auto' took the fast path: the pipeline
+    with pytest.raises(ValueError, match="norm_cap"):
+        schedule(us, Network.uniform(5, 10.0), 0, engine="fast", norm_cap=1.0, **kw)
 
 
 def test_pipeline_reduces_a_batch_in_one_transfer_time():

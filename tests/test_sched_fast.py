@@ -2,7 +2,8 @@
 (ordering.order_updates, aggregation.aggregate, scheduler.schedule): field by field and to the
 bit, in fast and in plain mode, over hypothesis and seeded random instances (empty to 60 updates;
 heterogeneous, time-varying and dead links; core links; ready times; equal sizes and rates that
-tie; zero-byte updates; workers on the server's host and on their aggregator's). Also its input
+tie; zero-byte updates; workers on the server's host and on their aggregator's), with and without
+cut_through (aggregates relayed cut-through; the pipeline case, chosen or not). Also its input
 checks, the benchmark's instances and table, and the floating-point fact that rules out a lazy
 heap of stale t_en values."""
 import dataclasses
@@ -18,6 +19,8 @@ from hypothesis import strategies as st
 from mlfabric.bench import __main__ as bench_entry
 from mlfabric.bench import sched as bench
 from mlfabric.sched import Network, Update, aggregation, fast, ordering, scheduler
+from mlfabric.sched import network as network_module
+from mlfabric.sched.network import Profile
 
 PROPS = settings(max_examples=50, deadline=None)
 native = pytest.mark.skipif(not fast.available(), reason="mlfabric._C has no sched_run")
@@ -56,7 +59,8 @@ def reference(b):
     o = ordering.order_updates(b["updates"], b["network"], b["server"], v_init=b["v_init"],
                                tau_max=b["tau_max"], start=b["start"])
     g = aggregation.aggregate(o.order, {u.id: u for u in b["updates"]}, b["network"],
-                              b["server"], b["aggs"], start=b["start"], agg_scale=b["agg_scale"])
+                              b["server"], b["aggs"], start=b["start"], agg_scale=b["agg_scale"],
+                              cut_through=b.get("cut_through", False))
     return o, g
 
 
@@ -93,9 +97,11 @@ def capacities(draw, dead_ok):
 
 
 @st.composite
-def batches(draw, max_updates=24):
+def batches(draw, max_updates=24, cut_through=False):
     """Keyword arguments of fast.schedule_fast: server 0; workers anywhere, the server's host
-    included (local transfers); aggregators on workers' hosts (local inbound transfers)."""
+    included (local transfers); aggregators on workers' hosts (local inbound transfers).
+    cut_through=True: that flag set, and half the time a batch the pipeline case can take
+    (two updates or more, workers off the server's host, every other host an aggregator)."""
     hosts = draw(st.integers(2, 7))
     dead_ok = draw(st.booleans())
     core, paths = [], {}
@@ -107,23 +113,30 @@ def batches(draw, max_updates=24):
                  for p in pairs}
     network = Network([draw(capacities(dead_ok)) for _ in range(hosts)],
                       [draw(capacities(dead_ok)) for _ in range(hosts)], core, paths)
-    n = draw(st.integers(0, max_updates))
+    chain = cut_through and draw(st.booleans())
+    n = draw(st.integers(2 if chain else 0, max_updates))
     ids = draw(st.lists(st.integers(0, 300), min_size=n, max_size=n, unique=True))
     v_init = 20
-    updates = [Update(i, draw(st.integers(0, hosts - 1)),
+    updates = [Update(i, draw(st.integers(1 if chain else 0, hosts - 1)),
                       draw(st.sampled_from([0.0, 1.0, 1.0, 2.0, 2.5, 7.5])),
                       version=draw(st.integers(v_init - 12, v_init)),
                       ready=draw(st.sampled_from([0.0, 0.0, 0.3, 1.5])))
                for i in ids]
-    return dict(updates=updates, network=network, server=0,
-                aggs=draw(st.lists(st.integers(1, hosts - 1), unique=True, max_size=4)),
-                tau_max=draw(st.sampled_from([inf, 0, 1, 3, 6, 12, 2.5])), v_init=v_init,
-                start=draw(st.sampled_from([0.0, 0.0, 0.5])),
-                agg_scale=draw(st.sampled_from([1.0, 2.0])))
+    aggs = (draw(st.permutations(range(1, hosts))) if chain else
+            draw(st.lists(st.integers(1, hosts - 1), unique=True, max_size=4)))
+    b = dict(updates=updates, network=network, server=0, aggs=aggs,
+             tau_max=draw(st.sampled_from([inf, 0, 1, 3, 6, 12, 2.5])), v_init=v_init,
+             start=draw(st.sampled_from([0.0, 0.0, 0.5])),
+             agg_scale=draw(st.sampled_from([1.0, 2.0])))
+    if cut_through:
+        b["cut_through"] = True
+    return b
 
 
-def random_batch(rng, n):
-    """A seeded instance of n updates: like batches(), bigger, often on uniform links (ties)."""
+def random_batch(rng, n, cut_through=False):
+    """A seeded instance of n updates: like batches(), bigger, often on uniform links (ties).
+    cut_through=True: that flag set, and half the time every other host an aggregator (so the
+    pipeline case is possible when no worker is on the server's host)."""
     hosts = rng.randint(2, 12)
 
     def link(dead_ok):
@@ -156,10 +169,15 @@ def random_batch(rng, n):
                       ready=rng.choice(readies))
                for i in range(n)]
     rng.shuffle(updates)
-    return dict(updates=updates, network=network, server=0,
-                aggs=rng.sample(range(1, hosts), rng.randint(0, min(6, hosts - 1))),
-                tau_max=rng.choice([inf, 0, 2, 5, 12, 3.5, 20]), v_init=v_init,
-                start=rng.choice([0.0, 0.0, 0.3]), agg_scale=rng.choice([1.0, 2.0]))
+    b = dict(updates=updates, network=network, server=0,
+             aggs=rng.sample(range(1, hosts), rng.randint(0, min(6, hosts - 1))),
+             tau_max=rng.choice([inf, 0, 2, 5, 12, 3.5, 20]), v_init=v_init,
+             start=rng.choice([0.0, 0.0, 0.3]), agg_scale=rng.choice([1.0, 2.0]))
+    if cut_through:
+        b["cut_through"] = True
+        if rng.random() < 0.5:
+            b["aggs"] = rng.sample(range(1, hosts), hosts - 1)
+    return b
 
 
 # --- the fast path equals the reference ----------------------------------------------------------
@@ -177,30 +195,123 @@ def test_fast_and_plain_equal_the_reference(b):
 
 
 @native
-@pytest.mark.parametrize("seed", range(12))
-def test_seeded_batches_up_to_60_updates_equal_the_reference(seed):
-    rng = random.Random(seed)
-    for n in (0, 1, 2, 3, 7, 13, 29, 60):
-        check_against_reference(random_batch(rng, n))
+@settings(max_examples=150, deadline=None)  # ~1 in 20 takes the pipeline, ~1 in 10 rejects it
+@given(batches(cut_through=True))
+def test_fast_and_plain_equal_the_reference_cut_through(b):
+    check_against_reference(b)
 
 
 @native
+@pytest.mark.parametrize("cut_through", [False, True])
+@pytest.mark.parametrize("seed", range(12))
+def test_seeded_batches_up_to_60_updates_equal_the_reference(seed, cut_through):
+    rng = random.Random(seed)
+    for n in (0, 1, 2, 3, 7, 13, 29, 60):
+        check_against_reference(random_batch(rng, n, cut_through))
+
+
+@native
+@pytest.mark.parametrize("cut_through", [False, True])
 @pytest.mark.parametrize("n, rates", [(0, "N1"), (1, "N1"), (7, "N2"), (41, "N3"), (60, "N1")])
-def test_benchmark_batches_equal_the_reference(n, rates):
+def test_benchmark_batches_equal_the_reference(n, rates, cut_through):
     kw = bench.instance(n, seed=n, rates=rates)
     aggs = aggregation.group_order(kw["aggregators"], kw["seed"])
     check_against_reference(dict(updates=kw["updates"], network=kw["network"], server=0,
                                  aggs=aggs, tau_max=kw["tau_max"], v_init=kw["v_init"],
-                                 start=0.0, agg_scale=1.0))
+                                 start=0.0, agg_scale=1.0, cut_through=cut_through))
+
+
+def _pipeline_batch(hosts, rates, agg_scale=1.0, aggs=None, sizes=None):
+    """One update per host 1..hosts-1, all ready at 0, to server 0; every worker an aggregator
+    unless `aggs` says otherwise."""
+    sizes = sizes or [10.0] * (hosts - 1)
+    ups = [Update(i, i + 1, sizes[i], version=0) for i in range(hosts - 1)]
+    return dict(updates=ups, network=Network(rates[0], rates[1]), server=0,
+                aggs=list(range(hosts - 1, 0, -1)) if aggs is None else aggs, tau_max=inf,
+                v_init=0, start=0.0, agg_scale=agg_scale, cut_through=True)
 
 
 @native
+@pytest.mark.parametrize("agg_scale", [1.0, 2.0])
+def test_cut_through_pipeline_chosen_equals_the_reference(agg_scale):
+    b = _pipeline_batch(7, ([10.0] * 7, [10.0] * 7), agg_scale)
+    g = reference(b)[1]
+    assert g.n_direct == 0 and len(g.aggregates) == 1 and g.makespan == g.pipeline
+    assert len(g.aggregates[0].levels()) == 5
+    check_against_reference(b)
+
+
+@native
+def test_cut_through_pipeline_not_chosen_equals_the_reference():
+    # a slow egress in the chain holds the whole pipeline to its pace; the two-level groups
+    # route around it (host 6 sends its own update straight to the server)
+    b = _pipeline_batch(7, ([10.0] * 6 + [1.0], [10.0] * 7), 2.0)
+    g = reference(b)[1]
+    assert g.makespan < g.pipeline < inf
+    assert all(a.upstream is None for a in g.aggregates)
+    check_against_reference(b)
+
+
+@native
+def test_cut_through_pipeline_impossible_equals_the_reference():
+    # host 3 may not aggregate, so no chain; the aggregates still relay cut-through
+    b = _pipeline_batch(5, ([10.0] * 5, [4.0] + [10.0] * 4), aggs=[4, 2])
+    g = reference(b)[1]
+    assert g.pipeline == inf and g.aggregates
+    check_against_reference(b)
+
+
+def fractional_batch(rng):
+    """A small cut_through batch on links with fractional rates and breakpoints: capped relays
+    there often walk several segments, and the capped walk then rounds an ulp short of its
+    inbound's end (t_en_relay's last branch)."""
+    rates = (1.0, 2.5, 3.3, 5.0, 10.0, 0.7, 1.1)
+
+    def link():
+        times = [0.0] + sorted(rng.sample([0.1, 0.25, 0.3, 0.5, 0.7, 1.0, 1.3, 2.0],
+                                          rng.randint(0, 4)))
+        return [(t, rng.choice(rates)) for t in times]
+
+    hosts = rng.randint(3, 6)
+    network = Network([link() for _ in range(hosts)], [link() for _ in range(hosts)])
+    ups = [Update(i, rng.randint(1, hosts - 1), rng.choice([0.3, 0.7, 1.1, 3.3, 1.0, 2.2]), 0,
+                  ready=rng.choice([0.0, 0.1, 0.3])) for i in range(rng.randint(2, 6))]
+    every = rng.random() < 0.5
+    aggs = rng.sample(range(1, hosts), hosts - 1 if every else rng.randint(1, hosts - 1))
+    return dict(updates=ups, network=network, server=0, aggs=aggs, tau_max=inf, v_init=0,
+                start=0.0, agg_scale=rng.choice([1.0, 2.0]), cut_through=True)
+
+
+@native
+def test_cut_through_rounded_relays_equal_the_reference(monkeypatch):
+    rounded = []
+    relay = Network.t_en_relay
+
+    def counting(nw, src, dst, size, start, inbound_end):
+        end, segs = relay(nw, src, dst, size, start, inbound_end)
+        if end == inbound_end and segs and inbound_end > start:
+            free = nw.t_en(src, dst, size, start)[0]
+            capped = network_module.t_en([nw.links[k] for k in nw.path(src, dst)]
+                                         + [Profile(size / (inbound_end - start))], size, start)
+            rounded.append(free < inbound_end and capped[0] < inbound_end)
+        return end, segs
+
+    monkeypatch.setattr(Network, "t_en_relay", counting)
+    rng = random.Random(5)
+    for _ in range(800):
+        check_against_reference(fractional_batch(rng))
+    assert sum(rounded) >= 5   # the instances do reach the rounding branch
+
+
+@native
+@pytest.mark.parametrize("cut_through", [False, True])
 @PROPS
 @given(batches(max_updates=16), st.sampled_from(scheduler.MODES), st.booleans(),
        st.sampled_from([None, 0.2, 5.0]), st.integers(0, 3))
-def test_fast_schedule_equals_the_reference_schedule(b, mode, momentum, after, seed):
+def test_fast_schedule_equals_the_reference_schedule(cut_through, b, mode, momentum, after,
+                                                     seed):
     kw = dict(aggregators=b["aggs"], tau_max=b["tau_max"], v_init=b["v_init"], start=b["start"],
-              seed=seed, mode=mode, momentum=momentum, after=after)
+              seed=seed, mode=mode, momentum=momentum, after=after, cut_through=cut_through)
     ref_plan, ref_net = scheduler.schedule(b["updates"], b["network"], 0, engine="reference", **kw)
     for engine in ("fast", "plain", "auto"):
         plan, net = scheduler.schedule(b["updates"], b["network"], 0, engine=engine, **kw)

@@ -2,7 +2,7 @@
 first n ordered updates go straight to the server (the same schedules Alg. 2 computed), and the rest
 stream, in order, through the aggregators, a group each; the case whose last arrival at the server is
 earliest wins. `mlfabric.sched.fast` computes the same choice in C++ (with pruning that cannot change
-the answer); tests hold the two to identical output.
+the answer), cut_through and its pipeline case included; tests hold the two to identical output.
 
 The constraint that keeps the server's NIC busy: a group must have finished arriving at its aggregator
 by t_max, the time the server has received all earlier groups; the next update that would arrive later
@@ -28,7 +28,7 @@ the paper leaves a choice open:
   last member has arrived): the aggregator streams the sum out as its members come in, chunk by
   chunk (the runtime's data plane does), so the aggregate starts with its last member's inbound
   transfer and never ends before that member has arrived (Network.t_en_relay). The constraint on
-  the group is unchanged. Reference loops only, as norm_cap.
+  the group is unchanged. The C++ engines implement it too (mlfabric.sched.fast), to the bit.
 - With cut_through one more case is tried, the pipeline (a reduce chain): the hosts of the batch,
   the one whose updates are ready first first, pass one running sum down the line, each adding its
   own updates as the sum streams through, the last sending it to the server. Every hop goes at

@@ -1,7 +1,9 @@
 """The scheduler's fast path (paper §5.1 Alg. 2, §5.2 Alg. 3; §7.4 measures the scheduler's
 cost): ordering and aggregation in C++ (csrc/sched_fast.cc), computing exactly what
 ordering.order_updates and aggregation.aggregate compute — same order, drops, groups and
-segments, bit-identical floats.
+segments, bit-identical floats — with or without cut_through (aggregates relayed cut-through,
+Network.t_en_relay, and the pipeline case with its chain of upstream Aggregates). Not norm_cap:
+scheduler.schedule runs the reference loops for a finite cap.
 
 Owns: reading a batch and a Network once, one native call with the GIL released, and building
 the result objects once at the end. It never changes the algorithms: each shortcut in C++ only
@@ -42,29 +44,29 @@ def available():
 
 
 def schedule_fast(updates, network, server, aggs, *, tau_max=inf, v_init=0, start=0.0,
-                  agg_scale=1.0, plain=False):
+                  agg_scale=1.0, cut_through=False, plain=False):
     """Alg. 2 then Alg. 3 for `updates` (a list of Update) to `server` on `network` (not
     modified); `aggs` is the aggregators' pre-assigned group order (aggregation.group_order's
     output). Returns (ordering.Ordering, aggregation.Grouping), equal to
     order_updates(updates, network, server, v_init=, tau_max=, start=) and
-    aggregate(order, {id: update}, network, server, aggs, start=, agg_scale=) (see the module
-    header for Grouping.cases). plain=True: the paper's loops, without the exact shortcuts.
-    Raises RuntimeError when the native part is not built (see available())."""
+    aggregate(order, {id: update}, network, server, aggs, start=, agg_scale=, cut_through=) (see
+    the module header for Grouping.cases). plain=True: the paper's loops, without the exact
+    shortcuts. Raises RuntimeError when the native part is not built (see available())."""
     res, batch = _native(updates, network, server, aggs, tau_max, v_init, start, agg_scale,
-                         plain, True)
+                         cut_through, plain, True)
     o = res.ordering(every_transfer=True)
     return o, res.grouping(o.transfers)
 
 
 def plan_parts(updates, network, server, aggs, *, tau_max=inf, v_init=0, start=0.0,
-               agg_scale=1.0, plain=False, timings=None):
+               agg_scale=1.0, cut_through=False, plain=False, timings=None):
     """What scheduler.schedule needs for a Plan, on the fast path: (order, dropped, group 1's
     transfers, aggregates, network after the plan's reservations), built without the parts a Plan
     does not hold (the network after ordering alone, the tentative transfers of updates that end
     up aggregated). `timings`: a dict that receives the seconds spent reading the input, in Alg. 2
     and Alg. 3 (C++), in the rest of the native call (copies, export) and building the result."""
     res, batch = _native(updates, network, server, aggs, tau_max, v_init, start, agg_scale,
-                         plain, False, checked=True)  # only scheduler.schedule calls this
+                         cut_through, plain, False, checked=True)  # only schedule() calls this
     t0 = time.perf_counter()
     o = res.ordering(every_transfer=False)
     g = res.grouping(o.transfers)
@@ -117,8 +119,8 @@ class _Batch:
                                  % (u.id, u.size, d))
 
 
-def _native(updates, network, server, aggs, tau_max, v_init, start, agg_scale, plain,
-            order_network, checked=False):
+def _native(updates, network, server, aggs, tau_max, v_init, start, agg_scale, cut_through,
+            plain, order_network, checked=False):
     if _run is None:
         raise RuntimeError("mlfabric was built without the scheduler's fast path "
                            "(mlfabric._C.sched_run); use mlfabric.sched.schedule")
@@ -133,7 +135,7 @@ def _native(updates, network, server, aggs, tau_max, v_init, start, agg_scale, p
     # Network keeps its core paths as {(src, dst): link indices}; there is no public accessor.
     raw = _run(network.hosts, link_t, link_v, network._core_paths, server, float(start),
                batch.worker, batch.size, batch.send_at, batch.deadline, aggs, float(agg_scale),
-               bool(plain), order_network)
+               bool(cut_through), bool(plain), order_network)
     res = _Results(raw, batch, network, server, agg_scale)
     res.seconds_input, res.seconds_call = t1 - t0, time.perf_counter() - t1
     return res, batch
@@ -270,7 +272,41 @@ class _Results:
             aggregates.append(Aggregate(agg, server, members, into,
                                         _transfer(agg, server, size, out.end[j], out.segments(j),
                                                   "aggregate", tuple(members))))
+        if raw["pipeline_chosen"]:  # it replaces the groups (n_direct 0, none above)
+            aggregates.append(self._pipeline(order))
         direct = [transfers[uid] for uid in order[:n_direct]]
         return Grouping(n_direct, direct, aggregates,
                         _planned_network(self.network, raw["g_net"]),
-                        raw["makespan"], raw["cases"])
+                        raw["makespan"], raw["cases"], raw["pipeline"])
+
+    def _pipeline(self, order):
+        """The last Aggregate of the chosen pipeline, its upstream levels linked, built as
+        aggregation.pipeline builds it from the native result: the chain's hosts in order and its
+        transfers (the first host's updates to the second, then each level's sum)."""
+        raw, by_id, server = self.raw, self.batch.by_id, self.server
+        hosts, table = raw["pipe_hosts"], _Table(raw, "pp")
+        mine = {h: [] for h in hosts}   # host -> its updates, in order
+        for uid in order:
+            mine[by_id[uid].worker].append(uid)
+        position = {uid: i for i, uid in enumerate(order)}
+        send_at = dict(zip(self.batch.ids, self.batch.send_at))
+        inbound = []
+        for k, uid in enumerate(mine[hosts[0]]):
+            u = by_id[uid]
+            inbound.append(_transfer(u.worker, hosts[1], u.size, table.end[k], table.segments(k),
+                                     "update", (uid,)))
+        k = len(inbound)
+        members, upstream = list(mine[hosts[0]]), None
+        for i, h in enumerate(hosts[1:], 1):
+            # its own updates join with no network: a path to itself is empty
+            own = [_transfer(h, h, by_id[uid].size, send_at[uid], (), "update",
+                             (uid,)) for uid in mine[h]]
+            members = sorted(members + mine[h], key=position.__getitem__)
+            dst = hosts[i + 1] if i + 1 < len(hosts) else server
+            size = max(by_id[m].size for m in members) * self.agg_scale
+            out = _transfer(h, dst, size, table.end[k], table.segments(k), "aggregate",
+                            tuple(members))
+            k += 1
+            upstream = Aggregate(h, dst, list(members), inbound + own, out, upstream)
+            inbound = [out]
+        return upstream

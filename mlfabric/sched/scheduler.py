@@ -9,7 +9,8 @@ last arrival at the server — is exactly obj_sync (eq. 16).
 Engines: the same algorithms computed two ways. 'reference' runs the paper's plain loops in Python
 (ordering.py, aggregation.py); 'fast' runs them in C++ (fast.py, csrc/sched_fast.cc) with shortcuts
 that provably cannot change the answer, 'plain' the C++ without those shortcuts (the benchmark's
-side-by-side). Tests hold all three to bit-identical plans. 'auto' takes 'fast' when it is built.
+side-by-side). Tests hold all three to bit-identical plans, cut_through included. 'auto' takes
+'fast' when it is built, unless norm_cap is finite: only the reference loops implement a cap.
 
 The server applies in the order's sequence: a commit happens at max(arrival, previous commit), so
 an update that arrives before its predecessor waits (Plan.server_wait reports how long, in total).
@@ -87,8 +88,8 @@ def schedule(updates, network, server, *, aggregators=(), tau_max=inf, v_init=0,
     previous batch's last commit (default `start`). `engine`: see the module header; `timings` (a
     dict) receives the fast path's time split. `norm_cap`: the most an aggregate's members' norms
     may sum to (aggregation.py; a replicated server's Div_max); a finite cap runs the reference
-    loops, which alone implement it, as does `cut_through` (aggregates stream out as their
-    members come in: aggregation.py).
+    loops, which alone implement it. `cut_through`: aggregates stream out as their members come
+    in, and the pipeline case is tried (aggregation.py); every engine implements it.
     Returns (plan, network after the plan's reservations)."""
     if mode not in MODES:
         raise ValueError("mode must be one of %s, got %r" % (", ".join(MODES), mode))
@@ -103,12 +104,12 @@ def schedule(updates, network, server, *, aggregators=(), tau_max=inf, v_init=0,
     agg_scale = 2.0 if momentum else 1.0
     if not norm_cap >= 0:
         raise ValueError("norm_cap must be >= 0, got %r" % (norm_cap,))
-    plain_rules = norm_cap == inf and not cut_through
+    no_cap = norm_cap == inf   # the C++ engines do not implement a cap
     if engine == "auto":
-        engine = "fast" if fast.available() and plain_rules else "reference"
-    if engine != "reference" and not plain_rules:
-        raise ValueError("engine=%r implements neither norm_cap nor cut_through; use 'reference' "
-                         "or 'auto'" % (engine,))
+        engine = "fast" if fast.available() and no_cap else "reference"
+    if engine != "reference" and not no_cap:
+        raise ValueError("engine=%r does not implement norm_cap; use 'reference' or 'auto'"
+                         % (engine,))
     if engine == "reference":
         by_id = {u.id: u for u in updates}
         o = ordering.order_updates(updates, network, server, v_init=v_init, tau_max=tau_max,
@@ -121,7 +122,8 @@ def schedule(updates, network, server, *, aggregators=(), tau_max=inf, v_init=0,
     else:
         order, dropped, direct, aggregates, after_nw = fast.plan_parts(
             updates, network, server, aggs, tau_max=tau_max, v_init=v_init, start=start,
-            agg_scale=agg_scale, plain=engine == "plain", timings=timings)
+            agg_scale=agg_scale, cut_through=cut_through, plain=engine == "plain",
+            timings=timings)
         by_id = {u.id: u for u in updates}
     plan = Plan(server=server, v_init=v_init, tau_max=tau_max, updates=by_id, order=order,
                 dropped=dropped, direct=direct, aggregates=aggregates, start=start,
