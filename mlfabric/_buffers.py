@@ -2,20 +2,32 @@
 memory plus a wire dtype code, without copying when the input is contiguous. Owns the rules for
 non-contiguous input: such an array is copied into a contiguous temporary, and for outputs the
 result is copied back (documented in the README). Never communicates."""
+import sys
+
 import numpy as np
 
 from . import _dtypes
 from .errors import MlfabricError
 
-try:  # torch is optional
-    import torch
-except ImportError:  # pragma: no cover - exercised when torch is absent
-    torch = None
+_TORCH_CODES = {}   # torch dtype -> wire code, filled at the first tensor
 
-_TORCH_CODES = {}
-if torch is not None:
-    _TORCH_CODES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3,
-                    torch.int32: 4, torch.int64: 5}
+
+def _torch():
+    """torch if this process has imported it, else None. A tensor or a torch dtype can only
+    exist once it has, so the checks below never import it themselves: a process that never
+    uses torch (a parameter-server job) is spared its import (about a second) and the garbage
+    collector's passes over its objects (tens of ms per full collection)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and not _TORCH_CODES and hasattr(torch, "bfloat16"):
+        _TORCH_CODES.update({torch.float32: 0, torch.float64: 1, torch.float16: 2,
+                             torch.bfloat16: 3, torch.int32: 4, torch.int64: 5})
+    return torch
+
+
+def torch_codes():
+    """torch dtype -> wire code ({} while torch is not imported)."""
+    _torch()
+    return _TORCH_CODES
 
 
 class Buf:
@@ -47,6 +59,7 @@ class Buf:
             return
         src = self.arr.reshape(self.shape)
         if is_torch(self.obj):
+            torch = _torch()
             t = torch.from_numpy(src)
             if self.code == 3:
                 t = t.view(torch.bfloat16)
@@ -56,6 +69,7 @@ class Buf:
 
 
 def is_torch(x):
+    torch = _torch()
     return torch is not None and isinstance(x, torch.Tensor)
 
 
@@ -75,7 +89,7 @@ def wrap(x, name="x", writable=False):
         if copied:
             t = t.contiguous()
         if code == 3:
-            t = t.view(torch.int16)
+            t = t.view(_torch().int16)
         arr = t.numpy().reshape(-1)
         if code == 3:
             arr = arr.view(np.uint16)
@@ -99,7 +113,7 @@ def empty_like(buf, shape=None):
     """A new user-facing array of buf's kind (numpy or torch) and dtype, and its Buf."""
     shape = buf.shape if shape is None else tuple(shape)
     if is_torch(buf.obj):
-        out = torch.empty(shape, dtype=buf.obj.dtype)
+        out = _torch().empty(shape, dtype=buf.obj.dtype)
     elif buf.code == 3:
         out = np.empty(shape, dtype=buf.obj.dtype)
     else:
@@ -110,6 +124,7 @@ def empty_like(buf, shape=None):
 def dtype_of(dtype):
     """(numpy dtype or None, torch dtype or None, wire code) for a dtype argument (shared_empty);
     TypeError for an unsupported one."""
+    torch = _torch()
     if torch is not None and isinstance(dtype, torch.dtype):
         if dtype not in _TORCH_CODES:
             raise TypeError(f"unsupported dtype {dtype}; mlfabric supports "

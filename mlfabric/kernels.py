@@ -146,10 +146,10 @@ def _cuda_info(tensors, names):
             raise TypeError(f"{n} has dtype {t.dtype}, {names[0]} has {first.dtype}")
         if t.numel() != first.numel():
             raise MlfabricError(f"{n} has {t.numel()} elements, {names[0]} has {first.numel()}")
-    if first.dtype not in _buffers._TORCH_CODES:
+    if first.dtype not in _buffers.torch_codes():
         raise TypeError(f"unsupported dtype {first.dtype}; mlfabric supports "
                         f"{', '.join(_dtypes.DTYPE_NAMES)}")
-    return _buffers._TORCH_CODES[first.dtype], torch.cuda.current_stream(first.device).cuda_stream
+    return _buffers.torch_codes()[first.dtype], torch.cuda.current_stream(first.device).cuda_stream
 
 
 def _cuda_reduce(inputs, op, out, scale):

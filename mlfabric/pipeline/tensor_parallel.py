@@ -724,11 +724,11 @@ def gather_from_prev(shape, dtype, group, src_group, *, comm=None, tag=0, scatte
 
     def expected():
         """This rank's view of the transfer as a meta record (raises on bad arguments)."""
-        if dtype not in _buffers._TORCH_CODES:
+        if dtype not in _buffers.torch_codes():
             raise TypeError(f"{who}: unsupported dtype {dtype!r}; expected a torch dtype among "
                             f"{', '.join(_dtypes.DTYPE_NAMES)}")
         shp = tuple(int(d) for d in shape)
-        mine = _meta(_OK, scatter_gather, _buffers._TORCH_CODES[dtype], shp)
+        mine = _meta(_OK, scatter_gather, _buffers.torch_codes()[dtype], shp)
         mine[4] = _split_size(mine[3], group, "numel", who) if scatter_gather else mine[3]
         return shp, mine
 
@@ -769,7 +769,7 @@ def gather_from_prev(shape, dtype, group, src_group, *, comm=None, tag=0, scatte
 
     def prepare():
         shp, part = receive()
-        return [("dtype", _buffers._TORCH_CODES[dtype]), ("shape", shp)], (shp, part)
+        return [("dtype", _buffers.torch_codes()[dtype]), ("shape", shp)], (shp, part)
     # Always checked: one rank's receive can fail while its peers' succeed.
     shp, part = group._checked(f"{who} (all-gather)", prepare, always=True)
     return group._allgather(_buffers.wrap(part), 0).reshape(shp)
