@@ -42,8 +42,8 @@ Protocol, per message ("flow"):
   when its source failed on the way (the sender died or timed out upstream; the forwarder then
   sends the rest as filler rather than leaving the receiver waiting). The receiver hands out an
   OK flow as usual and drops a VOID one, listing it in take_voided(). No control message and
-  no cancelled request is needed, and a flow's tag is freed in the usual way. (Used by tests
-  only so far: the runtime's relays and aggregations are still store-and-forward.)
+  no cancelled request is needed, and a flow's tag is freed in the usual way. (The workers'
+  relays and streaming sums use it: worker.py, relay.py.)
 Limits of the emulation: pacing is at chunk granularity (milliseconds). The sender picks the
 chunk size from its own rates, so a receiver much slower than the sender sees proportionally
 longer chunks (a sender with unlimited egress sends max_chunk pieces; a receiver's share of ingress

@@ -157,48 +157,67 @@ def det_agg(n, order, updates, network, server, aggs, start, record=False, agg_s
 def pipeline(order, updates, network, server, aggs, start, agg_scale=1.0, norm_cap=inf):
     """The cut-through pipeline case (module header): (makespan, the last Aggregate, network
     after); (inf, None, None) when it is not possible. `network` is not modified."""
-    mine, hosts = {}, []        # host -> its updates (in order); hosts by first appearance
-    for uid in order:
-        h = updates[uid].worker
-        if h not in mine:
-            mine[h] = []
-            hosts.append(h)
-        mine[h].append(uid)
-    ready = {h: max(max(updates[u].ready, start) for u in mine[h]) for h in hosts}
-    hosts.sort(key=ready.__getitem__)   # stable: ties keep the order's
+    hosts = pipeline_hosts(order, updates, start)
     if (len(hosts) < 2 or not set(hosts[1:]) <= set(aggs) or server in hosts
             or sum(updates[u].norm for u in order) > norm_cap):
         return inf, None, None
-    position = {uid: i for i, uid in enumerate(order)}
     nw = network.copy()
-    first = hosts[0]
-    inbound = []                # into the next host: the first host's own updates, then sums
-    for uid in mine[first]:
-        u = updates[uid]
-        end, segs = nw.send(first, hosts[1], u.size, max(u.ready, start))
-        if end == inf:
-            return inf, None, None
-        inbound.append(_transfer(first, hosts[1], u.size, end, segs, "update", (uid,)))
-    members, upstream = list(mine[first]), None
+
+    def hop(src, dst, size, what, ids, into):
+        if into is None:        # one of the first host's updates
+            end, segs = nw.send(src, dst, size, max(updates[ids[0]].ready, start))
+        else:                   # a running sum, streamed as what it sums comes in
+            end, segs = nw.t_en_relay(src, dst, size, max(t.start for t in into),
+                                      max(t.end for t in into))
+            if segs:
+                nw.reserve(src, dst, segs)
+        return None if end == inf else _transfer(src, dst, size, end, segs, what, ids)
+    last = pipeline_chain(hosts, order, updates, server, agg_scale,
+                          lambda uid: max(updates[uid].ready, start), hop)
+    return (inf, None, None) if last is None else (last.transfer.end, last, nw)
+
+
+def pipeline_hosts(order, updates, start):
+    """The pipeline's hosts: those of the batch, the one whose updates are all ready first first
+    (ties: as they first appear in the order)."""
+    hosts, ready = [], {}
+    for uid in order:
+        h, r = updates[uid].worker, max(updates[uid].ready, start)
+        if h not in ready:
+            hosts.append(h)
+        ready[h] = max(ready.get(h, r), r)
+    hosts.sort(key=ready.__getitem__)   # stable
+    return hosts
+
+
+def pipeline_chain(hosts, order, updates, server, agg_scale, send_at, hop):
+    """The pipeline's Aggregate chain down `hosts` (module header): the last level, its upstream
+    levels linked; None if some hop has no capacity. Each transfer comes from hop(src, dst, size,
+    what, ids, into) in order: the first host's updates to the second ('update', into None), then
+    each host's running sum to the next ('aggregate', into: the transfers it sums); None for no
+    capacity. Shared by pipeline() (hop computes on the network) and the fast path (hop reads
+    the native result); a host's own updates join with no network, at send_at(uid)."""
+    position = {uid: i for i, uid in enumerate(order)}
+    mine = {h: [] for h in hosts}       # host -> its updates, in order
+    for uid in order:
+        mine[updates[uid].worker].append(uid)
+    inbound = [hop(hosts[0], hosts[1], updates[uid].size, "update", (uid,), None)
+               for uid in mine[hosts[0]]]
+    if None in inbound:
+        return None
+    members, upstream = list(mine[hosts[0]]), None
     for i, h in enumerate(hosts[1:], 1):
-        own = []
-        for uid in mine[h]:     # its own updates: no network (a path to itself is empty)
-            r = max(updates[uid].ready, start)
-            own.append(_transfer(h, h, updates[uid].size, r, (), "update", (uid,)))
-        into = inbound + own
+        into = inbound + [_transfer(h, h, updates[uid].size, send_at(uid), (), "update", (uid,))
+                          for uid in mine[h]]
         members = sorted(members + mine[h], key=position.__getitem__)
         dst = hosts[i + 1] if i + 1 < len(hosts) else server
         size = max(updates[m].size for m in members) * agg_scale
-        end, segs = nw.t_en_relay(h, dst, size, max(t.start for t in into),
-                                  max(t.end for t in into))
-        if end == inf:
-            return inf, None, None
-        if segs:
-            nw.reserve(h, dst, segs)
-        out = _transfer(h, dst, size, end, segs, "aggregate", tuple(members))
+        out = hop(h, dst, size, "aggregate", tuple(members), into)
+        if out is None:
+            return None
         upstream = Aggregate(h, dst, list(members), into, out, upstream)
         inbound = [out]
-    return upstream.transfer.end, upstream, nw
+    return upstream
 
 
 def aggregate(order, updates, network, server, aggs, *, start=0.0, agg_scale=1.0, norm_cap=inf,
@@ -220,13 +239,13 @@ def aggregate(order, updates, network, server, aggs, *, start=0.0, agg_scale=1.0
     if cases[best] == inf:
         raise ValueError("some of updates %r can never reach host %d: no capacity on the path"
                          % (order, server))
-    makespan, (direct, aggregates, nw) = det_agg(best, order, updates, network, server, aggs,
-                                                 start, record=True, agg_scale=agg_scale,
-                                                 norm_cap=norm_cap, cut_through=cut_through)
     chain = inf
     if cut_through:
         chain, last, chain_nw = pipeline(order, updates, network, server, aggs, start,
                                          agg_scale=agg_scale, norm_cap=norm_cap)
-        if chain <= makespan:
+        if chain <= cases[best]:   # (cases[best] is DetAgg(best)'s makespan)
             return Grouping(0, [], [last], chain_nw, chain, cases, chain)
+    makespan, (direct, aggregates, nw) = det_agg(best, order, updates, network, server, aggs,
+                                                 start, record=True, agg_scale=agg_scale,
+                                                 norm_cap=norm_cap, cut_through=cut_through)
     return Grouping(best, direct, aggregates, nw, makespan, cases, chain)

@@ -21,10 +21,11 @@ Differences a caller can see, all deliberate:
   over later or not at all: a send time max(ready, start) that is negative or NaN, a NaN size or
   deadline.
 """
+import itertools
 import time
 from math import inf, isnan
 
-from .aggregation import Grouping
+from .aggregation import Grouping, pipeline_chain
 from .network import Network, Profile, Segment
 from .ordering import Ordering, deadline
 from ._records import fast_constructor
@@ -280,33 +281,14 @@ class _Results:
                         raw["makespan"], raw["cases"], raw["pipeline"])
 
     def _pipeline(self, order):
-        """The last Aggregate of the chosen pipeline, its upstream levels linked, built as
-        aggregation.pipeline builds it from the native result: the chain's hosts in order and its
+        """The last Aggregate of the chosen pipeline, its upstream levels linked, built by
+        aggregation.pipeline_chain from the native result: the chain's hosts in order and its
         transfers (the first host's updates to the second, then each level's sum)."""
-        raw, by_id, server = self.raw, self.batch.by_id, self.server
-        hosts, table = raw["pipe_hosts"], _Table(raw, "pp")
-        mine = {h: [] for h in hosts}   # host -> its updates, in order
-        for uid in order:
-            mine[by_id[uid].worker].append(uid)
-        position = {uid: i for i, uid in enumerate(order)}
+        table, rows = _Table(self.raw, "pp"), itertools.count()
         send_at = dict(zip(self.batch.ids, self.batch.send_at))
-        inbound = []
-        for k, uid in enumerate(mine[hosts[0]]):
-            u = by_id[uid]
-            inbound.append(_transfer(u.worker, hosts[1], u.size, table.end[k], table.segments(k),
-                                     "update", (uid,)))
-        k = len(inbound)
-        members, upstream = list(mine[hosts[0]]), None
-        for i, h in enumerate(hosts[1:], 1):
-            # its own updates join with no network: a path to itself is empty
-            own = [_transfer(h, h, by_id[uid].size, send_at[uid], (), "update",
-                             (uid,)) for uid in mine[h]]
-            members = sorted(members + mine[h], key=position.__getitem__)
-            dst = hosts[i + 1] if i + 1 < len(hosts) else server
-            size = max(by_id[m].size for m in members) * self.agg_scale
-            out = _transfer(h, dst, size, table.end[k], table.segments(k), "aggregate",
-                            tuple(members))
-            k += 1
-            upstream = Aggregate(h, dst, list(members), inbound + own, out, upstream)
-            inbound = [out]
-        return upstream
+
+        def hop(src, dst, size, what, ids, into):
+            j = next(rows)
+            return _transfer(src, dst, size, table.end[j], table.segments(j), what, ids)
+        return pipeline_chain(self.raw["pipe_hosts"], order, self.batch.by_id, self.server,
+                              self.agg_scale, send_at.__getitem__, hop)
