@@ -41,7 +41,8 @@ def parse(argv=None):
     p.add_argument("--batch-size", type=int, default=16, help="per worker")
     p.add_argument("--lr", type=float, default=None,
                    help="learning rate (default: 0.1 for allreduce and ps-sync, 0.06 / workers "
-                        "for the asynchronous modes, whose updates are applied one by one)")
+                        "for the asynchronous modes, whose updates are applied one by one); "
+                        "decayed to 0 over the epochs (cosine)")
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--tau-max", type=float, default=math.inf, help="ps-async: staleness bound")
     p.add_argument("--div-max", type=float, default=math.inf, help="with --replicas")
@@ -144,7 +145,12 @@ def train_loop(args, model, opt, shard, test, worker, workers, report, compute):
     X, y = shard
     loss_fn = torch.nn.CrossEntropyLoss()
     step, loss = 0, float("nan")
+    base_lr = [g["lr"] for g in opt.param_groups]
     for epoch in range(args.epochs):
+        # cosine decay per epoch: the last epochs take small steps, so the final accuracy is the
+        # plateau's and not one noisy (stale, in the asynchronous modes) step's
+        for g, lr in zip(opt.param_groups, base_lr):
+            g["lr"] = lr * 0.5 * (1 + math.cos(math.pi * epoch / args.epochs))
         model.train()
         for xb, yb in data.batches(X, y, args.batch_size, args.seed + worker, epoch):
             opt.zero_grad()
