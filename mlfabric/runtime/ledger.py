@@ -51,7 +51,7 @@ class Summary:
     aggregated: int
     replicated: int
     dropped: dict            # reason -> count
-    max_delay: object        # largest tau among applied updates (None if none recorded)
+    max_delay: object        # largest tau (server.py) among applied updates, None if none
     balanced: bool           # every pushed id applied or dropped, exactly once
     missing: list            # pushed ids with no outcome (empty when balanced)
     twice: list              # ids both applied and dropped

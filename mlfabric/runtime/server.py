@@ -9,8 +9,10 @@ applies whatever arrives, as it arrives. mlfabric-S sums an iteration's updates 
 they come and takes one step when all live workers' updates are in (§6).
 
 The version is the number of updates applied (async modes: an aggregate of m updates counts m, so
-every member keeps its delay) or of iterations (sync). Every applied update's delay
-tau = version before it - the version it was computed from is recorded for the accounting.
+every member keeps its delay) or of iterations (sync). Every applied update's delay is recorded for
+the accounting, in the scheduler's convention (mlfabric.sched.plan, paper Fig. 1; the simulator's
+too): tau = the version it takes the model to - the version it was computed from, so a lone
+worker's update has delay 1 and tau_max bounds exactly what the scheduler planned.
 """
 import time
 from collections import deque
@@ -193,7 +195,7 @@ class ServerRole:
         if ids:  # an aggregate can come empty when failures took all its members
             self.apply_fn(self.model, data, ids)
         for p, (uid, v) in enumerate(zip(ids, versions)):
-            rt.ledger.delays.append((uid, self.version + p - v))
+            rt.ledger.delays.append((uid, self.version + p + 1 - v))
         self.version += len(ids)
         self._record(ids, needed)
 

@@ -92,8 +92,10 @@ def case_async_delays_within_tau_max():
 
 
 def case_a_worker_learns_which_of_its_updates_were_dropped():
-    # tau_max = 0 and pushes without gets: most updates are stale; every worker hears of exactly
-    # its own dropped ids, and they complete the server's applied ids to everything pushed
+    # tau_max = 0 and pushes without gets: every update is stale (even a lone worker's update
+    # has delay 1: it takes the model one version past the one it was computed from); every
+    # worker hears of exactly its own dropped ids, and they complete the server's applied ids
+    # (none) to everything pushed
     role = ps.init("mlfabric-A", emulation=FAST, batch_interval=0.02)
     upd = default_update(SIZE, np.float64)
     pushed, dropped, applied = [], [], []
@@ -117,6 +119,7 @@ def case_a_worker_learns_which_of_its_updates_were_dropped():
     all_dropped = [u for _, d, _ in everything for u in d]
     all_applied = [u for _, _, a in everything for u in a]
     assert sorted(all_dropped + all_applied) == all_pushed
+    assert not all_applied, all_applied
 
 
 def case_vanilla_async_applies_everything():
