@@ -1,10 +1,13 @@
 """Accounting (issue: "nothing is lost"): every pushed update id ends in exactly one outcome,
 applied or dropped with a reason, and the job's summary says so. Each rank records what it saw in
 its Ledger; the scheduler merges them at the end (summarize) and checks pushed = applied + dropped
-on the ids themselves, not only on counts.
+on the ids themselves, not only on counts. The id sets are IdSets (one byte per id), so a long
+job's accounting stays small.
 """
 from collections import Counter
 from dataclasses import dataclass, field
+
+from .idset import IdSet
 
 DROP_SERVER_FAILED = "server-failed"   # applied only at a server that died, never at its replica
 DROP_WORKER_FAILED = "worker-failed"   # its worker died before the update could be sent
@@ -14,12 +17,12 @@ DROP_STREAM_VOIDED = "aggregate-voided"  # summed (cut-through) with a member wh
 
 @dataclass
 class Ledger:
-    pushed: set = field(default_factory=set)
-    applied: set = field(default_factory=set)
-    aggregated: set = field(default_factory=set)     # went through an aggregator
-    replicated: set = field(default_factory=set)
+    pushed: IdSet = field(default_factory=IdSet)
+    applied: IdSet = field(default_factory=IdSet)
+    aggregated: IdSet = field(default_factory=IdSet)     # went through an aggregator
+    replicated: IdSet = field(default_factory=IdSet)
     dropped: dict = field(default_factory=dict)      # id -> reason
-    delays: list = field(default_factory=list)       # (id, tau) of applied updates, async modes
+    delays: Counter = field(default_factory=Counter)  # tau -> applied updates, async modes
     bytes_out: int = 0
     bytes_in: int = 0
     plan_latency: list = field(default_factory=list)  # worker: scheduler's send -> our receipt (s)
@@ -35,7 +38,7 @@ class Ledger:
         self.aggregated |= other.aggregated
         self.replicated |= other.replicated
         self.dropped.update(other.dropped)
-        self.delays.extend(other.delays)
+        self.delays.update(other.delays)
         self.bytes_out += other.bytes_out
         self.bytes_in += other.bytes_in
         self.plan_latency.extend(other.plan_latency)
@@ -80,20 +83,20 @@ def summarize(ledgers, server_ranks=(), replica_ranks=(), dead=(), known=()):
     for lg in ledgers:
         if lg is not None:
             total.merge(lg)
+    dropped = IdSet(total.dropped)
     if dead:
         dead = set(dead)
-        seen = set(known) | total.applied | set(total.dropped)
-        total.pushed |= {uid for uid in seen if uid >> 32 in dead}
+        seen = IdSet(known) | total.applied | dropped
+        total.pushed |= [uid for uid in seen if uid >> 32 in dead]
     # an update applied at a server that later died is dropped, not applied, when the
     # replica never got it (the recovery step records that drop); applied wins otherwise
-    twice = sorted(total.applied & set(total.dropped))
-    missing = sorted(total.pushed - total.applied - set(total.dropped))
-    taus = [t for _, t in total.delays]
+    twice = list(total.applied & dropped)
+    missing = list(total.pushed - total.applied - dropped)
     return Summary(
         pushed=len(total.pushed), applied=len(total.applied & total.pushed),
         aggregated=len(total.aggregated), replicated=len(total.replicated),
         dropped=dict(Counter(r for i, r in total.dropped.items() if i in total.pushed)),
-        max_delay=max(taus) if taus else None,
+        max_delay=max(total.delays) if total.delays else None,
         balanced=not missing and not twice and total.applied <= total.pushed,
         missing=missing, twice=twice,
         server_bytes_in=sum(ledgers[r].bytes_in for r in server_ranks if ledgers[r]),

@@ -194,8 +194,8 @@ class ServerRole:
         rt = self.rt
         if ids:  # an aggregate can come empty when failures took all its members
             self.apply_fn(self.model, data, ids)
-        for p, (uid, v) in enumerate(zip(ids, versions)):
-            rt.ledger.delays.append((uid, self.version + p + 1 - v))
+        for p, v in enumerate(versions):
+            rt.ledger.delays[self.version + p + 1 - v] += 1
         self.version += len(ids)
         self._record(ids, needed)
 
@@ -307,6 +307,7 @@ class ServerRole:
                 self.workers.remove(r)
             self.gets = [g for g in self.gets if g[0] != r]
             self.pulls = [g for g in self.pulls if g[0] != r]
+            self.asked = {k: t for k, t in self.asked.items() if k[0] != r}
             self.leaving.pop(r, None)  # their sends were dropped (DataPlane.forget_peer)
             if r == self.replica:
                 self.order.replica_count = inf
