@@ -11,6 +11,7 @@
   replica.py    a replica: the server's order, bounded divergence
   monitor.py    the network monitor (reports every t_lag)
   ledger.py     accounting: pushed = applied + dropped, per update id
+  idset.py      the accounting's compact sets of update ids (a byte per id)
 
 The user-facing API (the paper's Table 1) is mlfabric.ps.
 """
