@@ -158,3 +158,13 @@ def test_streaming_sum_follows_the_slowest_member():
     assert s() == dpm.VOID
     with pytest.raises(ValueError, match="disagree"):
         StreamingSum([np.zeros(3), np.zeros(4)])
+
+
+def test_timing_profiles_keep_the_latest_samples_only():
+    from mlfabric.runtime.ledger import PROFILE_KEPT
+    lg = Ledger()
+    lg.get_latency.extend(float(i) for i in range(PROFILE_KEPT + 500))
+    assert len(lg.get_latency) == PROFILE_KEPT and lg.get_latency[0] == 500.0
+    lg.delays[3] += 2
+    lg.delays[5] += 1
+    assert summarize([lg]).max_delay == 5

@@ -131,7 +131,7 @@ class Daemon(threading.Thread):
             _debug(rt, "from %d: %s %s" % (src, kind, _short(body)))
         if kind == "stop":
             rt.ledger.bytes_out, rt.ledger.bytes_in = rt.nic.bytes_out, rt.nic.bytes_in
-            rt.ledger.plan_latency = list(getattr(self.role, "plan_latency", ()))
+            rt.ledger.plan_latency = getattr(self.role, "plan_latency", rt.ledger.plan_latency)
             rt.channel.send(0, "ledger", rt.ledger)
         elif kind == "summary":
             rt.summary.set(body)

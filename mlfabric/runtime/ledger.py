@@ -4,7 +4,7 @@ its Ledger; the scheduler merges them at the end (summarize) and checks pushed =
 on the ids themselves, not only on counts. The id sets are IdSets (one byte per id), so a long
 job's accounting stays small.
 """
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from .idset import IdSet
@@ -13,6 +13,15 @@ DROP_SERVER_FAILED = "server-failed"   # applied only at a server that died, nev
 DROP_WORKER_FAILED = "worker-failed"   # its worker died before the update could be sent
 DROP_AGGREGATOR_FAILED = "aggregator-failed"  # its aggregator died holding it
 DROP_STREAM_VOIDED = "aggregate-voided"  # summed (cut-through) with a member whose sender died
+
+# Timing profiles (summary.control) keep each rank's latest samples only: a job's profile, not a
+# log that grows with every get of a long job
+PROFILE_KEPT = 20_000
+
+
+def profile():
+    """An empty timing profile: the latest PROFILE_KEPT samples (seconds)."""
+    return deque(maxlen=PROFILE_KEPT)
 
 
 @dataclass
@@ -25,9 +34,9 @@ class Ledger:
     delays: Counter = field(default_factory=Counter)  # tau -> applied updates, async modes
     bytes_out: int = 0
     bytes_in: int = 0
-    plan_latency: list = field(default_factory=list)  # worker: scheduler's send -> our receipt (s)
-    get_latency: list = field(default_factory=list)   # worker: get() asked -> model in (s)
-    pull_wait: list = field(default_factory=list)     # server: get in -> its pull batch leaves (s)
+    plan_latency: deque = field(default_factory=profile)  # worker: scheduler's send -> receipt
+    get_latency: deque = field(default_factory=profile)   # worker: get() asked -> model in
+    pull_wait: deque = field(default_factory=profile)     # server: get in -> its batch leaves
     # cut-through relays (worker.py): 'forward' a payload passed on from its header, 'sum' an
     # aggregate streamed out while its members came in
     relayed: Counter = field(default_factory=Counter)

@@ -22,7 +22,7 @@ from ..errors import PeerTimeoutError
 from ..sched import ReplicaState, Update, replicate, schedule
 from ..sched.view import SchedulerView
 from .gate import DivergenceGate
-from .ledger import summarize
+from .ledger import profile, summarize
 from .monitor import UNPACED, ReportedCapacities
 from .pulls import SchedulerPulls
 from .recovery import SchedulerRecovery
@@ -61,8 +61,8 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
         self.after = {s: 0.0 for s in self.servers}
         self.next_batch = rt.now() + cfg.batch_interval
         self.batches = 0
-        self.ready_latency = []   # seconds from a worker's report to our receipt
-        self.plan_time = []       # seconds spent planning one batch (schedule + booking + sending)
+        self.ready_latency = profile()  # seconds from a worker's report to our receipt
+        self.plan_time = profile()  # seconds planning one batch (schedule + booking + sending)
         self.ready_ids = set()    # ids reported ready (scheduled modes)
         self.resolved = set()     # ids applied (reported by servers) or dropped
         self.resolved_of = {w: 0 for w in self.workers}  # per worker, for the end condition
@@ -392,7 +392,8 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
         ledgers = [self.ledgers.get(r) for r in range(rt.size)]
         summary = summarize(ledgers, rt.roles.server_ranks, rt.roles.replica_ranks,
                             dead=rt.failed, known=self.ready_ids)
-        summary.control = {"ready_latency": self.ready_latency, "plan_time": self.plan_time,
+        summary.control = {"ready_latency": list(self.ready_latency),
+                           "plan_time": list(self.plan_time),
                            "plan_latency": [x for lg in ledgers if lg for x in lg.plan_latency],
                            "get_latency": [x for lg in ledgers if lg for x in lg.get_latency],
                            "pull_wait": [x for lg in ledgers if lg for x in lg.pull_wait],

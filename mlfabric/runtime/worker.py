@@ -30,7 +30,7 @@ import numpy as np
 from .. import kernels
 from ..errors import MismatchError, MlfabricError
 from .dataplane import Stream
-from .ledger import DROP_AGGREGATOR_FAILED, DROP_WORKER_FAILED
+from .ledger import DROP_AGGREGATOR_FAILED, DROP_WORKER_FAILED, profile
 from .relay import StreamingSum
 from .server import send_distribution
 
@@ -112,7 +112,7 @@ class WorkerRole:
         if self.cut_through:
             rt.dp.on_stream = self.on_stream
         self.pending_aggs = []   # Assignments with members still to come
-        self.plan_latency = []   # seconds from the scheduler's send to our receipt (control plane)
+        self.plan_latency = profile()  # s from the scheduler's send to our receipt (control)
         self.allreduces = {}     # call -> Future of this worker's allreduce
         self.root_of = {}        # call -> [sum, contributions in, expected] where we are root
         # (id, reason) of our updates the scheduler dropped, until the training thread takes
