@@ -30,6 +30,9 @@ def test_behaves_as_a_set(a, b):
     assert list(merged) == sorted(set(a) | set(b)) and len(merged) == len(set(a) | set(b))
     merged.update(b)  # adding what is there changes nothing
     assert len(merged) == len(set(a) | set(b))
+    for x in b:
+        merged.discard(x)
+    assert list(merged) == sorted(set(a) - set(b)) and len(merged) == len(set(a) - set(b))
     # pickling round trip (the ledgers travel to the scheduler)
     back = pickle.loads(pickle.dumps(sa))
     assert list(back) == list(sa) and len(back) == len(sa)

@@ -32,6 +32,11 @@ class IdSet:
             b[lo] = 1
             self._n += 1
 
+    def discard(self, uid):
+        if uid in self:
+            self._blocks[uid >> 31][uid & _LO] = 0
+            self._n -= 1
+
     def update(self, ids):
         if isinstance(ids, IdSet):
             self |= ids

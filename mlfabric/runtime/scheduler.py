@@ -22,6 +22,7 @@ from ..errors import PeerTimeoutError
 from ..sched import ReplicaState, Update, replicate, schedule
 from ..sched.view import SchedulerView
 from .gate import DivergenceGate
+from .idset import IdSet
 from .ledger import profile, summarize
 from .monitor import UNPACED, ReportedCapacities
 from .pulls import SchedulerPulls
@@ -63,8 +64,8 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
         self.batches = 0
         self.ready_latency = profile()  # seconds from a worker's report to our receipt
         self.plan_time = profile()  # seconds planning one batch (schedule + booking + sending)
-        self.ready_ids = set()    # ids reported ready (scheduled modes)
-        self.resolved = set()     # ids applied (reported by servers) or dropped
+        self.ready_ids = IdSet()  # ids reported ready (scheduled modes)
+        self.resolved = IdSet()   # ids applied (reported by servers) or dropped
         self.resolved_of = {w: 0 for w in self.workers}  # per worker, for the end condition
         self.done = {}            # worker -> its pushed count, once it has finished
         self.ledgers = {}
