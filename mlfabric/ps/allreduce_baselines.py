@@ -51,7 +51,7 @@ def ring_allreduce(dp, ranks, x, timeout=None):
     if n == 1:
         return x
     s = _Session(dp, "ring_allreduce", ranks, timeout)
-    cid = s.call_id("ring")
+    cid = s.call_id("ring", "rr")
     right, left = ranks[(pos + 1) % n], ranks[(pos - 1) % n]
     bounds = _split(x.size, n)
     block = [x[bounds[i]:bounds[i + 1]] for i in range(n)]
@@ -77,7 +77,7 @@ def tree_allreduce(dp, ranks, x, timeout=None):
     if n == 1:
         return x
     s = _Session(dp, "tree_allreduce", ranks, timeout)
-    cid = s.call_id("tree")
+    cid = s.call_id("tree", "tr")
     parent = ranks[(pos - 1) // 2] if pos else None
     children = [ranks[c] for c in (2 * pos + 1, 2 * pos + 2) if c < n]
     nseg = max(1, min(MAX_SEGMENTS, -(-x.nbytes // SEGMENT_MIN_BYTES)))
@@ -159,11 +159,14 @@ class _Session:
         self.timeout = dp.timeout if timeout is None else float(timeout)
         self.box = _mailboxes.setdefault(dp, {})
         self.last = time.monotonic()
+        self.own = None   # (tag, call number) that this call's keys start with (call_id)
 
-    def call_id(self, algorithm):
+    def call_id(self, algorithm, tag):
+        """This call's number among `algorithm`'s over these ranks; its keys start (tag, it)."""
         calls = _calls.setdefault(self.dp, {})
         k = (algorithm, self.ranks)
         calls[k] = calls.get(k, 0) + 1
+        self.own = (tag, calls[k])
         return calls[k]
 
     def send(self, dst, key, payload, flag, then=None):
@@ -200,7 +203,15 @@ class _Session:
     def wait_once(self, peers):
         """One turn of the event loop: progress, file messages, nap until there is work."""
         dp = self.dp
-        msgs = dp.progress()
+        try:
+            msgs = dp.progress()
+        except PeerTimeoutError as e:
+            key = getattr(e, "key", None)
+            if key is None or key[:2] == self.own:
+                raise
+            # a flow an earlier call left when it failed (its own bound fired first): that call
+            # is over and the data plane has dropped the flow; this one goes on
+            msgs = []
         now = time.monotonic()
         if msgs:
             for m in msgs:

@@ -26,13 +26,17 @@ Protocol, per message ("flow"):
   admits it, round robin over inbound flows, so several senders share the receiver's ingress
   fairly. A finished message is handed out no earlier than the calendar says its last chunk is
   through (the chunk was received when its receive was posted, i.e. at the start of its slot).
-- At most WINDOW (2) chunks of a flow are outstanding (booked, posted or unmatched). Chunks go
+- At most WINDOW (8) chunks of a flow are outstanding (booked, posted or unmatched). Chunks go
   with Issend (synchronous mode: complete only once the receiver has matched them), so a sender
   is throttled by min(its egress, its share of the receiver's ingress), as on a real network,
   instead of MPI buffering the payload eagerly.
-- Calendars are continued from where they ended when the event loop comes back a little late
-  (up to one chunk_s): otherwise every late wake-up would be lost link time and the rate would
-  drift below the NIC's under a loaded CPU. After a longer idle gap they restart at `now`.
+- Calendars are continued from where they ended when the event loop comes back late: up to one
+  chunk_s always, and up to CATCH_UP_S when chunks were waiting for the calendar as it fell free
+  (the link was not idle: the process was not scheduled in time). Otherwise every late wake-up
+  would be lost link time, and on a loaded CPU one flow alone (a time-shared link, as the
+  scheduler plans them) got half its rate or less. After an idle gap they restart at `now`, so
+  bytes never go through earlier than a real link would let them. A flow's rate cap is
+  continued the same way.
 - The header goes with Issend too, so a zero-byte message is done (on_done) once it is taken, and
   a dead receiver is noticed even for a message with no payload.
 - Cut-through (streamed flows): at an inbound header the owner's on_stream(src, key, Stream) may
@@ -72,9 +76,16 @@ HEADER_TAG = 1
 FLOW_TAG_BASE = 2
 FLOW_TAGS = 16000      # per destination; read when a flow starts (tests shrink it)
 HEADER_MAX = 16384     # bytes of a pickled header (a key: small; a pipeline's nested forwards)
-WINDOW = 2             # chunks outstanding per flow
+WINDOW = 8             # chunks outstanding per flow (2 let one flow on a loaded CPU reach
+                       # half its rate: a chunk's round trip then takes several chunk times)
+CATCH_UP_S = 0.025    # how late a busy calendar may be continued (see "Calendars" above)
 IN_FLIGHT_WAKE_S = 0.005
 IDLE_WAKE_S = 0.05
+
+# Requests MPI may still complete after their flow was given up (a timeout, a dead peer, a data
+# plane dropped unclosed), with the buffers they read or write: kept for the process's lifetime,
+# whatever becomes of the DataPlane, so MPI never touches freed memory.
+_PARKED = []
 
 _dtype_to_descr = np.lib.format.dtype_to_descr
 _descr_to_dtype = np.lib.format.descr_to_dtype
@@ -201,7 +212,9 @@ class DataPlane:
         self._local = collections.deque()    # (not_before, key, payload, on_done) to self
         self._held = []                      # (due, Message): received, not yet through ingress
         self._done = []                      # messages to hand out
-        self._parked = []                    # requests of failed flows (keep their buffers alive)
+        self._parked = _PARKED               # requests of failed flows (keep their buffers alive)
+        # a calendar was busy while chunks waited for it, at the end of the last progress()
+        self._rx_waiting = self._tx_waiting = False
         self._hdr_buf = bytearray(HEADER_MAX)
         self._hdr_status = MPI.Status()
         self._closed = False
@@ -343,6 +356,19 @@ class DataPlane:
         return bool(self._tx or self._rx or self._local or self._held or self._rx_deferred
                     or self._done)
 
+    def __del__(self):
+        """Dropped with requests in flight (never closed, or closed by a failing job): park them
+        with their buffers; an Issend whose receiver matched it goes on reading its payload."""
+        try:
+            for f in self._tx:
+                self._park_tx(f)
+            for f in self._rx:
+                _PARKED.extend((req, f.buf, None) for req, _ in f.reqs)
+                if f.status_req is not None:
+                    _PARKED.append((f.status_req, f.status, None))
+        except AttributeError:  # a constructor that failed half way
+            pass
+
     def close(self, timeout=None):
         """Let in-flight sends finish (at most `timeout` seconds, default self.timeout), then
         cancel every posted receive. Messages that arrive meanwhile
@@ -455,11 +481,14 @@ class DataPlane:
                 self._start_rx(hdr, now)
         # Post receives as the ingress calendar admits them, one chunk per flow per turn.
         rx, nic = self._rx, self.nic
+
+        def may(f):
+            return f.posted < f.nchunks and len(f.reqs) < WINDOW
         while rx:
-            t = self._slot(nic.ingress_free, now)
+            t = self._slot(nic.ingress_free, now, self._rx_waiting)
             if t is None:
                 break
-            f = _next_turn(rx, lambda f: f.posted < f.nchunks and len(f.reqs) < WINDOW)
+            f = _next_turn(rx, may)
             if f is None:
                 break
             i = f.posted
@@ -470,6 +499,7 @@ class DataPlane:
                 f.last = now  # the peer's clock starts when we are waiting on it
             f.reqs.append((self.comm.Irecv([f.buf[lo:hi], MPI.BYTE], f.src, f.tag), i))
             f.posted += 1
+        self._rx_waiting = nic.ingress_free > now and any(may(f) for f in rx)
 
     def _finish_rx(self, f, now):
         msg = Message(f.src, f.key, f.data(), max(now, f.due))
@@ -521,13 +551,15 @@ class DataPlane:
                 callbacks.append(f.on_done)
         # Book chunks on the egress calendar, one per flow per turn; post each when it is through.
         tx, nic = self._tx, self.nic
+
+        def may(f):
+            return (f.tag is not None and f.booked < f.nchunks and f.outstanding() < WINDOW
+                    and f.cap_ready <= now and f.chunk_ready(f.booked))
         while tx:
-            t = self._slot(nic.egress_free, now)
+            t = self._slot(nic.egress_free, now, self._tx_waiting)
             if t is None:
                 break
-            f = _next_turn(tx, lambda f: (f.tag is not None and f.booked < f.nchunks
-                                          and f.outstanding() < WINDOW and f.cap_ready <= now
-                                          and f.chunk_ready(f.booked)))
+            f = _next_turn(tx, may)
             if f is None:
                 break
             i = f.booked
@@ -535,7 +567,7 @@ class DataPlane:
             n = min(lo + f.chunk, f.view.size) - lo
             post_at = nic.take_egress(n, t)
             if f.rate is not None:
-                start = f.cap_ready if now - f.cap_ready <= self.chunk_s else now
+                start = f.cap_ready if now - f.cap_ready <= CATCH_UP_S else now
                 f.cap_ready = start + n / f.rate
                 post_at = max(post_at, f.cap_ready)
             f.booked += 1
@@ -543,6 +575,7 @@ class DataPlane:
                 self._post_chunk(f, i, now, comm)
             else:
                 f.staged.append((post_at, i))
+        self._tx_waiting = nic.egress_free > now and any(may(f) for f in tx)
         return callbacks
 
     def _start_tx(self, f, now):
@@ -570,13 +603,15 @@ class DataPlane:
             f.last = now
         f.reqs.append((comm.Issend([f.view[lo:lo + f.chunk], MPI.BYTE], f.dst, f.tag), i))
 
-    def _slot(self, free, now):
+    def _slot(self, free, now, waiting):
         """Start time for the next booking on a calendar that is next free at `free`, or None if
-        it is busy. A calendar that fell free less than a chunk_s ago is continued from `free`
-        (the event loop came back late; that time was not idle link time)."""
+        it is busy. A calendar that fell free less than a chunk_s ago, or less than CATCH_UP_S
+        ago with chunks `waiting` for it then, is continued from `free` (the event loop came back
+        late; that time was not idle link time)."""
         if free > now:
             return None
-        return free if now - free <= self.chunk_s else now
+        late = now - free
+        return free if late <= self.chunk_s or (waiting and late <= CATCH_UP_S) else now
 
     # ----------------------------------------------------------------------- failure paths
 
@@ -611,11 +646,11 @@ class DataPlane:
                 self._tx.remove(f)
                 self._tags_busy[f.dst].discard(f.tag)
                 self._park_tx(f)
-                raise PeerTimeoutError(
+                raise _flow_timeout(
                     f"data plane of rank {self.rank}: send of {f.key!r} to rank {f.dst} made no "
                     f"progress within {self.timeout:g} s (MLFABRIC_TIMEOUT; "
                     f"{f.taken}/{f.nchunks} chunks taken): the peer died or stopped "
-                    "driving its data plane")
+                    "driving its data plane", f.key, f.dst)
         for f in self._rx:
             if (f.reqs or f.status_req is not None) and f.last < limit:
                 self._rx.remove(f)
@@ -624,11 +659,11 @@ class DataPlane:
                 for req, _ in f.reqs:
                     self._cancel(req)
                 self._cancel(f.status_req)
-                raise PeerTimeoutError(
+                raise _flow_timeout(
                     f"data plane of rank {self.rank}: receive of {f.key!r} from rank {f.src} made "
                     f"no progress within {self.timeout:g} s (MLFABRIC_TIMEOUT; "
                     f"{f.received}/{f.nchunks} chunks in): the peer died or stopped driving its "
-                    "data plane")
+                    "data plane", f.key, f.src)
 
     def _park_tx(self, f):
         # Cancelling a send is deprecated and unreliable in MPI 4: keep the requests (and through
@@ -648,6 +683,13 @@ class DataPlane:
     def _check_open(self):
         if self._closed:
             raise MlfabricError("data plane is closed")
+
+
+def _flow_timeout(text, key, peer):
+    """The PeerTimeoutError of one flow, naming it (`key`, `peer`) for the owner."""
+    err = PeerTimeoutError(text)
+    err.key, err.peer = key, peer
+    return err
 
 
 def _next_turn(flows, may):
