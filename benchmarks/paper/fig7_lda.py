@@ -47,7 +47,7 @@ def parse_args(argv):
     p.add_argument("--topics", type=int, default=20)
     p.add_argument("--max-iterations", type=int, default=60)
     p.add_argument("--margin", type=int, default=3)
-    p.add_argument("--ps-factor", type=float, default=1.7)
+    p.add_argument("--ps-factor", type=float, default=2.5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny corpus and payload (tests)")
     p.add_argument("--out", default=common.result_path("fig7_lda.json"))
