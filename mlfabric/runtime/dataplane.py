@@ -484,13 +484,7 @@ class DataPlane:
 
         def may(f):
             return f.posted < f.nchunks and len(f.reqs) < WINDOW
-        while rx:
-            t = self._slot(nic.ingress_free, now, self._rx_waiting)
-            if t is None:
-                break
-            f = _next_turn(rx, may)
-            if f is None:
-                break
+        for t, f in self._turns(rx, lambda: nic.ingress_free, self._rx_waiting, may, now):
             i = f.posted
             lo = i * f.chunk
             hi = min(lo + f.chunk, f.nbytes)
@@ -555,13 +549,7 @@ class DataPlane:
         def may(f):
             return (f.tag is not None and f.booked < f.nchunks and f.outstanding() < WINDOW
                     and f.cap_ready <= now and f.chunk_ready(f.booked))
-        while tx:
-            t = self._slot(nic.egress_free, now, self._tx_waiting)
-            if t is None:
-                break
-            f = _next_turn(tx, may)
-            if f is None:
-                break
+        for t, f in self._turns(tx, lambda: nic.egress_free, self._tx_waiting, may, now):
             i = f.booked
             lo = i * f.chunk
             n = min(lo + f.chunk, f.view.size) - lo
@@ -602,6 +590,18 @@ class DataPlane:
         if not f.reqs and f.hdr_req is None:
             f.last = now
         f.reqs.append((comm.Issend([f.view[lo:lo + f.chunk], MPI.BYTE], f.dst, f.tag), i))
+
+    def _turns(self, flows, free, waiting, may, now):
+        """(start, flow) for each chunk a calendar takes now: round robin over the `flows` that
+        `may` book one, while the calendar (next free at free()) has room."""
+        while flows:
+            t = self._slot(free(), now, waiting)
+            if t is None:
+                return
+            f = _next_turn(flows, may)
+            if f is None:
+                return
+            yield t, f
 
     def _slot(self, free, now, waiting):
         """Start time for the next booking on a calendar that is next free at `free`, or None if
