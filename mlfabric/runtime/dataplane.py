@@ -36,7 +36,9 @@ Protocol, per message ("flow"):
   would be lost link time, and on a loaded CPU one flow alone (a time-shared link, as the
   scheduler plans them) got half its rate or less. After an idle gap they restart at `now`, so
   bytes never go through earlier than a real link would let them. A flow's rate cap is
-  continued the same way.
+  continued across up to CATCH_UP_S of lateness, waiting or not (a token bucket that deep: a
+  flow that paused for its stream's bytes may then run ahead of its cap for that long, never
+  ahead of the NIC).
 - The header goes with Issend too, so a zero-byte message is done (on_done) once it is taken, and
   a dead receiver is noticed even for a message with no payload.
 - Cut-through (streamed flows): at an inbound header the owner's on_stream(src, key, Stream) may
