@@ -214,7 +214,6 @@ class DataPlane:
         self._local = collections.deque()    # (not_before, key, payload, on_done) to self
         self._held = []                      # (due, Message): received, not yet through ingress
         self._done = []                      # messages to hand out
-        self._parked = _PARKED               # requests of failed flows (keep their buffers alive)
         # a calendar was busy while chunks waited for it, at the end of the last progress()
         self._rx_waiting = self._tx_waiting = False
         self._hdr_buf = bytearray(HEADER_MAX)
@@ -363,11 +362,9 @@ class DataPlane:
         with their buffers; an Issend whose receiver matched it goes on reading its payload."""
         try:
             for f in self._tx:
-                self._park_tx(f)
+                _park_tx(f)
             for f in self._rx:
-                _PARKED.extend((req, f.buf, None) for req, _ in f.reqs)
-                if f.status_req is not None:
-                    _PARKED.append((f.status_req, f.status, None))
+                _park_rx(f)
         except AttributeError:  # a constructor that failed half way
             pass
 
@@ -398,7 +395,7 @@ class DataPlane:
             late = []
             for f in self._tx:
                 late.append((f.dst, f.key))
-                self._park_tx(f)
+                _park_tx(f)
             self._tx.clear()
             self._local.clear()
         if error is not None:
@@ -627,15 +624,13 @@ class DataPlane:
         for f in [f for f in self._tx if f.dst == rank]:
             self._tx.remove(f)
             self._tags_busy[f.dst].discard(f.tag)
-            self._park_tx(f)
+            _park_tx(f)
             lost.append(("send", f.key))
         for f in [f for f in self._rx if f.src == rank]:
             self._rx.remove(f)
             del self._rx_by_tag[(f.src, f.tag)]
             f.void = "its sender died"  # flows forwarding it send filler and a void trailer
-            self._parked.extend((req, f.buf, None) for req, _ in f.reqs)
-            if f.status_req is not None:
-                self._parked.append((f.status_req, f.status, None))
+            _park_rx(f)
             lost.append(("receive", f.key))
         for key in [k for k in self._rx_deferred if k[0] == rank]:
             lost.extend(("receive", hdr[2]) for hdr in self._rx_deferred.pop(key))
@@ -647,7 +642,7 @@ class DataPlane:
             if (f.reqs or f.hdr_req is not None or f.status_req is not None) and f.last < limit:
                 self._tx.remove(f)
                 self._tags_busy[f.dst].discard(f.tag)
-                self._park_tx(f)
+                _park_tx(f)
                 raise _flow_timeout(
                     f"data plane of rank {self.rank}: send of {f.key!r} to rank {f.dst} made no "
                     f"progress within {self.timeout:g} s (MLFABRIC_TIMEOUT; "
@@ -667,12 +662,6 @@ class DataPlane:
                     f"{f.received}/{f.nchunks} chunks in): the peer died or stopped driving its "
                     "data plane", f.key, f.src)
 
-    def _park_tx(self, f):
-        # Cancelling a send is deprecated and unreliable in MPI 4: keep the requests (and through
-        # them the payload) alive instead; they may still complete if the peer turns up.
-        reqs = [r for r, _ in f.reqs] + [r for r in (f.hdr_req, f.status_req) if r is not None]
-        self._parked.extend((r, f.payload, f.hdr) for r in reqs)
-
     def _cancel(self, req):
         if req is None or req == MPI.REQUEST_NULL:
             return
@@ -680,11 +669,25 @@ class DataPlane:
             req.Cancel()
             req.Wait()  # a cancelled receive completes at once (or it had matched: then done)
         except MPI.Exception:
-            self._parked.append((req, None, None))
+            _PARKED.append((req, None, None))
 
     def _check_open(self):
         if self._closed:
             raise MlfabricError("data plane is closed")
+
+
+def _park_tx(f):
+    """Park an outgoing flow's requests with its payload. (Cancelling a send is deprecated and
+    unreliable in MPI 4; they may still complete if the peer turns up.)"""
+    reqs = [r for r, _ in f.reqs] + [r for r in (f.hdr_req, f.status_req) if r is not None]
+    _PARKED.extend((r, f.payload, f.hdr) for r in reqs)
+
+
+def _park_rx(f):
+    """Park an inbound flow's posted receives (and trailer receive) with their buffers."""
+    _PARKED.extend((req, f.buf, None) for req, _ in f.reqs)
+    if f.status_req is not None:
+        _PARKED.append((f.status_req, f.status, None))
 
 
 def _flow_timeout(text, key, peer):

@@ -121,7 +121,7 @@ class ServerRole:
         self.processed = {w: 0 for w in self.workers}  # applied or dropped, per worker (SSP)
         self.processed.update({w: n for w, n in (processed or {}).items() if w in self.processed})
         self.gets = []               # (worker, request id, clock) waiting for their condition
-        self.asked = {}              # (worker, request id) -> job time it came (profile)
+        self.asked = {}              # worker -> job time its (one) get came (profile)
         self.distribution = cfg.distribution and cfg.sched_mode is not None
         self.snapshots = {}          # version -> the model copy a pull batch is planned for
         self.pulls = []              # requests due, waiting for the models still leaving
@@ -280,7 +280,7 @@ class ServerRole:
         elif kind == "get":  # a worker has one get at a time: a re-sent one supersedes
             rid, clock = body
             self.gets = [g for g in self.gets if g[0] != src] + [(src, rid, clock)]
-            self.asked[(src, rid)] = self.rt.now()
+            self.asked[src] = self.rt.now()
         elif kind == "distribute":
             self._distribute(*body)
         else:
@@ -307,7 +307,7 @@ class ServerRole:
                 self.workers.remove(r)
             self.gets = [g for g in self.gets if g[0] != r]
             self.pulls = [g for g in self.pulls if g[0] != r]
-            self.asked = {k: t for k, t in self.asked.items() if k[0] != r}
+            self.asked.pop(r, None)
             self.leaving.pop(r, None)  # their sends were dropped (DataPlane.forget_peer)
             if r == self.replica:
                 self.order.replica_count = inf
@@ -340,7 +340,7 @@ class ServerRole:
             return
         due, self.pulls = self.pulls, []
         now = self.rt.now()
-        self.rt.ledger.pull_wait.extend(now - self.asked.pop((w, rid), now) for w, rid, _ in due)
+        self.rt.ledger.pull_wait.extend(now - self.asked.pop(w, now) for w, _, _ in due)
         model = np.array(self.request_fn(self.model, self.version) if self.request_fn
                          else self.model, copy=True)
         if len(due) == 1 or not self.distribution:

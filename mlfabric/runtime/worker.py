@@ -96,8 +96,7 @@ class WorkerRole:
         self.server_rank = {s: s for s in rt.roles.server_ranks}
         self.outbox = {}         # id -> [server, payload, version] until its last planned send
         self.ready = []          # (id, server, nbytes, version, norm, sent at) not yet reported
-        self.gets = {}           # request id -> (Future, server, clock)
-        self.asked = {}          # request id -> job time it was (last) sent (profile)
+        self.gets = {}           # request id -> (Future, server, clock, job time it was sent)
         self.next_get = 0
         # (update id, the aggregate's destination) -> payload that came before its Assignment (a
         # Stream while it is still coming, cut-through), and -> the Assignment waiting for it
@@ -151,15 +150,14 @@ class WorkerRole:
     def _get(self, fut, server, clock):
         rid = self.next_get
         self.next_get += 1
-        self.gets[rid] = (fut, server, clock)
-        self.asked[rid] = self.rt.now()
+        self.gets[rid] = (fut, server, clock, self.rt.now())
         self.rt.channel.send(self.server_rank[server], "get", (rid, clock))
 
     def _answer(self, rid, data, version):
         got = self.gets.pop(rid, None)  # None: a request re-sent after a failure, answered twice
         if got is not None:
             got[0].set((data, version))
-            self.rt.ledger.get_latency.append(self.rt.now() - self.asked.pop(rid))
+            self.rt.ledger.get_latency.append(self.rt.now() - got[3])
 
     def flush(self):
         if self.ready:
@@ -299,10 +297,8 @@ class WorkerRole:
         again for a voided model; an allreduce whose result or contribution was lost fails."""
         kind = key[0]
         if kind == "m":
-            got = self.gets.pop(key[1], None)
-            if got is not None:
-                self.asked.pop(key[1], None)
-                self._get(*got)
+            if key[1] in self.gets:
+                self._ask_again(key[1])
         elif kind == "d":
             for w, inner, _, _ in key[1]:
                 if w == self.rt.rank:
@@ -402,11 +398,14 @@ class WorkerRole:
         self._resend_gets(lambda s: s == server)
 
     def _resend_gets(self, which):
-        for rid, (fut, server, clock) in list(self.gets.items()):
+        for rid, (_, server, _, _) in list(self.gets.items()):
             if which(server):
-                del self.gets[rid]
-                self.asked.pop(rid, None)
-                self._get(fut, server, clock)
+                self._ask_again(rid)
+
+    def _ask_again(self, rid):
+        """Request `rid` will not be answered (a failure on its way): ask anew, as a new one."""
+        fut, server, clock, _ = self.gets.pop(rid)
+        self._get(fut, server, clock)
 
     def stopped(self, error):
         for fut, *_ in self.gets.values():

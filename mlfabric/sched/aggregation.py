@@ -134,9 +134,7 @@ def det_agg(n, order, updates, network, server, aggs, start, record=False, agg_s
         size = max(updates[m].size for m in members) * (agg_scale if len(members) > 1 else 1.0)
         ready = max(t.end for t in inbound)
         if cut_through:  # the sum streams out as every member's bytes come in
-            end, segs = nw.t_en_relay(agg, server, size, max(t.start for t in inbound), ready)
-            if segs:
-                nw.reserve(agg, server, segs)
+            end, segs = nw.send_relay(agg, server, size, max(t.start for t in inbound), ready)
         else:
             end, segs = nw.send(agg, server, size, ready)
         if end == inf:
@@ -167,10 +165,8 @@ def pipeline(order, updates, network, server, aggs, start, agg_scale=1.0, norm_c
         if into is None:        # one of the first host's updates
             end, segs = nw.send(src, dst, size, max(updates[ids[0]].ready, start))
         else:                   # a running sum, streamed as what it sums comes in
-            end, segs = nw.t_en_relay(src, dst, size, max(t.start for t in into),
+            end, segs = nw.send_relay(src, dst, size, max(t.start for t in into),
                                       max(t.end for t in into))
-            if segs:
-                nw.reserve(src, dst, segs)
         return None if end == inf else _transfer(src, dst, size, end, segs, what, ids)
     last = pipeline_chain(hosts, order, updates, server, agg_scale,
                           lambda uid: max(updates[uid].ready, start), hop)

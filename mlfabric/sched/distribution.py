@@ -273,11 +273,9 @@ def _pipeline(order, network, server, dists, size, start):
     inbound = _transfer(server, order[0], size, end, segs)
     relays = []
     for d, w in zip(order, order[1:]):
-        end, segs = nw.t_en_relay(d, w, size, inbound.start, inbound.end)
+        end, segs = nw.send_relay(d, w, size, inbound.start, inbound.end)
         if end == inf:
             return inf, None, None
-        if segs:
-            nw.reserve(d, w, segs)
         hop = _transfer(d, w, size, end, segs)
         relays.append(Distributor(d, inbound, [d, w], [hop]))
         inbound = hop

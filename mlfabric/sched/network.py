@@ -304,5 +304,12 @@ class Network:
             self.reserve(src, dst, segs)
         return end, segs
 
+    def send_relay(self, src, dst, size, start, inbound_end):
+        """t_en_relay then NetUp: the relayed transfer's (end, segments), capacity reserved."""
+        end, segs = self.t_en_relay(src, dst, size, start, inbound_end)
+        if segs:
+            self.reserve(src, dst, segs)
+        return end, segs
+
     def residual(self, link, t):
         return self.links[link].at(t)

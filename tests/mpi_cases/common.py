@@ -95,3 +95,17 @@ def same_everywhere(x, what):
 
 def setup():
     mf.init()
+
+
+def take_part(role, work, model_size=3):
+    """One rank's part in a parameter-server job (mlfabric.ps, init() done): a worker registers,
+    runs work() and finishes; a server registers a zero model of model_size and serves; the other
+    roles serve. Returns (what work() returned, or None; the job's Summary)."""
+    import mlfabric.ps as ps
+    if role == "worker":
+        ps.register_as_worker()
+        out = work()
+        return out, ps.finish()
+    if role == "server":
+        ps.register_as_server(np.zeros(model_size))
+    return None, ps.serve()

@@ -11,6 +11,8 @@ from mlfabric.errors import MlfabricError
 from mlfabric.ps.driver import default_update, run_job, shards
 from mlfabric.runtime.roles import Roles
 
+from .common import take_part
+
 WORLD = MPI.COMM_WORLD
 SIZE = 1003  # not a multiple of anything
 FAST = Emulation(base_rate=200e6)  # paced, but quick
@@ -286,8 +288,8 @@ def case_allreduce_through_push_and_get():
     scheduler; every worker gets the float64 sum, for several shapes, on a paced network."""
     role = ps.init("mlfabric-A", emulation=Emulation(base_rate=50e6), batch_interval=0.02)
     roles = Roles(WORLD.size)
-    if role == "worker":
-        ps.register_as_worker()
+
+    def work():
         for k, shape in enumerate([(5,), (1000, 3), (70_001,), (0,)]):
             x = np.random.default_rng([k, WORLD.rank]).standard_normal(shape)
             ref = sum(np.random.default_rng([k, w]).standard_normal(shape)
@@ -295,30 +297,20 @@ def case_allreduce_through_push_and_get():
             y = ps.allreduce(x)
             np.testing.assert_allclose(y, ref, rtol=1e-12, atol=1e-12)
             assert y.shape == shape
-        s = ps.finish()
-    elif role == "server":
-        ps.register_as_server(np.zeros(3))
-        s = ps.serve()
-    else:
-        s = ps.serve()
+    _, s = take_part(role, work)
     assert s.balanced and s.pushed == 0, s  # allreduce contributions are not PS updates
 
 
 def case_allreduce_mismatch_is_an_error_everywhere():
     role = ps.init("mlfabric-A", emulation=FAST, batch_interval=0.02)
     roles = Roles(WORLD.size)
+    n = 10 + (WORLD.rank == roles.worker_ranks[-1])  # the last worker passes 11
+
+    def work():
+        ps.allreduce(np.ones(n))
+        ps.allreduce(np.ones(n))  # (a root that got only matching shapes the first time)
     try:
-        if role == "worker":
-            ps.register_as_worker()
-            n = 10 + (WORLD.rank == roles.worker_ranks[-1])  # the last worker passes 11
-            ps.allreduce(np.ones(n))
-            ps.allreduce(np.ones(n))  # (a root that got only matching shapes the first time)
-            ps.finish()
-        elif role == "server":
-            ps.register_as_server(np.zeros(3))
-            ps.serve()
-        else:
-            ps.serve()
+        take_part(role, work)
     except MlfabricError as e:
         assert "disagree" in str(e), e
         return

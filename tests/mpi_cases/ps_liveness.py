@@ -4,7 +4,6 @@ whose daemon stops turning makes every rank fail with its name within a few time
 case runs last: its daemon thread stays stuck until the process ends."""
 import time
 
-import numpy as np
 import pytest
 from mpi4py import MPI
 
@@ -14,6 +13,8 @@ from mlfabric.errors import MlfabricError
 from mlfabric.ps import api
 from mlfabric.ps.driver import run_job
 from mlfabric.runtime.roles import Roles
+
+from .common import take_part
 
 WORLD = MPI.COMM_WORLD
 
@@ -35,17 +36,11 @@ def case_z_a_stuck_daemon_fails_the_job_on_every_rank():
     limit = _config.timeout_s()
     role = ps.init("mlfabric-A")
     t0 = time.monotonic()
+    def work():
+        if WORLD.rank == victim:   # its daemon stops turning (a deadlock, say)
+            api._state["rt"].daemon._turn = lambda: time.sleep(3600)
     with pytest.raises(MlfabricError) as info:
-        if role == "worker":
-            ps.register_as_worker()
-            if WORLD.rank == victim:   # its daemon stops turning (a deadlock, say)
-                api._state["rt"].daemon._turn = lambda: time.sleep(3600)
-            ps.finish()
-        elif role == "server":
-            ps.register_as_server(np.zeros(10))
-            ps.serve()
-        else:
-            ps.serve()
+        take_part(role, work)
     took, text = time.monotonic() - t0, str(info.value)
     assert took < 4 * limit, (took, text)
     if WORLD.rank == victim:
