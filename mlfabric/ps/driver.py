@@ -26,6 +26,9 @@ from ..runtime.ledger import Summary
 from ..runtime.roles import WORKER, Roles
 
 
+ASYNC_MODES = ("mlfabric-A", "async")   # the modes whose workers wait for nobody
+
+
 def default_update(size, dtype, seed=0, lr=0.01):
     """The deterministic update of (worker rank, iteration): lr * N(0, 1) draws."""
     def update(rank, i, model):
@@ -53,10 +56,21 @@ class JobResult:
 def run_job(mode="mlfabric-A", *, size=1000, iterations=10, compute_s=0.0, dtype=np.float64,
             emulation=None, tau_max=math.inf, div_max=math.inf, servers=1, replicas=0,
             aggregators=None, batch_interval=0.1, t_lag=0.2, slack=2, seed=0, update_fn=None,
-            model0=None, comm=None, **settings):
+            model0=None, comm=None, duration_s=None, **settings):
     """Run one job on every rank of `comm` (default COMM_WORLD); returns this rank's JobResult.
-    `settings` go to mlfabric.ps.init (distribution, checkpoint_every, checkpoint_dir, resume)."""
+    `settings` go to mlfabric.ps.init (distribution, checkpoint_every, checkpoint_dir, resume).
+
+    duration_s (asynchronous modes, mlfabric-A and async, only): a worker also stops after the
+    first iteration that ends duration_s or more after the job's start, so workers run for a
+    time rather than a quota: in asynchronous training a fast worker does not idle while a
+    slow one finishes its share (iterations still caps every worker)."""
     comm = MPI.COMM_WORLD if comm is None else comm
+    if duration_s is not None:
+        if mode not in ASYNC_MODES:
+            raise ValueError("duration_s is for the asynchronous modes (mlfabric-A, async): a "
+                             "%r job's workers must run the same iterations" % (mode,))
+        if not duration_s > 0:
+            raise ValueError("duration_s must be > 0 seconds, got %r" % (duration_s,))
     emulation = emulation or Emulation()
     update_fn = update_fn or default_update(size, dtype, seed)
     model0 = np.zeros(size, dtype) if model0 is None else np.asarray(model0, dtype)
@@ -76,8 +90,11 @@ def run_job(mode="mlfabric-A", *, size=1000, iterations=10, compute_s=0.0, dtype
         w = roles.worker_index(comm.rank)
         ctrace = emulation.compute_trace(len(roles.worker_ranks), compute_s) if compute_s else None
         model = model0.copy()
+        stop = math.inf if duration_s is None else t0 + duration_s
         for i in range(iterations):
             ti = time.monotonic()
+            if ti >= stop:
+                break
             for s, (a, b) in zip(roles.server_ranks, cuts):
                 model[a:b] = api.get(s)[0]
             if ctrace is not None:

@@ -2,6 +2,8 @@
 against float64 references, delay bounds, accounting, replicas, bad input. Each case is a whole
 job (init, register, train, finish) on every rank."""
 
+import time
+
 import numpy as np
 from mpi4py import MPI
 
@@ -131,6 +133,49 @@ def case_vanilla_async_applies_everything():
     if res.role == "server":
         np.testing.assert_allclose(res.model, _reference(Roles(WORLD.size), 5), rtol=1e-12,
                                    atol=1e-14)
+
+
+def case_async_job_runs_for_a_duration():
+    """duration_s: workers run for a time, not a quota. The first worker is slow (30 ms per
+    update, the others 2 ms): it does fewer iterations, nobody starts one after the deadline,
+    and the server's model is the float64 sum of exactly the updates pushed. A synchronous mode
+    refuses duration_s on every rank, before any communication."""
+    roles = Roles(WORLD.size)
+    slow = roles.worker_ranks[0]
+    base = default_update(SIZE, np.float64)
+
+    def update(rank, i, model):
+        time.sleep(0.03 if rank == slow else 0.002)
+        return base(rank, i, model)
+
+    duration = 0.5
+    res = run_job("async", size=SIZE, iterations=10**6, duration_s=duration, update_fn=update,
+                  emulation=FAST)
+    _check_summary(res)
+    done = WORLD.allgather(len(res.iter_times) if res.role == "worker" else None)
+    counts = {r: done[r] for r in roles.worker_ranks}
+    assert all(n >= 1 for n in counts.values()), counts
+    if len(counts) > 1:
+        assert counts[slow] < min(n for r, n in counts.items() if r != slow), counts
+    if res.role == "worker":
+        # it stopped at its first iteration boundary past the deadline: not before, and its
+        # last iteration began before it
+        assert res.wall >= duration, res.wall
+        assert sum(res.iter_times[:-1]) < duration, res.iter_times
+    assert res.summary.pushed == sum(counts.values()), (res.summary, counts)
+    if res.role == "server":
+        ref = np.zeros(SIZE)
+        for r, n in counts.items():
+            for i in range(n):
+                ref += base(r, i, None)
+        np.testing.assert_allclose(res.model, ref, rtol=1e-12, atol=1e-14)
+    for mode in ("mlfabric-S", "ssp", "rr-sync"):
+        try:
+            run_job(mode, size=SIZE, iterations=2, duration_s=1.0, emulation=FAST)
+        except ValueError as e:
+            assert "duration_s" in str(e), e
+        else:
+            raise AssertionError("%s accepted duration_s" % mode)
 
 
 def case_ssp_applies_everything():
