@@ -54,3 +54,42 @@ def test_a_long_jobs_ids_stay_small():
     assert len(s) == 8 * n
     assert len(pickle.dumps(s)) < 2 * 8 * n                      # < 2 bytes per id
     assert len(pickle.dumps(set(everything))) > 4 * len(pickle.dumps(s))
+
+
+reasons = st.sampled_from(["stale", "lookahead", "server-failed", "worker-failed"])
+drop_lists = st.lists(st.tuples(ids, reasons), max_size=60)
+
+
+@settings(max_examples=200, deadline=None)
+@given(drop_lists, drop_lists, id_lists)
+def test_drops_behave_as_a_dict_of_reasons(a, b, pushed):
+    """ledger.Drops, the dropped ids by reason: as a dict id -> reason (the last reason recorded
+    for an id wins, in writes and in merges), and its counts are of distinct ids."""
+    from mlfabric.runtime.ledger import Drops
+    ref, d = {}, Drops()
+    for uid, why in a:
+        ref[uid] = why
+        d[uid] = why
+    assert len(d) == len(ref) and sorted(d.items()) == sorted(ref.items())
+    assert sorted(d) == sorted(ref) and list(d.ids()) == sorted(ref)
+    assert all(d[uid] == why for uid, why in ref.items())
+    assert all((uid in d) == (uid in ref) for uid, _ in b)
+    other = dict(b)
+    ref.update(other)
+    d.update(Drops(other))
+    assert sorted(d.items()) == sorted(ref.items()) and len(d) == len(ref)
+    counts = {}
+    for uid, why in ref.items():
+        if uid in set(pushed):
+            counts[why] = counts.get(why, 0) + 1
+    assert {r: n for r, n in d.counts(IdSet(pushed)).items() if n} == counts
+    back = pickle.loads(pickle.dumps(d))
+    assert sorted(back.items()) == sorted(d.items())
+    never = 7 << 40      # no worker's id
+    assert never not in d
+    try:
+        d[never]
+    except KeyError:
+        pass
+    else:
+        raise AssertionError("a never-dropped id has a reason")

@@ -24,13 +24,76 @@ def profile():
     return deque(maxlen=PROFILE_KEPT)
 
 
+class Drops:
+    """Dropped update ids with their reasons, read and written as a dict id -> reason, kept as
+    one IdSet per reason (a handful of reasons; a byte an id instead of a dict entry's ~100, the
+    largest per-update state of an asynchronous job, where a third or more of the pushes may be
+    dropped). An id has one reason: recording another moves it."""
+    __slots__ = ("by_reason",)
+
+    def __init__(self, items=()):
+        self.by_reason = {}    # reason -> IdSet
+        for uid, reason in dict(items).items():
+            self[uid] = reason
+
+    def __setitem__(self, uid, reason):
+        for r, ids in self.by_reason.items():
+            if r != reason:
+                ids.discard(uid)
+        self.by_reason.setdefault(reason, IdSet()).add(uid)
+
+    def __getitem__(self, uid):
+        for r, ids in self.by_reason.items():
+            if uid in ids:
+                return r
+        raise KeyError(uid)
+
+    def __contains__(self, uid):
+        return any(uid in ids for ids in self.by_reason.values())
+
+    def __len__(self):
+        return sum(len(ids) for ids in self.by_reason.values())
+
+    def __iter__(self):
+        for ids in self.by_reason.values():
+            yield from ids
+
+    def items(self):
+        for r, ids in self.by_reason.items():
+            for uid in ids:
+                yield uid, r
+
+    def ids(self):
+        """Every dropped id, as one IdSet."""
+        out = IdSet()
+        for ids in self.by_reason.values():
+            out |= ids
+        return out
+
+    def update(self, other):
+        """Take `other`'s drops (a Drops or a dict); its reason wins for an id in both."""
+        if not isinstance(other, Drops):
+            other = Drops(other)
+        for r, ids in other.by_reason.items():
+            for r2 in self.by_reason:
+                if r2 != r:
+                    self.by_reason[r2] = self.by_reason[r2] - ids
+            mine = self.by_reason.setdefault(r, IdSet())
+            mine |= ids
+
+    def counts(self, among=None):
+        """reason -> how many ids (of those in the IdSet `among`, if given)."""
+        return {r: len(ids if among is None else ids & among)
+                for r, ids in self.by_reason.items() if len(ids)}
+
+
 @dataclass
 class Ledger:
     pushed: IdSet = field(default_factory=IdSet)
     applied: IdSet = field(default_factory=IdSet)
     aggregated: IdSet = field(default_factory=IdSet)     # went through an aggregator
     replicated: IdSet = field(default_factory=IdSet)
-    dropped: dict = field(default_factory=dict)      # id -> reason
+    dropped: Drops = field(default_factory=Drops)    # id -> reason
     delays: Counter = field(default_factory=Counter)  # tau -> applied updates, async modes
     bytes_out: int = 0
     bytes_in: int = 0
@@ -92,7 +155,7 @@ def summarize(ledgers, server_ranks=(), replica_ranks=(), dead=(), known=()):
     for lg in ledgers:
         if lg is not None:
             total.merge(lg)
-    dropped = IdSet(total.dropped)
+    dropped = total.dropped.ids()
     if dead:
         dead = set(dead)
         seen = IdSet(known) | total.applied | dropped
@@ -104,7 +167,7 @@ def summarize(ledgers, server_ranks=(), replica_ranks=(), dead=(), known=()):
     return Summary(
         pushed=len(total.pushed), applied=len(total.applied & total.pushed),
         aggregated=len(total.aggregated), replicated=len(total.replicated),
-        dropped=dict(Counter(r for i, r in total.dropped.items() if i in total.pushed)),
+        dropped={r: n for r, n in total.dropped.counts(total.pushed).items() if n},
         max_delay=max(total.delays) if total.delays else None,
         balanced=not missing and not twice and total.applied <= total.pushed,
         missing=missing, twice=twice,
