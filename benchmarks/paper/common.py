@@ -145,7 +145,8 @@ class ClassifierTask:
     DATASETS = ("synthetic", "digits")
 
     def __init__(self, comm, workers, payload_bytes=4e6, lr=0.08, batch=32, pretrain=12,
-                 pretrain_lr=None, seed=0, model="mlp", dataset="synthetic"):
+                 pretrain_lr=None, seed=0, model="mlp", dataset="synthetic",
+                 start_accuracy=None, max_pretrain=150):
         if dataset not in self.DATASETS:
             raise ValueError("dataset must be one of %s, got %r" % (self.DATASETS, dataset))
         self.workers, self.lr, self.batch, self.seed, self.model = workers, lr, batch, seed, model
@@ -161,9 +162,21 @@ class ClassifierTask:
                 digits(seed) if dataset == "digits" else
                 synthetic_classification(12000, 64, 10, seed=seed, separation=2.5))
             self._eval = self._classifier(0, lr)
-            start, _ = self.sync_curve(self._eval.model0(), pretrain, self.pretrain_lr)
-            shared = (self.Xtr, self.ytr, self.Xte, self.yte, start)
-        self.Xtr, self.ytr, self.Xte, self.yte, self.start = comm.bcast(shared, root=0)
+            if start_accuracy is None:
+                start, _ = self.sync_curve(self._eval.model0(), pretrain, self.pretrain_lr)
+            else:
+                start, pretrain = self.pretrain_to(start_accuracy, max_pretrain)
+            shared = (self.Xtr, self.ytr, self.Xte, self.yte, start, pretrain)
+        idle_barrier(comm)
+        (self.Xtr, self.ytr, self.Xte, self.yte, self.start,
+         self.pretrain) = comm.bcast(shared, root=0)
+        # Every rank imports torch now, with one compute thread (as torchrun), not inside the
+        # first timed job: the workers' first update would otherwise pay seconds of import on a
+        # busy machine (30 ranks: 20 s), charged to whichever mode happened to run first.
+        from mlfabric.bench.impls import limit_threads
+        limit_threads()
+        from mlfabric.workloads.models import _torch
+        _torch()
         self.params = self.start.size
         self.size = pad_elements(payload_bytes, 4, self.params)
 
@@ -182,6 +195,19 @@ class ClassifierTask:
             m = m + sum(c.step(m) for c in clfs)
             curve.append(self.evaluate(m))
         return m, curve
+
+    def pretrain_to(self, accuracy, max_iterations):
+        """(model, iterations): synchronous iterations from the initial model until the test
+        accuracy is at least `accuracy` - the same start for any number of workers (30 workers'
+        summed steps are larger, so fewer iterations get there). ValueError if it never does."""
+        clfs = [self._classifier(w, self.pretrain_lr) for w in range(self.workers)]
+        m = self._eval.model0()
+        for i in range(max_iterations + 1):
+            if self.evaluate(m) >= accuracy:
+                return m, i
+            m = m + sum(c.step(m) for c in clfs)
+        raise ValueError("synchronous pre-training does not reach accuracy %.3f within %d "
+                         "iterations" % (accuracy, max_iterations))
 
     def model0(self, comm):
         m = np.zeros(self.size, self.dtype)
@@ -291,7 +317,7 @@ class LdaTask:
 # --- the traced job ------------------------------------------------------------------------------
 
 def traced_job(comm, mode, task, *, iterations, compute_s, emulation, tau_max=math.inf,
-               batch_interval=0.1, seed=0, every=1):
+               batch_interval=0.1, seed=0, every=1, duration_s=None):
     """Run one job of `mode` (mlfabric.ps.driver.run_job, the loop every mode shares) on every
     rank with `task`'s updates, recording the model each worker computes from. Returns, on rank
     0, the job's record with 'points' [{t, value, worker, iteration}] (the model evaluated
@@ -325,7 +351,9 @@ def traced_job(comm, mode, task, *, iterations, compute_s, emulation, tau_max=ma
                     seed=seed, update_fn=update_fn, model0=task.model0(comm))
     if mode in ("mlfabric-A", "ssp"):
         settings["tau_max"] = tau_max
-    comm.Barrier()
+    if duration_s is not None:     # an asynchronous job: workers run for a time (run_job)
+        settings["duration_s"] = duration_s
+    idle_barrier(comm)   # rank 0 may still be evaluating the last job's models
     t0 = time.monotonic()
     res = run_job(mode, **settings)
     end = time.monotonic() - t0
@@ -368,10 +396,14 @@ def _job_record(mode, task, parts, summary, settings, emulation, tau_max):
     dropped = []
     if mode not in ("rr-sync", "tr-sync"):   # allreduce jobs have no server (it sits out)
         applied = {u for p in parts for u in p["applied_ids"]}
-        dropped = [(r, i) for r in sorted(p["rank"] for p in workers)
-                   for i in range(settings["iterations"]) if (r << 32) | i not in applied]
+        dropped = [(p["rank"], i) for p in sorted(workers, key=lambda p: p["rank"])
+                   for i in range(len(p["iter_times"])) if (p["rank"] << 32) | i not in applied]
     return {"mode": mode, "tau_max": tau_max if mode in ("mlfabric-A", "ssp") else None,
             "workers": len(workers), "iterations": settings["iterations"],
+            "duration_s": settings.get("duration_s"),
+            # per worker (rank order): a job run for a time gives fast workers more
+            "worker_iterations": [len(p["iter_times"]) for p in
+                                  sorted(workers, key=lambda p: p["rank"])],
             "compute_s": settings["compute_s"],
             "emulation": {"compute": emulation.compute, "network": emulation.network,
                           "base_rate": emulation.base_rate, "period": emulation.period,
@@ -380,6 +412,18 @@ def _job_record(mode, task, parts, summary, settings, emulation, tau_max):
             "summary": summary_record(summary), "iteration_s": stats(steady),
             "server_commits": commits, "dropped_updates": dropped,
             "models_evaluated": len(seen), "points": points}
+
+
+def fetch_times(job):
+    """A parameter-server job's model fetches, seconds each: from the end of a worker's compute
+    for iteration i-1 (its push returns at once) to its holding the model of iteration i; also
+    the update function's few milliseconds."""
+    from mlfabric.emulate.presets import ComputeTrace
+    em = job["emulation"]
+    trace = ComputeTrace(em["compute"], job["workers"], job["compute_s"], em["seed"])
+    held = {(p["worker"], p["iteration"]): p["t"] for p in job["points"]}
+    return [t - held[(w, i - 1)] - trace.time(w, i - 1) for (w, i), t in held.items()
+            if (w, i - 1) in held]
 
 
 def updates_applied_by(job, t):
@@ -391,14 +435,49 @@ def updates_applied_by(job, t):
     return sum(n for n, tc in job["server_commits"] if tc <= t)
 
 
-def target_summary(job, target):
-    """Time, worker iterations and applied updates when the job's model first reached target."""
-    hit = first_at_or_above(job["points"], target)
+def held_at_or_above(points, target, window, step=0.01):
+    """The first time at which the model held, averaged over the trailing `window` seconds, is
+    at or above `target`: {t, value (the average), iteration (of the newest point)}, or None.
+    The model held at time t is the newest point's (a step function from the first point on);
+    the window is clipped to that history. Why average: a noisy metric near its plateau is
+    touched by chance long before it is held, and the first touch favours whichever mode
+    produces more models (30 asynchronous workers fetch ~50 models for each one RR-Sync makes).
+    Averaging over time, not over models, weighs every mode's trajectory alike."""
+    pts = sorted(points, key=lambda p: p["t"])
+    if not pts:
+        return None
+    t = np.array([p["t"] for p in pts])
+    v = np.array([p["value"] for p in pts], np.float64)
+    grid = np.arange(t[0], t[-1] + step / 2, step)
+    held = v[np.searchsorted(t, grid, side="right") - 1]
+    k = max(1, int(round(window / step)))
+    csum = np.concatenate(([0.0], np.cumsum(held)))
+    n = np.minimum(np.arange(1, len(grid) + 1), k)
+    avg = (csum[1:] - csum[np.arange(1, len(grid) + 1) - n]) / n
+    hit = np.flatnonzero(avg >= target)
+    if not len(hit):
+        return None
+    i = hit[0]
+    newest = pts[np.searchsorted(t, grid[i], side="right") - 1]
+    return {"t": float(grid[i]), "value": float(avg[i]), "iteration": newest["iteration"]}
+
+
+def reached_at(points, target, window):
+    """The point at which `target` counts as reached: first touched (window 0) or held."""
+    return (held_at_or_above(points, target, window) if window > 0
+            else first_at_or_above(points, target))
+
+
+def target_summary(job, target, window=0.0):
+    """Time, worker iterations and applied updates when the job's model first reached target:
+    first touched (window 0), or held on average over a trailing window (held_at_or_above)."""
+    hit = reached_at(job["points"], target, window)
+    touch = first_at_or_above(job["points"], target)
     best = max((p["value"] for p in job["points"]), default=None)
-    out = {"target": target, "reached": hit is not None, "best": best,
+    out = {"target": target, "window_s": window, "reached": hit is not None, "best": best,
            "t": hit["t"] if hit else None, "iteration": hit["iteration"] if hit else None,
            "updates_applied": updates_applied_by(job, hit["t"]) if hit else None,
-           "job_s": job["job_s"]}
+           "first_touch_t": touch["t"] if touch else None, "job_s": job["job_s"]}
     s = job["summary"]
     span = (job["server_commits"][-1][1] - job["server_commits"][0][1]
             if len(job["server_commits"]) > 1 else None)
@@ -406,6 +485,46 @@ def target_summary(job, target):
     out["applied_per_s"] = (s["applied"] / job["job_s"]) if job["job_s"] > 0 else None
     out["commit_span_s"] = span
     return out
+
+
+def ring_ideal(emulation, workers, compute_s, payload_bytes, iterations):
+    """RR-Sync's times on an infinitely fast CPU, under the job's emulated stragglers and NIC
+    rates: [end of iteration 1, 2, ...] in job seconds. Iteration i takes the slowest worker's
+    emulated compute, then the ring: 2(N-1) steps, each moving payload/N bytes over every link
+    w -> w+1 at once, so a step lasts as long as the slowest link (the lower of w's egress and
+    w+1's ingress rate, at the step's start). What the measured RR-Sync spends beyond this is
+    the CPU's (8 to 32 processes on 2 cores): comparing mlfabric-A with this as well as with
+    the measured run tells whether a direction depends on that overhead."""
+    from mlfabric.emulate.presets import NicTrace
+    ctrace = emulation.compute_trace(workers, compute_s)
+    nic = NicTrace(emulation.network, 2 * workers, emulation.base_rate, emulation.period,
+                   emulation.seed)
+    piece = payload_bytes / workers
+    slowest = {}   # rate period -> the ring's slowest link then
+
+    def ring_rate(t):
+        k = nic.period_index(t)
+        if k not in slowest:
+            rates = nic.period_rates(k)
+            slowest[k] = min(min(rates[w], rates[workers + (w + 1) % workers])
+                             for w in range(workers))
+        return slowest[k]
+    t, out = 0.0, []
+    for i in range(iterations):
+        t += max(ctrace.time(w, i) for w in range(workers))
+        for _ in range(2 * (workers - 1)):
+            t += piece / ring_rate(t)
+        out.append(t)
+    return out
+
+
+def idle_barrier(comm, poll_s=0.005):
+    """A barrier whose waiters sleep: Open MPI's blocking calls poll, and with 8 to 32
+    processes on 2 cores the waiters would take the CPU from the one rank with work to do (rank
+    0 evaluating models: 10x slower at 32 ranks)."""
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(poll_s)
 
 
 def emulation(preset, seed, base_rate=BASE_RATE):

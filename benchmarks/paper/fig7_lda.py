@@ -79,6 +79,7 @@ def main(argv=None):
         target = plateau - args.tolerance if args.target is None else args.target
         hit = next((i + 1 for i, v in enumerate(curve) if v >= target), None)
         offline = {"curve": curve, "plateau": plateau, "target": target, "crossing": hit}
+    common.idle_barrier(comm)
     offline = comm.bcast(offline, root=0)
     target = offline["target"]
     if offline["crossing"] is None:
