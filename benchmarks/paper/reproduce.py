@@ -161,13 +161,26 @@ def section_table2(doc, path):
     return out
 
 
-def table2_runs(doc, path):
-    """Repeats of the same Table 2 command (X-run2.json, X-run3.json, ... beside X.json): each
-    cell's speedup per run, their median and its direction; one run on this shared machine can
-    land either side of 1 where the two modes are close."""
+def table2_repeats(path):
+    """The repeats of the Table 2 command that wrote `path`: X-run2.json, ... beside X.json."""
     import glob
-    stem = os.path.splitext(path)[0]
-    others = sorted(glob.glob(stem + "-run*.json"))
+    return sorted(glob.glob(os.path.splitext(path)[0] + "-run*.json"))
+
+
+def median_speedup(cells):
+    """The median of one cell's speedups over runs. A run where one mode never reached the
+    target ranks below (mlfabric-A missed it) or above (RR-Sync did) every run where both did."""
+    vals = sorted(c["speedup"] if c.get("speedup") is not None else
+                  (math.inf if c.get("a_reached") else 0.0) for c in cells)
+    k = len(vals) // 2
+    return vals[k] if len(vals) % 2 else 0.5 * (vals[k - 1] + vals[k])
+
+
+def table2_runs(doc, path):
+    """Repeats of the same Table 2 command: each cell's speedup per run, their median and its
+    direction; one run on this shared machine can land either side of 1 where the two modes
+    are close."""
+    others = table2_repeats(path)
     if not others:
         return []
     runs = [doc] + [common.read_json(p) for p in others]
@@ -181,16 +194,7 @@ def table2_runs(doc, path):
     agree = 0
     for cell, c in doc["cells"].items():
         got = [r["cells"].get(cell, {}) for r in runs]
-
-        def value(g):
-            # a run where one mode never reached the target ranks below (mlfabric-A missed it)
-            # or above (RR-Sync did) every run where both did
-            if g.get("speedup") is not None:
-                return g["speedup"]
-            return math.inf if g.get("a_reached") else 0.0
-        vals = sorted(value(g) for g in got)
-        med = (vals[len(vals) // 2] if len(vals) % 2 else
-               0.5 * (vals[len(vals) // 2 - 1] + vals[len(vals) // 2]))
+        med = median_speedup(got)
         if abs(med - 1) < TIE:
             same = "tie (within %d%%)" % round(100 * TIE)
         else:
@@ -221,12 +225,14 @@ def section_table2_scale(results):
     link, and both get likelier with every worker added; an asynchronous worker waits for
     nobody."""
     from mlfabric.emulate.presets import COMPUTE_PRESETS, NET_PRESETS
-    docs = {}
+    docs, runs = {}, {}
     for name in ("table2", "table2-30"):
         path = os.path.join(results, name + ".json")
         if os.path.exists(path):
             doc = common.read_json(path)
             docs[doc["meta"]["workers"]] = doc
+            runs[doc["meta"]["workers"]] = [doc] + [common.read_json(p)
+                                                    for p in table2_repeats(path)]
     if len(docs) < 2:
         return []
     ns = sorted(docs)
@@ -241,8 +247,10 @@ def section_table2_scale(results):
                    for k, c in COMPUTE_PRESETS.items() if k != "C0"),
                "; ".join("%s %s" % (k, " vs ".join(
                    "%.1f%%" % (100 * (1 - p.probs[-1] ** (2 * n))) for n in ns))
-                   for k, p in NET_PRESETS.items() if k != "N0")),
-           " (N = %s.)" % " vs ".join(str(n) for n in ns), "",
+                   for k, p in NET_PRESETS.items() if k != "N0")) +
+           " (N = %s.) Speedup: the median over each table's runs (%s); the other columns "
+           "from each table's first run." % (" vs ".join(str(n) for n in ns), " vs ".join(
+               str(len(runs[n])) for n in ns)), "",
            "| setting | paper | speedup, %s | RR-Sync ideal s/it, %s | mlfabric-A s/it, %s | "
            "dropped (A), %s |" % tuple(" / ".join("%d workers" % n for n in ns)
                                        for _ in range(4)),
@@ -253,7 +261,8 @@ def section_table2_scale(results):
             continue
         out.append("| %s | %.2f | %s | %s | %s | %s |" % (
             cell, row[0]["paper_speedup"],
-            " / ".join(f2(c["speedup"]) for c in row),
+            " / ".join(f2(median_speedup([r["cells"][cell] for r in runs[n]
+                                          if cell in r["cells"]])) for n in ns),
             " / ".join(f2(c.get("rr_ideal_iteration_s"), "%.3f") for c in row),
             " / ".join(f2(c["a_worker_iteration_s"], "%.3f") for c in row),
             " / ".join("%.0f%%" % (100.0 * c["a_dropped"] / c["a_pushed"]) for c in row)))
@@ -293,7 +302,9 @@ def table2_profile(doc):
                  span(need), span(rate), span(iters), span(drops, "%.0f"), m["tau_max"],
                  m["workers"], payload / 1e6, span(fetch, "%.0f"), m["base_rate"] / 1e6,
                  "; a fetch took a median %s s per setting, where the transfer alone takes "
-                 "%.0f ms (the rest: waiting for the server's link, or for a distributor's)" % (
+                 "%.0f ms (the rest is waiting: the server answers the gets that came while a "
+                 "pull batch was leaving only once every model send of that batch is done, the "
+                 "slowest receiver's included - runtime/server.py, _serve_pulls)" % (
                      span(waits), 1e3 * payload / m["base_rate"]) if waits else "")]
     if need and 0.8 <= sorted(need)[len(need) // 2] <= 1.25:
         lines += ["", "Per applied update the two modes progress alike here (the median of the "
@@ -473,7 +484,8 @@ def build_report(results):
              "than a ring of 30. Table 2, whose direction turns on exactly that, is also run at "
              "the paper's 30 workers (32 ranks; 1 MB payloads at 12.5 MB/s, still 80 ms a "
              "transfer, so that 32 processes copy a quarter of the bytes).", "",
-             "**Read the numbers with care**: one run each, on a 2-core machine shared with "
+             "**Read the numbers with care**: one run each (Table 2: repeats, and their "
+             "median), on a 2-core machine shared with "
              "other work (8 processes on 2 cores, 32 for the 30-worker Table 2); BENCHMARKS.md "
              "saw single rows move by up to 2x between runs minutes apart.", ""]
     for name, section in SECTIONS:
