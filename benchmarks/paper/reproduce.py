@@ -302,9 +302,10 @@ def table2_profile(doc):
                  span(need), span(rate), span(iters), span(drops, "%.0f"), m["tau_max"],
                  m["workers"], payload / 1e6, span(fetch, "%.0f"), m["base_rate"] / 1e6,
                  "; a fetch took a median %s s per setting, where the transfer alone takes "
-                 "%.0f ms (the rest is waiting: the server answers the gets that came while a "
-                 "pull batch was leaving only once every model send of that batch is done, the "
-                 "slowest receiver's included - runtime/server.py, _serve_pulls)" % (
+                 "%.0f ms (the rest is waiting: for the pull batch ahead of it to leave - the "
+                 "server answers the gets that came meanwhile once every model send of that "
+                 "batch is done, runtime/server.py _serve_pulls - and, through a distributor, "
+                 "for that worker's link)" % (
                      span(waits), 1e3 * payload / m["base_rate"]) if waits else "")]
     if need and 0.8 <= sorted(need)[len(need) // 2] <= 1.25:
         lines += ["", "Per applied update the two modes progress alike here (the median of the "
