@@ -17,6 +17,7 @@ balances.
 - A replica dies: its server goes on unreplicated.
 """
 from ..errors import MlfabricError
+from .idset import IdSet
 from .ledger import DROP_SERVER_FAILED, DROP_WORKER_FAILED
 
 
@@ -74,13 +75,13 @@ class SchedulerRecovery:
         self.v_init[s] = len(applied)
         self.failovers.append((s, rank, len(applied), rt.now()))
         self.after[s] = rt.now()
-        applied = set(applied)
-        gone = [uid for uid in self.planned[s] if uid not in applied]
+        applied = IdSet(applied)
+        gone = list(self.planned[s] - applied)
         gone += [u.id for u in self.pending[s]]
         if state is not None:
             gone += [u.id for u in state.punted if u.id not in applied]
         self.pending[s] = []
-        self.planned[s] = [uid for uid in self.planned[s] if uid in applied]
+        self.planned[s] = self.planned[s] & applied
         drops = {uid: (uid >> 32, DROP_SERVER_FAILED) for uid in gone
                  if uid not in rt.ledger.dropped}
         # applied at the dead server counts as resolved already; now it is dropped instead

@@ -57,7 +57,9 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
         self.caps = ReportedCapacities(rt.size, UNPACED if base is None else base)
         self.view = SchedulerView(self.caps, 0.0)
         self.pending = {s: [] for s in self.servers}   # Update (hosts are ranks) per server
-        self.planned = {s: [] for s in self.servers}   # ids planned for each server (recovery)
+        # ids planned for each server with a replica: at a failover, those the replica never
+        # applied are dropped (recovery.py); a byte an id (IdSet), none without a replica
+        self.planned = {s: IdSet() for s in self.servers}
         self.v_init = {s: rt.infos[s].get("version", 0) for s in self.servers}  # (resume)
         self.after = {s: 0.0 for s in self.servers}
         self.next_batch = rt.now() + cfg.batch_interval
@@ -299,7 +301,8 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
             self.after[server] = plan.commits[-1].time
         if self.mode != "sync":
             self.v_init[server] += len(plan.order)
-        self.planned[server].extend(plan.order)
+        if self.replica[server] is not None:
+            self.planned[server].update(plan.order)
         for tr in plan.transfers():
             self.view.book(hosts[tr.src], hosts[tr.dst], tr.segments)
         self._send_parts(server, plan, hosts, by_id, state is None)
