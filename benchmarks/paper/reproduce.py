@@ -195,11 +195,8 @@ def table2_runs(doc, path):
     for cell, c in doc["cells"].items():
         got = [r["cells"].get(cell, {}) for r in runs]
         med = median_speedup(got)
-        if abs(med - 1) < TIE:
-            same = "tie (within %d%%)" % round(100 * TIE)
-        else:
-            same = "yes" if (med > 1) == (c["paper_speedup"] > 1) else "**no**"
-            agree += same == "yes"
+        same = same_direction(med, c["paper_speedup"])
+        agree += same == "yes"
         out.append("| %s | %.2f | %s | %.2f | %s |" % (
             cell, c["paper_speedup"], " | ".join(
                 f2(g["speedup"]) if g.get("speedup") is not None else g.get("bound", "-")
@@ -209,14 +206,20 @@ def table2_runs(doc, path):
     return out
 
 
+def same_direction(speedup, paper):
+    """'yes' / '**no**' (mlfabric-A faster than RR-Sync, or not, as in the paper), or a tie:
+    one run on this machine cannot order ratios within TIE of 1."""
+    if abs(speedup - 1) < TIE:
+        return "tie (within %d%%)" % round(100 * TIE)
+    return "yes" if (speedup > 1) == (paper > 1) else "**no**"
+
+
 def verdict(c):
-    """A cell's 'same direction?' entry: yes, **no**, a tie (one run on this machine cannot
-    order ratios within TIE of 1), or undetermined (a job ended below the target)."""
+    """A cell's 'same direction?' entry: same_direction, or undetermined (a job ended below
+    the target)."""
     if c["direction"] == "undetermined" or c["speedup"] is None:
         return "undetermined"
-    if abs(c["speedup"] - 1) < TIE:
-        return "tie (within %d%%)" % round(100 * TIE)
-    return "yes" if c["direction"] == "as the paper" else "**no**"
+    return same_direction(c["speedup"], c["paper_speedup"])
 
 
 def section_table2_scale(results):

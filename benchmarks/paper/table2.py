@@ -182,6 +182,10 @@ def main(argv=None):
     return 0 if balanced else 1
 
 
+def direction(speedup, paper):
+    return "as the paper" if (speedup > 1) == (paper > 1) else "opposite"
+
+
 def cell_result(cell, a, rr, ideal, args):
     """The cell's speedup, its direction, and the profile behind it. ideal: RR-Sync's iteration
     end times on an infinitely fast CPU (common.ring_ideal)."""
@@ -199,8 +203,7 @@ def cell_result(cell, a, rr, ideal, args):
            "t_mlfabric_A": ta["t"], "t_rr_sync": tr["t"],
            "t_rr_sync_ideal": t_ideal, "speedup_vs_rr_ideal": vs_ideal,
            "rr_ideal_iteration_s": ideal[-1] / len(ideal),
-           "direction_vs_rr_ideal": None if vs_ideal is None else (
-               "as the paper" if (vs_ideal > 1) == (paper > 1) else "opposite"),
+           "direction_vs_rr_ideal": None if vs_ideal is None else direction(vs_ideal, paper),
            "a_reached": ta["reached"], "rr_reached": tr["reached"],
            # profile: why the cell comes out the way it does
            "rr_iteration_s": rr["iteration_s"]["mean"] if rr["iteration_s"] else None,
@@ -215,9 +218,8 @@ def cell_result(cell, a, rr, ideal, args):
            "a_applied_per_s": ta["applied_per_s"], "rr_applied_per_s": tr["applied_per_s"],
            "a_dropped": a["summary"]["dropped_total"], "a_pushed": a["summary"]["pushed"],
            "a_aggregated": a["summary"]["aggregated"], "a_max_delay": a["summary"]["max_delay"],
-           # a model transfer alone takes payload / base rate (80 ms)
-           "a_fetch_s_median": float(np.median(common.fetch_times(a))),
-           "model_transfer_s": args.payload_mb / args.base_rate_mb}
+           # against a model transfer's payload / base rate (80 ms)
+           "a_fetch_s_median": float(np.median(common.fetch_times(a)))}
     if ours is None:
         # one side never reached the target: give the bound the run does support
         if ta["reached"] and not tr["reached"]:
@@ -226,7 +228,7 @@ def cell_result(cell, a, rr, ideal, args):
             out["bound"] = "<= %.2f" % (tr["t"] / ta["job_s"])
         out["direction"] = "undetermined"
     else:
-        out["direction"] = "as the paper" if (ours > 1) == (paper > 1) else "opposite"
+        out["direction"] = direction(ours, paper)
     return out
 
 

@@ -82,9 +82,9 @@ class Drops:
             mine |= ids
 
     def counts(self, among=None):
-        """reason -> how many ids (of those in the IdSet `among`, if given)."""
-        return {r: len(ids if among is None else ids & among)
-                for r, ids in self.by_reason.items() if len(ids)}
+        """reason -> how many ids (of those in the IdSet `among`, if given); no zeros."""
+        out = {r: len(ids if among is None else ids & among) for r, ids in self.by_reason.items()}
+        return {r: n for r, n in out.items() if n}
 
 
 @dataclass
@@ -167,7 +167,7 @@ def summarize(ledgers, server_ranks=(), replica_ranks=(), dead=(), known=()):
     return Summary(
         pushed=len(total.pushed), applied=len(total.applied & total.pushed),
         aggregated=len(total.aggregated), replicated=len(total.replicated),
-        dropped={r: n for r, n in total.dropped.counts(total.pushed).items() if n},
+        dropped=total.dropped.counts(total.pushed),
         max_delay=max(total.delays) if total.delays else None,
         balanced=not missing and not twice and total.applied <= total.pushed,
         missing=missing, twice=twice,
