@@ -74,8 +74,10 @@ def cuda_built():
 
 
 def nccl_built():
-    """True when GPU tensors can move over NCCL. Not yet: GPU tensors are refused with an error."""
-    return False
+    """True when GPU arrays can move over NCCL: libnccl can be loaded (it is found at run time,
+    not built in; see comm/nccl.py)."""
+    from .comm import nccl
+    return nccl.available()
 
 
 __all__ = ["init", "finalize", "initialized", "rank", "size", "local_rank", "local_size",

@@ -78,8 +78,10 @@ def wrap(x, name="x", writable=False):
     ValueError when writable is asked for and x is a read-only numpy array."""
     if is_torch(x):
         if x.device.type != "cpu":
-            raise MlfabricError(f"{name} is on {x.device}: GPU tensors need the NCCL transport, "
-                                "which this build does not provide yet; move the tensor to the CPU")
+            raise MlfabricError(f"{name} is on {x.device}: this call moves host arrays only (GPU "
+                                "arrays go over NCCL in allreduce, reduce, broadcast, allgather, "
+                                "reduce_scatter and alltoall, with every array of the call on "
+                                "the GPU); move the tensor to the CPU")
         if x.dtype not in _TORCH_CODES:
             raise TypeError(f"unsupported dtype {x.dtype} for {name}; mlfabric supports "
                             f"{', '.join(_dtypes.DTYPE_NAMES)}")

@@ -6,6 +6,8 @@ mismatch on any rank into an error on every rank, and the choice of data path:
   the buffers come from shared_empty();
 - otherwise, or when asked by name: MPI point-to-point algorithms (comm/algorithms.py).
 
+GPU arrays (CUDA torch tensors, CuPy arrays) take gpu_collectives.py's path, over NCCL.
+
 Semantics: allreduce(x, out=None) returns a new array; out=x reduces in place. broadcast works in
 place and returns x. Inputs may be numpy arrays or CPU torch tensors; non-contiguous ones are copied
 (and outputs copied back). Every call blocks until this rank's part is done; *_async forms return a
@@ -14,7 +16,7 @@ Handle whose wait() gives the result (buffers must be left alone until then).
 import numpy as np
 from mpi4py import MPI
 
-from . import _C, _buffers, _dtypes, context
+from . import _C, _buffers, _device, _dtypes, context
 from .comm import algorithms, header, p2p
 from .comm.executor import Handle
 from .errors import MismatchError, MlfabricError
@@ -99,8 +101,16 @@ def _finish(obj, buf):
 
 # --- allreduce / reduce -------------------------------------------------------------------------
 
+def _gpu():
+    """The GPU path (imported at the first GPU array: it imports this module)."""
+    from . import gpu_collectives
+    return gpu_collectives
+
+
 def _allreduce(x, op, out, algorithm, async_):
     what = "allreduce"
+    if _device.is_device(x):
+        return _gpu().allreduce(x, op, out, algorithm, async_)
 
     def prepare(ctx):
         xb = _buffers.wrap(x)
@@ -195,6 +205,8 @@ def allreduce_async(x, op="sum", out=None, algorithm="auto"):
 def reduce(x, root=0, op="sum", out=None):
     """Reduce x over all ranks onto root; returns the result on root, None elsewhere."""
     what = "reduce"
+    if _device.is_device(x):
+        return _gpu().reduce(x, root, op, out)
 
     def prepare(ctx):
         xb = _buffers.wrap(x)
@@ -228,6 +240,8 @@ def reduce(x, root=0, op="sum", out=None):
 
 def _broadcast(x, root, async_):
     what = "broadcast"
+    if _device.is_device(x):
+        return _gpu().broadcast(x, root, async_)
 
     def prepare(ctx):
         xb = _buffers.wrap(x, writable=True)
@@ -265,6 +279,8 @@ def broadcast_async(x, root=0):
 
 def _allgather(x, out, async_):
     what = "allgather"
+    if _device.is_device(x):
+        return _gpu().allgather(x, out, async_)
 
     def prepare(ctx):
         xb = _buffers.wrap(x)
@@ -309,6 +325,8 @@ def split_rows(rows, n):
 
 def _reduce_scatter(x, op, out, async_):
     what = "reduce_scatter"
+    if _device.is_device(x):
+        return _gpu().reduce_scatter(x, op, out, async_)
 
     def prepare(ctx):
         xb = _buffers.wrap(x)
@@ -454,6 +472,8 @@ def _alltoall_splits(splits, rows, n):
 
 def _alltoall(x, splits, async_):
     what = "alltoall"
+    if _device.is_device(x):
+        return _gpu().alltoall(x, splits, async_)
 
     def body(ctx, xb, send_rows, hdr):
         _exchange_headers(ctx, what, hdr)

@@ -36,12 +36,15 @@ class Context:
             self.shm = ShmTransport(self.node_comm)
         self.executor = Executor()
         self.plain_plans = {}  # (dtype, shape, op) -> plan of allreduce's direct path
+        self.nccl = None  # comm/nccl.py's Communicator, made at the first GPU collective
         # called before the shared memory goes: owners of long-lived shared buffers that users
         # can still reach (DistributedOptimizer's gradient buckets) move them to private memory
         self.on_close = []
 
     def close(self):
         self.executor.shutdown()
+        if self.nccl is not None:
+            self.nccl.close()  # not collective: an aborted one is not destroyed again
         if self.broken():
             return  # freeing windows and communicators is collective: it could wait forever
         for fn in self.on_close:
@@ -54,7 +57,8 @@ class Context:
     def broken(self):
         """True after a timeout or engine failure: peers may be gone, so nothing collective."""
         from .comm import p2p
-        return bool((self.shm is not None and self.shm.engine.any_failed) or p2p.abandoned())
+        return bool((self.shm is not None and self.shm.engine.any_failed) or p2p.abandoned()
+                    or (self.nccl is not None and self.nccl.failed not in (None, "closed")))
 
 
 def _check_same_settings(comm):

@@ -58,8 +58,9 @@ def shared_zeros(shape, dtype=np.float32):
 def is_shared(x):
     """True when x lives in an mlfabric shared buffer (collectives on it run zero-copy)."""
     from ._buffers import wrap
+    from ._device import is_device
     ctx = context.get()
-    if ctx.shm is None:
+    if ctx.shm is None or is_device(x):
         return False
     b = wrap(x)
     return not b.copied and ctx.shm.lookup(b.ptr, b.nbytes) is not None

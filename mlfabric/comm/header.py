@@ -15,7 +15,7 @@ WORDS, CHECKED = 16, 12
 KINDS = ("barrier", "allreduce", "reduce", "reduce_scatter", "allgather", "broadcast",
          "shared_empty", "alltoall")
 KIND_CODES = {k: i for i, k in enumerate(KINDS)}
-ALGORITHMS = ("none", "shm", "ring", "rhd", "tree")
+ALGORITHMS = ("none", "shm", "ring", "rhd", "tree", "nccl")
 ALGO_CODES = {a: i for i, a in enumerate(ALGORITHMS)}
 REJECTED = -1       # kind word of a rank that refused its own arguments
 _MAX_DIMS = 6

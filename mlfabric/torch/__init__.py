@@ -108,13 +108,13 @@ def gloo_enabled():
 
 
 def nccl_built():
-    """False: tensors move through host memory (GPU tensors are refused)."""
-    return False
+    """True when CUDA tensors can move (over NCCL, loaded at run time)."""
+    return _mf.nccl_built()
 
 
 def cuda_built():
-    """False: mlfabric.torch collectives take CPU tensors only."""
-    return False
+    """True when mlfabric.torch collectives take CUDA tensors: the same as nccl_built()."""
+    return _mf.nccl_built()
 
 
 def rocm_built():

@@ -16,9 +16,9 @@ so torch code that needs a store (gloo groups beside this one, TORCH_DIST_INIT_B
 A rank or world size passed to init_process_group must agree with MPI's, else an error.
 
 Groups: every mlfabric group spans all ranks of mlfabric's communicator (a new_group of every
-rank is fine); a proper subset is refused. GPU tensors are refused with an error (mlfabric has no
-NCCL path yet); a "cpu:mlfabric,cuda:nccl" spec does not help, as torch lets a Python
-ProcessGroup replace the whole group. torch's timeout argument is not used: mlfabric's own bound
+rank is fine); a proper subset is refused. CUDA tensors move over NCCL (mlfabric's GPU path);
+results that need a copy back (lists of several tensors, widened dtypes) are copied on the
+thread that completes the call, on its current stream. torch's timeout argument is not used: mlfabric's own bound
 (MLFABRIC_TIMEOUT) applies.
 
 Calls: every torch call is one mlfabric call, in the order issued. Collectives are non-blocking:
@@ -48,6 +48,7 @@ from torch._C._distributed_c10d import (AllreduceCoalescedOptions, AllreduceOpti
 
 import mlfabric as mf
 from mlfabric import context as _context
+from mlfabric.comm import nccl as _nccl
 from mlfabric.errors import MlfabricError
 
 BACKEND = "mlfabric"
@@ -184,10 +185,14 @@ def _fail(exc):
 def _tensor(t, what):
     if not isinstance(t, torch.Tensor):
         _fail(TypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}"))
-    if t.device.type != "cpu":
-        _fail(MlfabricError(
-            f"{what}: tensor is on {t.device}; the mlfabric backend handles CPU tensors only "
-            "(GPU tensors need the NCCL transport, which mlfabric does not provide yet)"))
+    if t.device.type == "cuda":
+        try:
+            _nccl.library()
+        except MlfabricError as exc:
+            _fail(MlfabricError(f"{what}: tensor is on {t.device}: {exc}"))
+    elif t.device.type != "cpu":
+        _fail(MlfabricError(f"{what}: tensor is on {t.device}; the mlfabric backend handles CPU "
+                            "and CUDA tensors only"))
     if t.layout != torch.strided:
         _fail(TypeError(f"{what}: {t.layout} tensors are not supported, only dense ones"))
     return t

@@ -18,6 +18,9 @@ Owns:
   joined ranks included: Horovod averages over all ranks too. In an allgather or alltoall it
   contributes no rows; in a broadcast it receives (a joined root is an error on every rank).
   While joined, a rank waits for the others' next call at most MLFABRIC_TIMEOUT seconds.
+- devices: CPU tensors move through mlfabric's host paths, CUDA tensors over NCCL (every rank's
+  tensor of a call on the same kind of device: the descriptor carries it). A call on CUDA
+  tensors runs its copies on the caller's current stream, captured when the call is made.
 - dtypes: float32, float64, float16, bfloat16, int32 and int64 travel as they are; uint8, int8,
   int16 and bool travel widened to int64 and come back narrowed (exact: integer sums wrap the way
   the dtype does). Average needs a floating tensor.
@@ -41,6 +44,7 @@ from .. import _C
 from .. import collectives as _coll
 from .. import context as _context
 from .. import shared as _shared
+from ..comm import nccl as _nccl
 from ..comm.executor import Executor
 from ..errors import MismatchError, MlfabricError
 from .compression import Compression, check as _check_compression
@@ -95,9 +99,11 @@ def _dtype_name(code):
 def _check_tensor(t, what, arg="tensor"):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what}: {arg} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
-        raise MlfabricError(f"{what}: {arg} is on {t.device}; mlfabric.torch moves CPU tensors "
-                            "only (GPU tensors need the NCCL transport, not built yet)")
+    if t.device.type == "cuda":
+        _nccl.library()  # MlfabricError saying why GPU tensors cannot move here
+    elif t.device.type != "cpu":
+        raise MlfabricError(f"{what}: {arg} is on {t.device}; mlfabric.torch moves CPU and CUDA "
+                            "tensors only")
     if t.layout != torch.strided:
         raise TypeError(f"{what}: {arg} has layout {t.layout}; only dense tensors are supported")
     if t.dtype not in _DTYPE_CODE:
@@ -106,27 +112,28 @@ def _check_tensor(t, what, arg="tensor"):
     return _DTYPE_CODE[t.dtype]
 
 
-def _identity(core, wire, n):
+def _identity(core, wire, n, device):
     """n elements that leave a reduction unchanged: what a joined rank contributes."""
     if core in ("sum", "avg"):
-        return torch.zeros(n, dtype=wire)
+        return torch.zeros(n, dtype=wire, device=device)
     if core == "prod":
-        return torch.ones(n, dtype=wire)
+        return torch.ones(n, dtype=wire, device=device)
     if wire.is_floating_point:
         value = float("inf") if core == "min" else float("-inf")
     else:
         info = torch.iinfo(wire)
         value = info.max if core == "min" else info.min
-    return torch.full((n,), value, dtype=wire)
+    return torch.full((n,), value, dtype=wire, device=device)
 
 
 # --- the control round ----------------------------------------------------------------------------
 
-_W = 20  # int64 words per descriptor
+_W = 21  # int64 words per descriptor
 (_STATE, _JOINED_AT, _KIND, _DTYPE, _OP, _ROOT, _ROWS, _ROW_LEN, _NDIM, _SHAPE_HASH, _ROW_HASH,
  _NAME_HASH) = range(12)
 _DIMS, _MAX_DIMS = 12, 8  # words 12..19: the first dimensions, for messages
-_SAME = [_KIND, _DTYPE, _OP, _ROOT, _ROW_LEN, _ROW_HASH, _NAME_HASH]  # equal when all agree
+_DEVICE = 20  # 0: the tensors are on the CPU, 1: on a GPU (they move over NCCL)
+_SAME = [_KIND, _DTYPE, _OP, _ROOT, _ROW_LEN, _ROW_HASH, _NAME_HASH, _DEVICE]  # equal when all agree
 _ACTIVE, _JOINED, _REJECTED = 1, 0, -1
 _KINDS = ("barrier", "allreduce", "allgather", "broadcast", "alltoall")
 _BARRIER, _ALLREDUCE, _ALLGATHER, _BROADCAST, _ALLTOALL = range(5)
@@ -136,9 +143,10 @@ def _hash(value):
     return zlib.crc32(repr(value).encode())
 
 
-def _desc(kind, dtype=0, op=0, root=0, shape=(), name=None, layout=None):
+def _desc(kind, dtype=0, op=0, root=0, shape=(), name=None, layout=None, tensor=None):
     """This rank's descriptor of a call. shape: the tensor's (0-d counts as (1,)); layout: what
-    else must agree (the member shapes of a grouped allreduce)."""
+    else must agree (the member shapes of a grouped allreduce); tensor: one of the call's
+    tensors, for its device."""
     shape = tuple(int(s) for s in shape) or (1,)
     d = np.zeros(_W, np.int64)
     d[_STATE], d[_KIND], d[_DTYPE], d[_OP], d[_ROOT] = _ACTIVE, kind, dtype, op, root
@@ -150,6 +158,7 @@ def _desc(kind, dtype=0, op=0, root=0, shape=(), name=None, layout=None):
     d[_NAME_HASH] = -1 if name is None else _hash(name)
     k = min(len(shape), _MAX_DIMS)
     d[_DIMS:_DIMS + k] = shape[:k]
+    d[_DEVICE] = 1 if tensor is not None and tensor.is_cuda else 0
     return d
 
 
@@ -193,6 +202,7 @@ def _disagreement(table, what):
                     "mlfabric matches collectives by the order ranks issue them, so every rank "
                     "must issue the same calls in the same order")
     checks = [("call", lambda d: int(d[_KIND]), lambda d: _KINDS[int(d[_KIND])]),
+              ("device", lambda d: int(d[_DEVICE]), lambda d: ("cpu", "cuda")[int(d[_DEVICE])]),
               ("dtype", lambda d: int(d[_DTYPE]), lambda d: _dtype_name(int(d[_DTYPE])))]
     kind = int(table[active[0], _KIND])
     if kind == _ALLREDUCE:
@@ -284,8 +294,16 @@ def _check_name(name):
         raise TypeError(f"name must be a string or None, got {type(name).__name__}")
 
 
-def _issue(what, plan, job, async_):
-    """Validate (plan() -> its result, or raise) and run job(st, planned) in order.
+def _caller_stream(t):
+    """The caller's current CUDA stream when t is a CUDA tensor, else None. Taken when the call
+    is made: queued calls run on another thread, whose current stream is another, and the job's
+    copies must follow the work that produced t (and the caller's later work must follow them)."""
+    return torch.cuda.current_stream(t.device) if t.is_cuda else None
+
+
+def _issue(what, plan, job, async_, tensor=None):
+    """Validate (plan() -> its result, or raise) and run job(st, planned) in order. tensor: one
+    of the call's tensors; for a CUDA one, job runs on the caller's current stream.
 
     A rank whose arguments are bad still takes part in the control round, as 'rejected', so its
     peers fail at once with a MismatchError naming it; then it raises its own error."""
@@ -295,6 +313,13 @@ def _issue(what, plan, job, async_):
     except (TypeError, ValueError, MlfabricError) as exc:
         _reject(st, what, async_)
         raise exc
+    stream = _caller_stream(tensor) if tensor is not None else None
+    if stream is not None:
+        inner = job
+
+        def job(st, planned):
+            with torch.cuda.stream(stream):
+                return inner(st, planned)
     if async_:
         handle = st.queue.submit(what, lambda: job(st, planned))
         hid = next(st.ids)
@@ -379,7 +404,7 @@ def _allreduce_flat(flat, plan):
 
 def _wire_copy(t, plan):
     """A new contiguous wire-dtype copy of t (same shape), prescaled."""
-    buf = torch.empty(t.shape, dtype=_wire(t.dtype))
+    buf = torch.empty(t.shape, dtype=_wire(t.dtype), device=t.device)
     buf.copy_(t)
     if plan.pre != 1.0:
         buf.mul_(plan.pre)
@@ -395,7 +420,7 @@ def _allreduce_call(tensor, op, average, name, pre, post, inplace, async_, layou
         code = _check_tensor(tensor, what)
         p = _ReducePlan(_resolve_op(op, average), tensor.dtype, pre, post, st.ctx.size, what)
         return p, _desc(_ALLREDUCE, code, _CORE_OPS.index(p.core), shape=tensor.shape, name=name,
-                        layout=layout)
+                        layout=layout, tensor=tensor)
 
     def job(st, planned):
         p, desc = planned
@@ -410,7 +435,7 @@ def _allreduce_call(tensor, op, average, name, pre, post, inplace, async_, layou
             return tensor
         return buf if buf.dtype == src.dtype else buf.to(src.dtype)
 
-    return _issue(what, plan, job, async_)
+    return _issue(what, plan, job, async_, tensor)
 
 
 def _check_differentiable(op, what):
@@ -518,16 +543,18 @@ def _layout(sig):
     return [_Group(c, m, tuple(sig[i][1] for i in m)) for c, m in members.items()]
 
 
-def _staged(st, group, everyone):
-    """(flat, views) for group in the staging buffer of its wire dtype: views shaped like the
-    group's tensors, back to back at the start of flat. Runs inside calls, one at a time, after
-    the control round: `everyone` (every rank takes part, none joined) means every rank makes
-    this same call now, so a shared buffer may be allocated (a collective)."""
+def _staged(st, group, everyone, device):
+    """(flat, views) for group in the staging buffer of its wire dtype on `device`: views shaped
+    like the group's tensors, back to back at the start of flat. Runs inside calls, one at a
+    time, after the control round: `everyone` (every rank takes part, none joined) means every
+    rank makes this same call now, so a shared buffer may be allocated (a collective)."""
     wire = _wire(_DTYPES[group.code])
     nbytes = group.total * wire.itemsize
-    shared = everyone and st.ctx.shm is not None and nbytes <= _STAGING_MAX
+    shared = everyone and device.type == "cpu" and st.ctx.shm is not None and \
+        nbytes <= _STAGING_MAX
     pool = st.shared_staging if shared else st.staging
-    buf = pool.get(wire)
+    key = wire if device.type == "cpu" else (wire, device)
+    buf = pool.get(key)
     if group.staged is not None and group.staged[0] is buf:
         return group.staged[1], group.staged[2]
     if buf is None or buf.numel() < group.total:
@@ -535,13 +562,13 @@ def _staged(st, group, everyone):
             grown = max(group.total, 2 * buf.numel() if buf is not None else 0)
             buf = _shared.shared_empty(min(grown, _STAGING_MAX // wire.itemsize), wire)
         else:
-            buf = torch.empty(group.total, dtype=wire)
+            buf = torch.empty(group.total, dtype=wire, device=device)
         if nbytes <= _STAGING_MAX:  # else used for this call only
-            pool[wire] = buf
+            pool[key] = buf
     flat = buf[:group.total]
     views = [v.view(s) for v, s in zip(flat.split([math.prod(s) for s in group.shapes]),
                                        group.shapes)]
-    if pool.get(wire) is buf:
+    if pool.get(key) is buf:
         group.staged = (buf, flat, views)
     return flat, views
 
@@ -573,6 +600,9 @@ def _signature(tensors, what):
     if len(sig) != len(tensors):
         for i, t in enumerate(tensors):
             _check_tensor(t, what, f"tensors[{i}]")
+            if t.device != tensors[0].device:
+                raise ValueError(f"{what}: tensors[{i}] is on {t.device}, tensors[0] on "
+                                 f"{tensors[0].device}; a group's tensors share one device")
         sig = tuple((_DTYPE_CODE[t.dtype], t.shape) for t in tensors)
     return sig
 
@@ -596,18 +626,21 @@ def _grouped_call(tensors, op, average, name, pre, post, inplace, async_):
         # (Python's hash of a tuple of ints is the same in every process), so ranks whose lists
         # differ fail at the first group instead of issuing different numbers of calls. The
         # hash is kept with the groups: a tuple does not cache its own.
-        known = st.layouts.get(sig)
+        # (a group on a GPU is kept apart: its staging buffer is on that GPU)
+        key = sig if tensors[0].is_cpu else (tensors[0].device, sig)
+        known = st.layouts.get(key)
         if known is None:
             if len(st.layouts) >= _LAYOUTS_KEPT:
                 st.layouts.clear()
-            known = st.layouts[sig] = (_layout(sig), hash(sig))
+            known = st.layouts[key] = (_layout(sig), hash(sig))
         groups, layout = known
         planned = []
         for g, group in enumerate(groups):
             p = _ReducePlan(resolved, _DTYPES[group.code], pre, post, st.ctx.size, what)
             planned.append((group, p, _desc(
                 _ALLREDUCE, group.code, _CORE_OPS.index(p.core), shape=(group.total,),
-                name=None if name is None else f"{name}.{g}", layout=(g, layout))))
+                name=None if name is None else f"{name}.{g}", layout=(g, layout),
+                tensor=tensors[0])))
         return planned
 
     def job(st, planned):
@@ -617,9 +650,11 @@ def _grouped_call(tensors, op, average, name, pre, post, inplace, async_):
                 members = group.members
                 srcs = tensors if members is None else [tensors[i] for i in members]
                 table = _agree(st, desc, what)
-                flat, views = _staged(st, group, bool((table[:, _STATE] == _ACTIVE).all()))
+                flat, views = _staged(st, group, bool((table[:, _STATE] == _ACTIVE).all()),
+                                      tensors[0].device)
                 dtype = _DTYPES[group.code]
-                ptrs = _addresses(srcs) if flat.dtype == dtype else None  # None: widened
+                # None: widened, or on a GPU (copied by torch there)
+                ptrs = _addresses(srcs) if flat.dtype == dtype and flat.is_cpu else None
                 if ptrs is not None:
                     _C.gather(flat.data_ptr(), ptrs, group.nbytes)
                 else:
@@ -643,7 +678,8 @@ def _grouped_call(tensors, op, average, name, pre, post, inplace, async_):
                     outs[i] = out
         return outs
 
-    return _issue(what, plan, job, async_)
+    return _issue(what, plan, job, async_, tensors[0] if isinstance(tensors, (list, tuple))
+                  and tensors else None)
 
 
 class _GroupedAllreduceFn(torch.autograd.Function):
@@ -712,21 +748,21 @@ def _allgather_call(tensor, name, async_, with_rows=False):
     def plan(st):
         _check_name(name)
         code = _check_tensor(tensor, what)
-        return _desc(_ALLGATHER, code, shape=tensor.shape, name=name)
+        return _desc(_ALLGATHER, code, shape=tensor.shape, name=name, tensor=tensor)
 
     def job(st, desc):
         rows, max_rows, row_len = _gather_plan(_agree(st, desc, what))
         src = tensor.detach()
         shape = tuple(src.shape) or (1,)
         wire, total = _wire(src.dtype), int(rows.sum())
-        out = torch.empty((total, *shape[1:]), dtype=wire)
+        out = torch.empty((total, *shape[1:]), dtype=wire, device=src.device)
         if max_rows and row_len:
             mine = src.reshape(shape[0], row_len).to(wire).contiguous()
             out2 = out.view(total, row_len)
             if (rows == max_rows).all():
                 _coll.allgather(mine, out=out2)
             else:
-                block = torch.zeros((max_rows, row_len), dtype=wire)
+                block = torch.zeros((max_rows, row_len), dtype=wire, device=src.device)
                 block[:shape[0]] = mine
                 got = _coll.allgather(block)
                 torch.cat([got[r * max_rows:r * max_rows + int(k)] for r, k in enumerate(rows)],
@@ -734,7 +770,7 @@ def _allgather_call(tensor, name, async_, with_rows=False):
         out = out if wire == src.dtype else out.to(src.dtype)
         return (out, rows) if with_rows else out
 
-    return _issue(what, plan, job, async_)
+    return _issue(what, plan, job, async_, tensor)
 
 
 class _AllgatherFn(torch.autograd.Function):
@@ -776,7 +812,8 @@ def _broadcast_call(tensor, root_rank, name, inplace, async_):
         if isinstance(root_rank, bool) or not isinstance(root_rank, (int, np.integer)) or \
                 not 0 <= root_rank < n:
             raise ValueError(f"{what}: root_rank must be a rank in [0, {n}), got {root_rank!r}")
-        return _desc(_BROADCAST, code, root=int(root_rank), shape=tensor.shape, name=name)
+        return _desc(_BROADCAST, code, root=int(root_rank), shape=tensor.shape, name=name,
+                     tensor=tensor)
 
     def job(st, desc):
         _agree(st, desc, what)
@@ -785,7 +822,7 @@ def _broadcast_call(tensor, root_rank, name, inplace, async_):
             if src.numel():
                 _coll.broadcast(src.view(-1), root=root)
             return tensor
-        buf = torch.empty(src.shape, dtype=_wire(src.dtype))
+        buf = torch.empty(src.shape, dtype=_wire(src.dtype), device=src.device)
         buf.copy_(src)
         if buf.numel():
             _coll.broadcast(buf.view(-1), root=root)
@@ -794,7 +831,7 @@ def _broadcast_call(tensor, root_rank, name, inplace, async_):
             return tensor
         return buf if buf.dtype == src.dtype else buf.to(src.dtype)
 
-    return _issue(what, plan, job, async_)
+    return _issue(what, plan, job, async_, tensor)
 
 
 class _BroadcastFn(torch.autograd.Function):
@@ -889,7 +926,7 @@ def _grouped_broadcast_call(tensors, root_rank, name):
             total = sum(tensors[i].numel() for i in members)
             planned.append((members, _desc(_BROADCAST, _DTYPE_CODE[dtype], root=int(root_rank),
                                            shape=(total,), name=f"{name}.{b}",
-                                           layout=(b, signature))))
+                                           layout=(b, signature), tensor=tensors[members[0]])))
         return planned
 
     def job(st, planned):
@@ -906,7 +943,7 @@ def _grouped_broadcast_call(tensors, root_rank, name):
                     off += s.numel()
         return tensors
 
-    return _issue(what, plan, job, False)
+    return _issue(what, plan, job, False, tensors[0] if tensors else None)
 
 
 # --- alltoall -------------------------------------------------------------------------------------
@@ -929,7 +966,7 @@ def _alltoall_call(tensor, splits, name, async_):
         if tensor.dim() == 0:
             raise ValueError(f"{what}: needs a tensor with at least one dimension")
         sends = _coll._alltoall_splits(splits, tensor.shape[0], st.ctx.size)
-        return sends, _desc(_ALLTOALL, code, shape=tensor.shape, name=name)
+        return sends, _desc(_ALLTOALL, code, shape=tensor.shape, name=name, tensor=tensor)
 
     def job(st, planned):
         sends, desc = planned
@@ -942,7 +979,7 @@ def _alltoall_call(tensor, splits, name, async_):
         out = out if out.dtype == src.dtype else out.to(src.dtype)
         return out, torch.from_numpy(received.astype(np.int32))
 
-    return _issue(what, plan, job, async_)
+    return _issue(what, plan, job, async_, tensor)
 
 
 class _AlltoallFn(torch.autograd.Function):
@@ -990,7 +1027,8 @@ def join(device=-1):
     """Declare that this rank has no more data: until every rank has joined, it takes part in the
     others' collectives (see the module docstring for what it contributes), then returns the rank
     that joined last (of several joining in the same round, the highest). device is accepted
-    for Horovod compatibility; tensors stay on the CPU."""
+    for Horovod compatibility: in the others' GPU calls a joined rank takes part on its NCCL
+    communicator's GPU (else the current one)."""
     def job(st, _):
         return _joined_loop(st)
 
@@ -1016,21 +1054,28 @@ def _take_part(table):
     """A joined rank's part in the call the active ranks described."""
     d = table[np.flatnonzero(table[:, _STATE] == _ACTIVE)[0]]
     kind, wire = int(d[_KIND]), _wire(_DTYPES[int(d[_DTYPE])])
+    device = _joined_device() if d[_DEVICE] else torch.device("cpu")
     numel = int(d[_ROWS]) * int(d[_ROW_LEN])
     if kind == _ALLREDUCE:
         core = _CORE_OPS[int(d[_OP])]
         if numel:
-            buf = _identity(core, wire, numel)
+            buf = _identity(core, wire, numel, device)
             _coll.allreduce(buf, op=core, out=buf)
     elif kind == _ALLGATHER:
         rows, max_rows, row_len = _gather_plan(table)
         if max_rows and row_len:
-            _coll.allgather(torch.zeros((max_rows, row_len), dtype=wire))
+            _coll.allgather(torch.zeros((max_rows, row_len), dtype=wire, device=device))
     elif kind == _BROADCAST:
         if numel:
-            _coll.broadcast(torch.empty(numel, dtype=wire), root=int(d[_ROOT]))
+            _coll.broadcast(torch.empty(numel, dtype=wire, device=device), root=int(d[_ROOT]))
     elif kind == _ALLTOALL:
-        _coll.alltoall(torch.empty((0, *_row_shape(d)), dtype=wire),
+        _coll.alltoall(torch.empty((0, *_row_shape(d)), dtype=wire, device=device),
                        np.zeros(table.shape[0], np.int64))
     else:
         _coll.barrier()
+
+
+def _joined_device():
+    """The GPU a joined rank takes part on: its NCCL communicator's, else the current one."""
+    comm = _state().ctx.nccl
+    return torch.device("cuda", comm.device if comm is not None else torch.cuda.current_device())

@@ -17,8 +17,9 @@ How it works:
   slice before autograd accumulates (a tensor pre-hook: a memset, then an add that reads two
   tensors): the same within noise on an MLP's 16.8 MB of gradients, about 0.15 ms cheaper per
   backward over 100 small ones (no second Python hook per parameter);
-- with every rank on one host (MLFABRIC_SHM on) and the same model everywhere, the bucket
-  buffers are in shared memory, allocated collectively at construction: each bucket's allreduce
+- CUDA parameters get buckets on their GPU, reduced over NCCL (ops.py);
+- with every rank on one host (MLFABRIC_SHM on), CPU parameters and the same model everywhere,
+  the bucket buffers are in shared memory, allocated collectively at construction: each bucket's allreduce
   then reads the peers' buckets in place (zero-copy). mlfabric's finalize (hvd.shutdown(), or
   the end of the process) first moves them to private memory, re-pointing the same .grad tensor
   objects, so gradients stay readable after it;
@@ -65,7 +66,7 @@ class _Bucket:
         self.name = f"gradients[{index}]: {shown}"
         self._place(flat)
         # fp16 compression: the float16 copy that travels, for floating types other than it
-        self.half = (torch.empty(self.flat.numel(), dtype=torch.float16)
+        self.half = (torch.empty(self.flat.numel(), dtype=torch.float16, device=self.flat.device)
                      if fp16 and self.flat.dtype != torch.float16 else None)
         self.waiting = len(params)  # parameters not yet through all their backward passes
         self.pending = None         # (handle, the tensor reduced, compression ctx) once started
@@ -121,8 +122,12 @@ class _DistributedOptimizer:
                     seen.add(id(p))
                     params.append(p)
         names = _names(named_parameters, params)
-        for p in params:  # the buckets live on the CPU, in the parameters' dtypes
+        for p in params:  # the buckets live on the parameters' device, in their dtypes
             ops._check_tensor(p, "DistributedOptimizer", f"parameter {names[id(p)]}")
+            if p.device != params[0].device:
+                raise ValueError(f"DistributedOptimizer: parameter {names[id(p)]} is on "
+                                 f"{p.device}, {names[id(params[0])]} on {params[0].device}; "
+                                 "the parameters must share one device")
         self._mlf_op = op
         self._mlf_compression = _check_compression(compression)
         self._mlf_passes = backward_passes_per_step
@@ -285,11 +290,12 @@ def _bucket_buffers(layout, buckets):
     order with them. Ranks with different models get private buckets, and the first bucket's
     allreduce reports the mismatch on every rank, naming the ranks (as without shared memory)."""
     specs = [(sum(p.numel() for p in ps), ps[0].dtype) for ps in buckets]
+    device = buckets[0][0].device if buckets else torch.device("cpu")
 
     def private():
-        return [torch.zeros(n, dtype=dt) for n, dt in specs]
+        return [torch.zeros(n, dtype=dt, device=device) for n, dt in specs]
 
-    if not _context.initialized() or _context.get().shm is None:
+    if not _context.initialized() or _context.get().shm is None or device.type != "cpu":
         return private()
 
     def job():

@@ -1,0 +1,286 @@
+"""The NCCL transport for GPU arrays. Owns: finding and loading libnccl (ctypes, at first use, so
+mlfabric needs no NCCL at build time), one communicator per mlfabric context (its unique id sent
+over MPI), launching NCCL collectives on mlfabric's own CUDA stream, and the bounded wait for them.
+
+Argument checks and the header exchange that turns a mismatch into an error on every rank stay
+in collectives.py: by the time a call reaches this module every rank has agreed to make it, so
+NCCL never sees mismatched calls. NCCL collectives cannot be cancelled; a wait that outlives
+MLFABRIC_TIMEOUT aborts the communicator (ncclCommAbort, which frees a kernel stuck on a dead
+peer) and raises PeerTimeoutError; every later GPU call on that context then fails at once.
+
+Several ranks on one GPU: NCCL refuses them ("Duplicate GPU detected"). MLFABRIC_NCCL_SHARE_GPU=1
+gives each rank a host id of its own (NCCL_HOSTID), so NCCL treats them as separate hosts and
+moves data through its socket transport: slow, but it lets a one-GPU machine test several ranks.
+"""
+import ctypes
+import glob
+import os
+import socket
+import time
+
+from .. import _config
+from ..errors import MlfabricError, PeerTimeoutError
+
+# ncclDataType_t of mlfabric's wire dtypes (_dtypes.DTYPE_NAMES order: float32, float64, float16,
+# bfloat16, int32, int64).
+_NCCL_DTYPE = (7, 8, 6, 9, 2, 4)
+# ncclRedOp_t of mlfabric's kernel ops (_dtypes.OPS order: sum, prod, min, max); avg is ncclAvg.
+_NCCL_OP = (0, 1, 3, 2)
+_NCCL_AVG = 4
+_IN_PROGRESS = 7          # ncclInProgress: what a healthy communicator's async error reads
+_MIN_VERSION = 21000      # ncclAvg came with NCCL 2.10
+
+_lib = None
+_lib_error = None
+
+
+class _UniqueId(ctypes.Structure):
+    _fields_ = [("internal", ctypes.c_byte * 128)]
+
+
+def _candidates():
+    """Where libnccl may be, in order: MLFABRIC_NCCL_LIB; the loader's search (which also finds
+    the copy torch has already loaded, by its soname); the nvidia-nccl wheel that CUDA builds of
+    torch install."""
+    explicit = os.environ.get("MLFABRIC_NCCL_LIB")
+    if explicit:
+        return [explicit]
+    found = ["libnccl.so.2"]
+    try:
+        import nvidia.nccl
+        for root in nvidia.nccl.__path__:
+            found += sorted(glob.glob(os.path.join(root, "lib", "libnccl.so*")))
+    except ImportError:
+        pass
+    return found
+
+
+def _declare(lib):
+    p, i, size_t = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+    sigs = {
+        "ncclGetVersion": [ctypes.POINTER(i)],
+        "ncclGetUniqueId": [ctypes.POINTER(_UniqueId)],
+        "ncclCommInitRank": [ctypes.POINTER(p), i, _UniqueId, i],
+        "ncclCommDestroy": [p], "ncclCommAbort": [p],
+        "ncclCommGetAsyncError": [p, ctypes.POINTER(i)],
+        "ncclAllReduce": [p, p, size_t, i, i, p, p],
+        "ncclReduce": [p, p, size_t, i, i, i, p, p],
+        "ncclBroadcast": [p, p, size_t, i, i, p, p],
+        "ncclAllGather": [p, p, size_t, i, p, p],
+        "ncclReduceScatter": [p, p, size_t, i, i, p, p],
+        "ncclSend": [p, size_t, i, i, p, p], "ncclRecv": [p, size_t, i, i, p, p],
+        "ncclGroupStart": [], "ncclGroupEnd": [],
+    }
+    for name, args in sigs.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, ctypes.c_int
+    lib.ncclGetErrorString.argtypes, lib.ncclGetErrorString.restype = [i], ctypes.c_char_p
+    lib.ncclGetLastError.argtypes, lib.ncclGetLastError.restype = [p], ctypes.c_char_p
+
+
+def library():
+    """The loaded libnccl, or MlfabricError saying why there is none."""
+    global _lib, _lib_error
+    if _lib is None and _lib_error is None:
+        tried = []
+        for path in _candidates():
+            try:
+                lib = ctypes.CDLL(path)
+                _declare(lib)
+            except (OSError, AttributeError) as exc:
+                tried.append(f"{path}: {exc}")
+                continue
+            v = ctypes.c_int()
+            lib.ncclGetVersion(ctypes.byref(v))
+            if v.value < _MIN_VERSION:
+                tried.append(f"{path}: NCCL {v.value} is older than 2.10")
+                continue
+            _lib = lib
+            break
+        else:
+            _lib_error = ("GPU arrays need NCCL, and no usable libnccl was found (set "
+                          "MLFABRIC_NCCL_LIB to its path); tried: " + "; ".join(tried))
+    if _lib is None:
+        raise MlfabricError(_lib_error)
+    return _lib
+
+
+def available():
+    """True when libnccl can be loaded."""
+    try:
+        library()
+        return True
+    except MlfabricError:
+        return False
+
+
+def version():
+    """NCCL's version as an int (2.28.9 -> 22809)."""
+    v = ctypes.c_int()
+    library().ncclGetVersion(ctypes.byref(v))
+    return v.value
+
+
+def _check(rc, what, comm=None):
+    if rc != 0:
+        lib = library()
+        detail = (lib.ncclGetLastError(comm) or b"").decode(errors="replace")
+        msg = f"{what}: NCCL error {rc} ({lib.ncclGetErrorString(rc).decode()})"
+        if "Duplicate GPU" in detail:
+            msg += (f": {detail}. NCCL needs one GPU per rank: pick the device with "
+                    "torch.cuda.set_device(mlfabric.local_rank()) before the first GPU call; to "
+                    "test several ranks on one GPU set MLFABRIC_NCCL_SHARE_GPU=1 (slow)")
+        elif detail:
+            msg += f": {detail}"
+        raise MlfabricError(msg)
+
+
+def share_gpu():
+    raw = os.environ.get("MLFABRIC_NCCL_SHARE_GPU", "0").strip()
+    if raw not in ("0", "1"):
+        raise MlfabricError(f"MLFABRIC_NCCL_SHARE_GPU must be 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
+class Communicator:
+    """One NCCL communicator over an mlfabric context's ranks, bound to one GPU, with a stream
+    of its own. Created collectively (every rank at the same call, which collectives.py's header
+    exchange guarantees)."""
+
+    def __init__(self, ctx, device, devices):
+        """device: the GPU's index; devices: the array library's adapter (mlfabric._device)."""
+        import numpy as np
+        from . import p2p
+        lib = library()
+        if share_gpu():
+            # Before NCCL computes its host hash (at the first communicator of the process).
+            os.environ["NCCL_HOSTID"] = f"{socket.gethostname()}-mlfabric-rank{ctx.rank}"
+        uid = _UniqueId()
+        raw = np.zeros(128, np.uint8)
+        if ctx.rank == 0:
+            _check(lib.ncclGetUniqueId(ctypes.byref(uid)), "NCCL init (unique id)")
+            raw[:] = np.frombuffer(bytes(uid.internal), np.uint8)
+        p2p.wait([ctx.comm.Ibcast(raw, root=0)], [0], "NCCL init (unique id broadcast)")
+        ctypes.memmove(ctypes.addressof(uid), raw.ctypes.data, 128)
+        self.device, self.rank, self.size = device, ctx.rank, ctx.size
+        self.handle = ctypes.c_void_p()
+        with devices.on(device):
+            _check(lib.ncclCommInitRank(ctypes.byref(self.handle), ctx.size, uid, ctx.rank),
+                   "NCCL init")
+        self.streams = {}   # array library's name -> mlfabric's stream on this GPU
+        self.failed = None  # why the communicator can no longer be used
+
+    # --- launching ---------------------------------------------------------------------------
+
+    def _usable(self, what):
+        if self.failed is not None:
+            raise MlfabricError(f"{what}: the NCCL communicator is unusable: {self.failed}")
+
+    def run(self, what, devices, ready, launch):
+        """Make mlfabric's stream wait for `ready` (an event on the caller's stream, recorded when
+        the call was made), launch(lib, comm, stream_handle, stream) NCCL calls on it, and wait
+        (bounded) until they are done."""
+        self._usable(what)
+        lib = library()
+        with devices.on(self.device):
+            stream = self.streams.get(devices.name)
+            if stream is None:
+                stream = self.streams[devices.name] = devices.new_stream(self.device)
+            if ready is not None:
+                stream.wait_event(ready)
+            launch(lib, self.handle, devices.stream_handle(stream), stream)
+            done = devices.new_event()
+            done.record(stream)
+        self.wait(devices, done, what)
+
+    def wait(self, devices, event, what):
+        """Return once event has happened; MlfabricError if NCCL reports an error,
+        PeerTimeoutError after MLFABRIC_TIMEOUT seconds (the communicator is aborted then)."""
+        lib = library()
+        timeout = _config.timeout_s()
+        start = time.monotonic()
+        err = ctypes.c_int()
+        polls = 0
+        while not devices.done(event):
+            polls += 1
+            if polls % 64 == 0:  # a host call into NCCL: not on every poll
+                lib.ncclCommGetAsyncError(self.handle, ctypes.byref(err))
+                if err.value not in (0, _IN_PROGRESS):
+                    self.abort(f"{what} failed in NCCL")
+                    _check(err.value, what, self.handle)
+                if time.monotonic() - start > timeout:
+                    self.abort(f"{what} timed out")
+                    raise PeerTimeoutError(
+                        f"{what}: the NCCL collective did not finish within {timeout:g} s "
+                        "(MLFABRIC_TIMEOUT); a peer died, hangs, or is in another call. The NCCL "
+                        "communicator was aborted")
+            # Spin while a small collective is likely to finish within microseconds; then yield
+            # the core (ranks may share cores with the GPU's feeding threads).
+            time.sleep(0 if polls < 2000 else 50e-6)
+
+    def abort(self, why):
+        if self.failed is None:
+            self.failed = why
+            library().ncclCommAbort(self.handle)
+
+    def close(self):
+        if self.failed is None:
+            self.failed = "closed"
+            library().ncclCommDestroy(self.handle)
+
+    # --- the collectives (pointers are device addresses; counts in elements) ---------------
+
+    def op(self, opc, avg):
+        # One rank: avg is sum. (NCCL 2.28.9's ncclAvg on one rank left the last of 100003
+        # float32 elements unwritten in an out-of-place call, on an H100; ncclSum did not.)
+        if avg and self.size == 1:
+            return _NCCL_OP[0]
+        return _NCCL_AVG if avg else _NCCL_OP[opc]
+
+    def allreduce(self, what, devices, ready, src, dst, count, code, opc, avg):
+        def launch(lib, comm, s, _):
+            _check(lib.ncclAllReduce(src, dst, count, _NCCL_DTYPE[code], self.op(opc, avg),
+                                     comm, s), what, comm)
+        self.run(what, devices, ready, launch)
+
+    def reduce(self, what, devices, ready, src, dst, count, code, opc, avg, root):
+        def launch(lib, comm, s, _):
+            _check(lib.ncclReduce(src, dst, count, _NCCL_DTYPE[code], self.op(opc, avg), root,
+                                  comm, s), what, comm)
+        self.run(what, devices, ready, launch)
+
+    def broadcast(self, what, devices, ready, buf, count, code, root):
+        def launch(lib, comm, s, _):
+            _check(lib.ncclBroadcast(buf, buf, count, _NCCL_DTYPE[code], root, comm, s), what,
+                   comm)
+        self.run(what, devices, ready, launch)
+
+    def allgather(self, what, devices, ready, src, dst, count, code):
+        def launch(lib, comm, s, _):
+            _check(lib.ncclAllGather(src, dst, count, _NCCL_DTYPE[code], comm, s), what, comm)
+        self.run(what, devices, ready, launch)
+
+    def reduce_scatter(self, what, devices, ready, src, dst, count, code, opc, avg):
+        def launch(lib, comm, s, _):
+            _check(lib.ncclReduceScatter(src, dst, count, _NCCL_DTYPE[code], self.op(opc, avg),
+                                         comm, s), what, comm)
+        self.run(what, devices, ready, launch)
+
+    def alltoallv(self, what, devices, ready, src, dst, send_bytes, recv_bytes):
+        """Byte counts per peer; blocks back to back in rank order on both sides."""
+        def launch(lib, comm, s, _):
+            _check(lib.ncclGroupStart(), what)
+            so = ro = 0
+            try:
+                for peer in range(self.size):
+                    if send_bytes[peer]:
+                        _check(lib.ncclSend(src + so, send_bytes[peer], 1, peer, comm, s), what,
+                               comm)
+                    if recv_bytes[peer]:
+                        _check(lib.ncclRecv(dst + ro, recv_bytes[peer], 1, peer, comm, s), what,
+                               comm)
+                    so += send_bytes[peer]
+                    ro += recv_bytes[peer]
+            finally:
+                _check(lib.ncclGroupEnd(), what, comm)
+        self.run(what, devices, ready, launch)

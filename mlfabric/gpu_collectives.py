@@ -1,0 +1,244 @@
+"""The GPU path of the public collectives (collectives.py sends GPU arrays here): the same
+arguments, checks and results as the host path, moved by NCCL (comm/nccl.py).
+
+Every call still exchanges headers over MPI first, with the algorithm word set to 'nccl': ranks
+that disagree on shape, dtype, op or root, or where one passes a GPU array and another a host
+array, all raise MismatchError before NCCL sees anything (NCCL itself would hang or corrupt).
+Arrays are wrapped, and the caller's stream marked with a 'ready' event, on the caller's thread,
+since a non-blocking call runs on mlfabric's queue thread, whose current stream is another.
+Results on the GPU are written in place: a non-contiguous output is refused, not copied back."""
+import numpy as np
+
+from . import _device, _dtypes, collectives as _coll, context
+from .comm import header, nccl, p2p
+from .errors import MlfabricError
+
+
+def _now(fn):
+    """Run fn() on the caller's thread; return a function that gives its result, or raises its
+    error when called inside prepare() (so a rank with bad arguments still joins the header
+    exchange, as rejected, and its peers fail at once)."""
+    try:
+        value = fn()
+    except (TypeError, ValueError, MlfabricError) as exc:
+        error = exc  # (the name `exc` is unbound when the except block ends)
+
+        def fail():
+            raise error
+        return fail
+    return lambda: value
+
+
+def _check_gpu(ctx, xb, what):
+    """Errors that must surface before the header exchange: no NCCL, or another GPU than the
+    one this rank's communicator is bound to."""
+    nccl.library()
+    comm = getattr(ctx, "nccl", None)
+    if comm is not None and comm.device != xb.device:
+        raise MlfabricError(f"{what}: this rank's NCCL communicator is on GPU {comm.device}, the "
+                            f"array is on GPU {xb.device}; mlfabric uses one GPU per rank")
+
+
+def _communicator(ctx, xb):
+    """This context's NCCL communicator, created at the first GPU call (every rank is in that
+    call: the headers agreed)."""
+    if ctx.nccl is None:
+        ctx.nccl = nccl.Communicator(ctx, xb.device, xb.devices)
+    return ctx.nccl
+
+
+def _output(xb, out, what, count, shape):
+    if out is None:
+        return _device.empty_like(xb, shape)
+    return out, _device.check_out(xb, out, what, count)
+
+
+def _auto_only(algorithm):
+    if algorithm != "auto":
+        raise ValueError(f"GPU arrays move over NCCL, which picks its own algorithm: pass "
+                         f"algorithm='auto', not {algorithm!r}")
+
+
+def allreduce(x, op, out, algorithm, async_):
+    what = "allreduce"
+
+    def now():
+        xb = _device.wrap(x)
+        res, ob = _output(xb, out, what, xb.count, xb.shape)
+        return xb, res, ob, xb.devices.ready_event(xb.arr)
+    early = _now(now)
+
+    def prepare(ctx):
+        xb, res, ob, ready = early()
+        opc, avg = _dtypes.op_code(op, xb.code)
+        _auto_only(algorithm)
+        _check_gpu(ctx, xb, what)
+
+        def body(hdr):
+            _coll._exchange_headers(ctx, what, hdr)
+            if xb.count:
+                _communicator(ctx, xb).allreduce(what, xb.devices, ready, xb.ptr, ob.ptr,
+                                                 xb.count, xb.code, opc, avg)
+            return res
+        return header.make(what, xb.code, opc, avg, 0, xb.shape, "nccl"), body
+
+    return _coll._run(what, prepare, async_)
+
+
+def reduce(x, root, op, out):
+    what = "reduce"
+
+    def now():
+        xb = _device.wrap(x)
+        return xb, xb.devices.ready_event(xb.arr)
+    early = _now(now)
+
+    def prepare(ctx):
+        xb, ready = early()
+        opc, avg = _dtypes.op_code(op, xb.code)
+        r = _coll._check_root(root, ctx.size)
+        res, ob = _output(xb, out, what, xb.count, xb.shape) if ctx.rank == r else (None, xb)
+        _check_gpu(ctx, xb, what)
+
+        def body(hdr):
+            _coll._exchange_headers(ctx, what, hdr)
+            if xb.count:
+                _communicator(ctx, xb).reduce(what, xb.devices, ready, xb.ptr, ob.ptr, xb.count,
+                                              xb.code, opc, avg, r)
+            return res
+        return header.make(what, xb.code, opc, avg, r, xb.shape, "nccl"), body
+
+    return _coll._run(what, prepare)
+
+
+def broadcast(x, root, async_):
+    what = "broadcast"
+
+    def now():
+        xb = _device.wrap(x, output=True)
+        return xb, xb.devices.ready_event(xb.arr)
+    early = _now(now)
+
+    def prepare(ctx):
+        xb, ready = early()
+        r = _coll._check_root(root, ctx.size)
+        _check_gpu(ctx, xb, what)
+
+        def body(hdr):
+            _coll._exchange_headers(ctx, what, hdr)
+            if xb.count:
+                _communicator(ctx, xb).broadcast(what, xb.devices, ready, xb.ptr, xb.count,
+                                                 xb.code, r)
+            return x
+        return header.make(what, xb.code, 0, False, r, xb.shape, "nccl"), body
+
+    return _coll._run(what, prepare, async_)
+
+
+def allgather(x, out, async_):
+    what = "allgather"
+
+    def now():
+        n = context.get().size
+        xb = _device.wrap(x)
+        shape = (n * xb.shape[0], *xb.shape[1:]) if xb.shape else (n,)
+        res, ob = _output(xb, out, what, n * xb.count, shape)
+        return xb, res, ob, xb.devices.ready_event(xb.arr)
+    early = _now(now)
+
+    def prepare(ctx):
+        xb, res, ob, ready = early()
+        _check_gpu(ctx, xb, what)
+
+        def body(hdr):
+            _coll._exchange_headers(ctx, what, hdr)
+            if xb.count:
+                _communicator(ctx, xb).allgather(what, xb.devices, ready, xb.ptr, ob.ptr,
+                                                 xb.count, xb.code)
+            return res
+        return header.make(what, xb.code, 0, False, 0, xb.shape, "nccl"), body
+
+    return _coll._run(what, prepare, async_)
+
+
+def reduce_scatter(x, op, out, async_):
+    what = "reduce_scatter"
+
+    def now():
+        n, me = context.get().size, context.get().rank
+        xb = _device.wrap(x)
+        if not xb.shape:
+            raise ValueError("reduce_scatter needs an array with at least one dimension")
+        rows = _coll.split_rows(xb.shape[0], n)
+        row_len = xb.count // xb.shape[0] if xb.shape[0] else 0
+        counts = [r * row_len for r in rows]
+        res, ob = _output(xb, out, what, counts[me], (rows[me], *xb.shape[1:]))
+        return xb, res, ob, counts, xb.devices.ready_event(xb.arr)
+    early = _now(now)
+
+    def prepare(ctx):
+        xb, res, ob, counts, ready = early()
+        opc, avg = _dtypes.op_code(op, xb.code)
+        _check_gpu(ctx, xb, what)
+
+        def body(hdr):
+            _coll._exchange_headers(ctx, what, hdr)
+            if not xb.count:
+                return res
+            comm = _communicator(ctx, xb)
+            if len(set(counts)) == 1:
+                comm.reduce_scatter(what, xb.devices, ready, xb.ptr, ob.ptr, counts[0], xb.code,
+                                    opc, avg)
+                return res
+            # Uneven blocks (NCCL's reduce-scatter takes equal ones): reduce everything, keep
+            # this rank's rows. Only when shape[0] is not a multiple of the ranks.
+            full, fb = _device.empty_like(xb)
+            lo = sum(counts[:ctx.rank])
+            mine = xb.devices.flat(full)[lo:lo + counts[ctx.rank]]
+
+            def launch(lib, handle, s, stream):
+                nccl._check(lib.ncclAllReduce(xb.ptr, fb.ptr, xb.count, nccl._NCCL_DTYPE[xb.code],
+                                              comm.op(opc, avg), handle, s), what, handle)
+                xb.devices.copy_on(stream, xb.devices.flat(ob.arr), mine)
+            comm.run(what, xb.devices, ready, launch)
+            return res
+        return header.make(what, xb.code, opc, avg, 0, xb.shape, "nccl"), body
+
+    return _coll._run(what, prepare, async_)
+
+
+def alltoall(x, splits, async_):
+    """As collectives.alltoall: the split counts go over MPI, the rows over NCCL."""
+    what = "alltoall"
+
+    def now():
+        n = context.get().size
+        xb = _device.wrap(x)
+        if not xb.shape:
+            raise ValueError("alltoall needs an array with at least one dimension")
+        return xb, _coll._alltoall_splits(splits, xb.shape[0], n), \
+            xb.devices.ready_event(xb.arr)
+    early = _now(now)
+
+    def prepare(ctx):
+        xb, send_rows, ready = early()
+        _check_gpu(ctx, xb, what)
+
+        def body(hdr):
+            _coll._exchange_headers(ctx, what, hdr)
+            n = ctx.size
+            recv_rows = np.empty(n, np.int64)
+            p2p.wait([ctx.comm.Ialltoall(send_rows, recv_rows)], list(range(n)),
+                     f"{what} (split exchange)")
+            rest = tuple(xb.shape[1:])
+            res, ob = _device.empty_like(xb, (int(recv_rows.sum()), *rest))
+            row_bytes = int(np.prod(rest, dtype=np.int64)) * _dtypes.ITEMSIZE[xb.code]
+            if row_bytes and (send_rows.any() or recv_rows.any()):
+                _communicator(ctx, xb).alltoallv(what, xb.devices, ready, xb.ptr, ob.ptr,
+                                                 [int(r) * row_bytes for r in send_rows],
+                                                 [int(r) * row_bytes for r in recv_rows])
+            return res, recv_rows
+        # The shape carried is one row's (the first dimension may differ between ranks).
+        return header.make(what, xb.code, 0, False, 0, tuple(xb.shape[1:]), "nccl"), body
+
+    return _coll._run(what, prepare, async_)

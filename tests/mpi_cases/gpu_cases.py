@@ -1,0 +1,318 @@
+"""Multi-rank cases for GPU arrays over NCCL (run by tests/test_gpu.py on a machine with a GPU;
+several ranks on one GPU with MLFABRIC_NCCL_SHARE_GPU=1). Every result against a float64
+reference computed locally; the core collectives, mlfabric.torch, DistributedOptimizer, CuPy,
+stream ordering, errors on every rank, and the bounded wait (last: it breaks the context)."""
+import os
+
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+import mlfabric as mf
+import mlfabric.torch as hvd
+
+from .common import RTOL, bf16_round, same_everywhere, values
+from .torch_api import B, Net, _data, _loss, _max_diff, _train_reference
+
+DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64")
+GPU = None
+
+
+def setup():
+    global GPU
+    torch.set_num_threads(1)
+    hvd.init()
+    GPU = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
+    torch.cuda.set_device(GPU)
+
+
+def on_gpu(v, dtype, shape=None):
+    t = torch.from_numpy(np.asarray(v, np.float64)).to(getattr(torch, dtype)).to(GPU)
+    return t.reshape(shape) if shape is not None else t
+
+
+def check(got, want, dtype, what, mag=None):
+    assert got.is_cuda, f"{what}: result not on the GPU"
+    want = np.asarray(want, np.float64)
+    assert tuple(got.shape) == want.shape, f"{what}: shape {tuple(got.shape)} != {want.shape}"
+    g = got.cpu().to(torch.float64).numpy()
+    if dtype.startswith("int"):
+        want_r = want.astype(np.int64).astype(dtype).astype(np.float64)
+        bad = np.flatnonzero(g != want_r)
+    else:
+        want_r = bf16_round(want) if dtype == "bfloat16" else want.astype(dtype).astype(np.float64)
+        tol = RTOL[dtype] * ((np.abs(want) if mag is None else mag) + 1.0)
+        bad = np.flatnonzero(np.abs(g - want_r) > tol)
+    assert bad.size == 0, (f"{what}: {bad.size} of {g.size} wrong; first at {bad[0]}: got "
+                           f"{g.flat[bad[0]]}, want {want_r.flat[bad[0]]}")
+
+
+def reference(op, stack):
+    n = stack.shape[0]
+    return {"sum": stack.sum(0), "avg": stack.sum(0) / n, "min": stack.min(0),
+            "max": stack.max(0), "prod": np.prod(stack, 0)}[op]
+
+
+# --- the core collectives -------------------------------------------------------------------------
+
+def case_allreduce_ops_dtypes_forms():
+    n, r = mf.size(), mf.rank()
+    for op in ("sum", "avg", "min", "max", "prod"):
+        for dtype in DTYPES:
+            if op == "avg" and dtype.startswith("int") or op == "prod" and dtype == "bfloat16":
+                continue
+            for shape in ((), (0,), (7,), (3, 5), (100_003,)):
+                count = int(np.prod(shape, dtype=np.int64))
+                stack = np.stack([values(q, count, dtype, op) for q in range(n)])
+                want = reference(op, stack).reshape(shape)
+                mag = np.abs(stack).sum(0).reshape(shape) / (n if op == "avg" else 1) \
+                    if op in ("sum", "avg") else None
+                what = f"allreduce {op} {dtype} {shape}"
+                x = on_gpu(stack[r], dtype, shape)
+                keep = x.clone()
+                check(mf.allreduce(x, op=op), want, dtype, what, mag)
+                assert torch.equal(x, keep), f"{what}: input modified"
+                check(mf.allreduce_async(x, op=op).wait(), want, dtype, what + " async", mag)
+                y = x.clone()
+                assert mf.allreduce(y, op=op, out=y) is y
+                check(y, want, dtype, what + " in place", mag)
+                same_everywhere(y.cpu(), what)
+
+
+def case_non_contiguous_input_and_output():
+    n, r = mf.size(), mf.rank()
+    base = on_gpu(values(r, 60, "float64", "sum"), "float64", (6, 10))
+    x = base[:, ::2]  # non-contiguous: copied on the caller's stream
+    want = sum(values(q, 60, "float64", "sum").reshape(6, 10)[:, ::2] for q in range(n))
+    check(mf.allreduce(x), want, "float64", "non-contiguous input")
+    # A non-contiguous output is refused on its rank; the others hear of it.
+    out = torch.empty((6, 10), dtype=torch.float64, device=GPU)[:, ::2] if r == 0 else \
+        torch.empty((6, 5), dtype=torch.float64, device=GPU)
+    err = ValueError if r == 0 else mf.MismatchError
+    with pytest.raises(err, match="non-contiguous GPU array|rejected their arguments"):
+        mf.allreduce(x, out=out)
+
+
+def case_reduce_and_broadcast_every_root():
+    n, r = mf.size(), mf.rank()
+    for root in range(n):
+        x = on_gpu(values(r, 513, "float32", "sum", salt=root), "float32")
+        want = sum(values(q, 513, "float32", "sum", salt=root) for q in range(n))
+        got = mf.reduce(x, root=root, op="sum")
+        if r == root:
+            check(got, want, "float32", f"reduce to {root}",
+                  sum(np.abs(values(q, 513, "float32", "sum", salt=root)) for q in range(n)))
+        else:
+            assert got is None
+        b = on_gpu(np.full(9, float(r)), "int64", (3, 3))
+        assert mf.broadcast(b, root=root) is b
+        check(b, np.full((3, 3), float(root)), "int64", f"broadcast from {root}")
+        h = mf.broadcast_async(on_gpu(np.full(4, float(r)), "bfloat16"), root=root)
+        check(h.wait(), np.full(4, float(root)), "bfloat16", f"broadcast_async from {root}")
+
+
+def case_allgather_reduce_scatter_alltoall():
+    n, r = mf.size(), mf.rank()
+    x = on_gpu(np.arange(6) + 100 * r, "float16", (2, 3))
+    want = np.concatenate([(np.arange(6) + 100 * q).reshape(2, 3) for q in range(n)])
+    check(mf.allgather(x), want, "float16", "allgather")
+    check(mf.allgather_async(x).wait(), want, "float16", "allgather_async")
+    for rows in (2 * n, 2 * n + 1, 1):  # even blocks (NCCL's reduce-scatter) and uneven ones
+        stack = np.stack([values(q, rows * 3, "float64", "sum").reshape(rows, 3)
+                          for q in range(n)])
+        total = stack.sum(0)
+        split = np.array_split(np.arange(rows), n)[r]
+        got = mf.reduce_scatter(on_gpu(stack[r], "float64"), op="sum")
+        check(got, total[split], "float64", f"reduce_scatter of {rows} rows")
+        got = mf.reduce_scatter_async(on_gpu(stack[r], "float64"), op="avg").wait()
+        check(got, total[split] / n, "float64", f"reduce_scatter avg of {rows} rows")
+    splits = [(r + q) % 3 for q in range(n)]  # rank r sends (r + q) % 3 rows to rank q
+    rows = sum(splits)
+    x = on_gpu(np.repeat(np.arange(rows) + 1000 * r, 2), "int32", (rows, 2))
+    out, got_splits = mf.alltoall(x, splits=splits)
+    want = []
+    for q in range(n):
+        theirs = [(q + k) % 3 for k in range(n)]
+        lo = sum(theirs[:r])
+        want += [np.repeat(np.arange(lo, lo + theirs[r]) + 1000 * q, 2).reshape(-1, 2)]
+    check(out, np.concatenate(want), "int32", "alltoall")
+    assert got_splits.tolist() == [(q + r) % 3 for q in range(n)]
+
+
+def case_inputs_made_on_a_side_stream_are_waited_for():
+    """The collective follows the work queued on the caller's current stream, not the default
+    stream: a long matmul chain on a side stream produces the input just before the call."""
+    n, r = mf.size(), mf.rank()
+    side = torch.cuda.Stream()
+    a = torch.randn(2048, 2048, device=GPU) / 64
+    with torch.cuda.stream(side):
+        for _ in range(20):
+            a = a @ a.T / 32
+        x = torch.full((1 << 20,), float(r + 1), device=GPU) + 0 * a[0, 0]
+        y = mf.allreduce(x)
+        h = hvd.allreduce_async(x, op=hvd.Sum)
+        z = hvd.synchronize(h)
+    torch.cuda.synchronize()
+    want = np.full(1 << 20, n * (n + 1) / 2)
+    check(y, want, "float32", "core allreduce after side-stream work")
+    check(z, want, "float32", "hvd allreduce_async after side-stream work")
+
+
+def case_host_and_gpu_arrays_in_one_call_fail_on_every_rank():
+    n, r = mf.size(), mf.rank()
+    if n < 2:
+        return
+    x = torch.ones(5, device=GPU) if r % 2 == 0 else torch.ones(5)
+    with pytest.raises(mf.MismatchError, match="disagree on algorithm: .*nccl"):
+        mf.allreduce(x)
+    with pytest.raises(mf.MismatchError, match="disagree on device: cuda on rank"):
+        hvd.allreduce(x)
+    # and the next calls are fine
+    check(mf.allreduce(torch.ones(3, device=GPU)), np.full(3, n), "float32", "after mismatch")
+
+
+def case_cupy_arrays():
+    cupy = pytest.importorskip("cupy")
+    n, r = mf.size(), mf.rank()
+    with cupy.cuda.Device(GPU.index):
+        x = cupy.asarray(values(r, 1001, "float64", "sum"))
+        got = mf.allreduce(x, op="max")
+        assert isinstance(got, cupy.ndarray)
+        want = np.max([values(q, 1001, "float64", "sum") for q in range(n)], 0)
+        assert np.array_equal(cupy.asnumpy(got), want)
+        b = cupy.full(7, r, dtype=cupy.int64)
+        mf.broadcast(b, root=n - 1)
+        assert cupy.asnumpy(b).tolist() == [n - 1] * 7
+
+
+# --- mlfabric.torch -------------------------------------------------------------------------------
+
+def case_horovod_api_on_cuda_tensors():
+    n, r = hvd.size(), hvd.rank()
+    fs = [on_gpu(values(r, k, "float32", "sum"), "float32") for k in (3, 1024, 1)]
+    for k, (x, o) in enumerate(zip(fs, hvd.grouped_allreduce(fs, op=hvd.Average))):
+        want = sum(values(q, x.numel(), "float32", "sum") for q in range(n)) / n
+        check(o, want, "float32", f"grouped_allreduce[{k}]",
+              sum(np.abs(values(q, x.numel(), "float32", "sum")) for q in range(n)) / n)
+    xs = fs + [on_gpu(values(r, 5, "int64", "sum"), "int64")]  # two dtypes: two fused calls
+    # the in-place grouped form twice (its staging buffer on the GPU is kept and reused)
+    for step in range(2):
+        ys = [x.clone() for x in xs]
+        hvd.grouped_allreduce_(ys, op=hvd.Sum)
+        for k, (x, y) in enumerate(zip(xs, ys)):
+            dtype = "int64" if x.dtype == torch.int64 else "float32"
+            want = sum(values(q, x.numel(), dtype, "sum") for q in range(n))
+            check(y, want, dtype, f"grouped_allreduce_ step {step} [{k}]",
+                  sum(np.abs(values(q, x.numel(), dtype, "sum")) for q in range(n)))
+    # widened dtypes travel as int64 on the GPU too
+    u = torch.full((4,), r + 1, dtype=torch.uint8, device=GPU)
+    got = hvd.allreduce(u, op=hvd.Sum)
+    assert got.dtype == torch.uint8 and got.is_cuda
+    assert got.cpu().tolist() == [n * (n + 1) // 2 % 256] * 4
+    g = hvd.allgather(torch.full((r + 1, 2), float(r), device=GPU))  # uneven first dimensions
+    want = np.concatenate([np.full((q + 1, 2), float(q)) for q in range(n)])
+    check(g, want, "float32", "allgather uneven")
+    b = hvd.broadcast(torch.arange(6, device=GPU) * (r + 1), root_rank=0)
+    assert b.cpu().tolist() == list(range(6))
+    out = hvd.alltoall(torch.arange(n, device=GPU) + 10 * r)
+    assert out.cpu().tolist() == [r + 10 * q for q in range(n)]
+    # autograd: the gradient of an allreduce is the allreduce of the gradient
+    w = torch.ones(3, device=GPU, requires_grad=True)
+    (hvd.allreduce(w * (r + 1), op=hvd.Sum) * (r + 1)).sum().backward()
+    check(w.grad, np.full(3, n * (n + 1) / 2 * (r + 1)), "float32", "autograd")
+
+
+def case_join_on_gpu():
+    n, r = hvd.size(), hvd.rank()
+    for s in range(r + 1):
+        active = list(range(s, n))
+        xs = {q: values(q, 9, "float64", "sum", salt=s) for q in range(n)}
+        got = hvd.allreduce(on_gpu(xs[r], "float64"), op=hvd.Sum)
+        check(got, sum(xs[q] for q in active), "float64", f"join sum step {s}")
+        got = hvd.allgather(torch.full((2,), float(r), device=GPU))
+        check(got, np.repeat([float(q) for q in active], 2), "float32", f"join allgather {s}")
+    assert hvd.join() == n - 1
+
+
+def case_distributed_optimizer_on_gpu_matches_single_process():
+    n, r = hvd.size(), hvd.rank()
+    for passes, threshold in ((1, None), (2, "64")):
+        if threshold is not None:
+            os.environ["MLFABRIC_FUSION_THRESHOLD"] = threshold
+        try:
+            model = Net(seed=5).double()
+            model.bn = torch.nn.Identity()
+            model = model.to(GPU)
+            opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1,
+                                                           momentum=0.9),
+                                           named_parameters=model.named_parameters(),
+                                           backward_passes_per_step=passes)
+            assert all(b.flat.is_cuda for b in opt._mlf_buckets)
+            x, y = _data(n, 3, passes)
+            mine = slice(r * B, (r + 1) * B)
+            for s in range(3):
+                opt.zero_grad()
+                for m in range(passes):
+                    _loss(model, x[s, m, mine].to(GPU), y[s, m, mine].to(GPU)).backward()
+                opt.step()
+        finally:
+            os.environ.pop("MLFABRIC_FUSION_THRESHOLD", None)
+        want = _train_reference(lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+                                hvd.Average, passes, 3)
+        diff = _max_diff(model.cpu(), want)
+        assert diff < 1e-10, f"passes={passes}: GPU weights differ from one process by {diff}"
+
+
+def case_ddp_over_the_mlfabric_backend_on_gpu():
+    import torch.distributed as dist
+    n, r = hvd.size(), hvd.rank()
+    if not dist.is_initialized():
+        dist.init_process_group("mlfabric")
+    model = Net(seed=5).double()
+    model.bn = torch.nn.Identity()
+    ddp = torch.nn.parallel.DistributedDataParallel(model.to(GPU), device_ids=[GPU.index],
+                                                    find_unused_parameters=True)  # Net.unused
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    x, y = _data(n, 3, 1)
+    mine = slice(r * B, (r + 1) * B)
+    for s in range(3):
+        opt.zero_grad()
+        _loss(ddp, x[s, 0, mine].to(GPU), y[s, 0, mine].to(GPU)).backward()
+        opt.step()
+    want = _train_reference(lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+                            hvd.Average, 1, 3)
+    diff = _max_diff(ddp.module.cpu(), want)
+    assert diff < 1e-10, f"DDP on GPU over mlfabric: weights differ from one process by {diff}"
+
+
+# --- last: a hung NCCL collective is bounded, and leaves the context unusable ----------------------
+
+def case_zz_hung_nccl_collective_times_out_and_aborts():
+    """Only rank 0 launches an NCCL allreduce (below the public API, which would have refused
+    the mismatch): it must raise PeerTimeoutError within MLFABRIC_TIMEOUT, abort the
+    communicator, and refuse later GPU calls at once."""
+    n, r = mf.size(), mf.rank()
+    if n < 2:
+        return
+    ctx = mf.context.get()
+    mf.allreduce(torch.ones(1, device=GPU))  # the communicator exists on every rank
+    comm = ctx.nccl
+    os.environ["MLFABRIC_TIMEOUT"] = "3"
+    x = torch.ones(1 << 16, device=GPU)
+    ev = torch.cuda.Event()
+    ev.record()
+    world = MPI.COMM_WORLD
+    if r == 0:
+        with pytest.raises(mf.PeerTimeoutError, match="did not finish within 3 s"):
+            comm.allreduce("allreduce (test)", mf._device.devices_of(x), ev, x.data_ptr(),
+                           x.data_ptr(), x.numel(), 0, 0, False)
+        assert comm.failed
+        with pytest.raises(mf.MlfabricError, match="NCCL communicator is unusable"):
+            comm.allreduce("again", mf._device.devices_of(x), None, x.data_ptr(), x.data_ptr(),
+                           x.numel(), 0, 0, False)
+        assert ctx.broken()
+    world.Barrier()  # the peers leave the communicator alone until rank 0 has timed out
+    if r != 0:
+        comm.abort("the test's peer timed out")  # as a rank learning of the failure would
+        assert ctx.broken()
