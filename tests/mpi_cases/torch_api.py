@@ -1058,3 +1058,19 @@ def case_core_alltoall_numpy():
             mf.alltoall(np.ones((n, 2 + (r == n - 1))))
     with pytest.raises(ValueError, match="at least one dimension"):
         mf.alltoall(np.array(1.0))
+
+
+def case_sparse_tensors_refused_on_every_rank():
+    """A sparse tensor in a grouped list (found by the one-pass scan: is_contiguous() raises for
+    it) is named on its rank; the others fail at the same call; the next call works."""
+    n, r = hvd.size(), hvd.rank()
+    ts = [torch.ones(3), torch.ones(2, 2), torch.ones(4)]
+    if r == 0:
+        ts[1] = ts[1].to_sparse()
+        with pytest.raises(TypeError, match=r"tensors\[1\] has layout torch.sparse_coo; only dense"):
+            hvd.grouped_allreduce(ts, op=hvd.Sum)
+    elif n > 1:
+        with pytest.raises(hvd.MismatchError, match=r"rank\(s\) \[0\] rejected their arguments"):
+            hvd.grouped_allreduce(ts, op=hvd.Sum)
+    outs = hvd.grouped_allreduce([torch.ones(3), torch.ones(2, 2)], op=hvd.Sum)
+    assert [o.tolist() for o in outs] == [[n] * 3, [[n, n], [n, n]]]
