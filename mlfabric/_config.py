@@ -10,6 +10,10 @@ MLFABRIC_CMA_MIN, MLFABRIC_CMA_MAX
                    allreduce calls of more than MIN and at most MAX bytes read peers' buffers
                    directly (single copy, process_vm_readv) instead of staging them; MAX=0 turns
                    this off. Defaults: MIN 2 MiB for two ranks, 64 MiB for more; no MAX.
+MLFABRIC_NCCL_LIB  the libnccl to load for GPU arrays (default: the loader's, then the
+                   nvidia-nccl wheel's).
+MLFABRIC_NCCL_SHARE_GPU
+                   1 lets several ranks share one GPU through NCCL's socket transport (tests).
 """
 import os
 
@@ -18,7 +22,7 @@ from .errors import MlfabricError
 # Settings that shape the collectives' protocol: every rank must use the same values (init()
 # checks, so a difference is an error on every rank rather than a crash or a hang).
 SHAPING = ("MLFABRIC_SHM", "MLFABRIC_SHM_BLOCK", "MLFABRIC_SHM_SLOTS", "MLFABRIC_CMA_MIN",
-           "MLFABRIC_CMA_MAX")
+           "MLFABRIC_CMA_MAX", "MLFABRIC_NCCL_SHARE_GPU")
 
 
 def shaping_settings():
@@ -64,3 +68,15 @@ def cma_range(nranks):
     more ranks per host the staged pipeline wins up to 64 MiB."""
     lo, hi = (2 << 20 if nranks == 2 else 64 << 20), 1 << 62
     return _number("MLFABRIC_CMA_MIN", lo, int, 0), _number("MLFABRIC_CMA_MAX", hi, int, 0)
+
+
+def nccl_lib():
+    """MLFABRIC_NCCL_LIB, or None."""
+    return os.environ.get("MLFABRIC_NCCL_LIB") or None
+
+
+def nccl_share_gpu():
+    raw = os.environ.get("MLFABRIC_NCCL_SHARE_GPU", "0").strip()
+    if raw not in ("0", "1"):
+        raise MlfabricError(f"MLFABRIC_NCCL_SHARE_GPU must be 0 or 1, got {raw!r}")
+    return raw == "1"

@@ -70,15 +70,17 @@ def test_shm_can_be_disabled():
 
 
 @pytest.mark.mpi
-def test_ranks_with_different_settings_fail_at_init():
-    # MPMD launch: rank 1 runs with another pipeline block size than rank 0.
+@pytest.mark.parametrize("name,value", [("MLFABRIC_SHM_BLOCK", "1048576"),
+                                        ("MLFABRIC_NCCL_SHARE_GPU", "1")])
+def test_ranks_with_different_settings_fail_at_init(name, value):
+    # MPMD launch: rank 1 runs with another setting than rank 0.
     from tests.mpi_util import mpirun_path
     code = ("import mlfabric as mf\ntry:\n    mf.init()\nexcept mf.MlfabricError as e:\n"
             "    print('REFUSED', e)\nelse:\n    print('ACCEPTED')")
     cmd = [mpirun_path(), "--oversubscribe", "-n", "1", sys.executable, "-c", code, ":",
-           "-n", "1", "env", "MLFABRIC_SHM_BLOCK=1048576", sys.executable, "-c", code]
+           "-n", "1", "env", f"{name}={value}", sys.executable, "-c", code]
     proc = subprocess.run(cmd, cwd=ROOT, env=mpi_env(), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=120)
     assert proc.stdout.count("REFUSED") == 2, proc.stdout
-    assert "ranks disagree on MLFABRIC_SHM_BLOCK: unset on rank(s) [0]; '1048576' on rank(s) [1]" \
+    assert f"ranks disagree on {name}: unset on rank(s) [0]; '{value}' on rank(s) [1]" \
         in proc.stdout

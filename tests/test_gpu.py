@@ -48,9 +48,9 @@ def test_missing_libnccl_is_a_clear_error():
 def test_share_gpu_setting_is_checked():
     out = _in_fresh_python(
         "import mlfabric\n"
-        "from mlfabric.comm import nccl\n"
+        "from mlfabric import _config\n"
         "try:\n"
-        "    nccl.share_gpu()\n"
+        "    _config.nccl_share_gpu()\n"
         "except mlfabric.MlfabricError as e:\n"
         "    print('ERROR', e)\n",
         env={"MLFABRIC_NCCL_SHARE_GPU": "yes"})

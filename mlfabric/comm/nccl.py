@@ -42,7 +42,7 @@ def _candidates():
     """Where libnccl may be, in order: MLFABRIC_NCCL_LIB; the loader's search (which also finds
     the copy torch has already loaded, by its soname); the nvidia-nccl wheel that CUDA builds of
     torch install."""
-    explicit = os.environ.get("MLFABRIC_NCCL_LIB")
+    explicit = _config.nccl_lib()
     if explicit:
         return [explicit]
     found = ["libnccl.so.2"]
@@ -135,13 +135,6 @@ def _check(rc, what, comm=None):
         raise MlfabricError(msg)
 
 
-def share_gpu():
-    raw = os.environ.get("MLFABRIC_NCCL_SHARE_GPU", "0").strip()
-    if raw not in ("0", "1"):
-        raise MlfabricError(f"MLFABRIC_NCCL_SHARE_GPU must be 0 or 1, got {raw!r}")
-    return raw == "1"
-
-
 class Communicator:
     """One NCCL communicator over an mlfabric context's ranks, bound to one GPU, with a stream
     of its own. Created collectively (every rank at the same call, which collectives.py's header
@@ -152,7 +145,7 @@ class Communicator:
         import numpy as np
         from . import p2p
         lib = library()
-        if share_gpu():
+        if _config.nccl_share_gpu():
             # Before NCCL computes its host hash (at the first communicator of the process).
             os.environ["NCCL_HOSTID"] = f"{socket.gethostname()}-mlfabric-rank{ctx.rank}"
         uid = _UniqueId()
