@@ -317,7 +317,7 @@ class LdaTask:
 # --- the traced job ------------------------------------------------------------------------------
 
 def traced_job(comm, mode, task, *, iterations, compute_s, emulation, tau_max=math.inf,
-               batch_interval=0.1, seed=0, every=1, duration_s=None):
+               batch_interval=0.1, seed=0, every=1, duration_s=None, pull_objective=None):
     """Run one job of `mode` (mlfabric.ps.driver.run_job, the loop every mode shares) on every
     rank with `task`'s updates, recording the model each worker computes from. Returns, on rank
     0, the job's record with 'points' [{t, value, worker, iteration}] (the model evaluated
@@ -353,6 +353,8 @@ def traced_job(comm, mode, task, *, iterations, compute_s, emulation, tau_max=ma
         settings["tau_max"] = tau_max
     if duration_s is not None:     # an asynchronous job: workers run for a time (run_job)
         settings["duration_s"] = duration_s
+    if pull_objective is not None:  # the runtime's pull trees (mlfabric.ps.init)
+        settings["pull_objective"] = pull_objective
     idle_barrier(comm)   # rank 0 may still be evaluating the last job's models
     t0 = time.monotonic()
     res = run_job(mode, **settings)

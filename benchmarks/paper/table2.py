@@ -76,6 +76,9 @@ def parse_args(argv):
                    "above it (0: first touched; common.held_at_or_above says why)")
     p.add_argument("--max-iterations", type=int, default=150,
                    help="give up (error) if the offline run needs more")
+    p.add_argument("--pull-objective", choices=("makespan", "mean"), default="makespan",
+                   help="mlfabric-A's pull trees: least makespan (the paper's) or least mean "
+                   "delivery (what an asynchronous worker waits on)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny: one cell, small payload (tests)")
     p.add_argument("--out", default=common.result_path("table2.json"))
@@ -141,7 +144,8 @@ def main(argv=None):
             t0 = time.monotonic()
             if mode == "mlfabric-A":   # for a time: the cap on iterations never binds
                 run = dict(duration_s=durations[cell],
-                           iterations=int(durations[cell] / compute_s) + 2)
+                           iterations=int(durations[cell] / compute_s) + 2,
+                           pull_objective=args.pull_objective)
             else:
                 run = dict(iterations=rr_iters)
             job = common.traced_job(comm, mode, task, compute_s=compute_s, emulation=em,
@@ -171,6 +175,7 @@ def main(argv=None):
                                        pretrain=task.pretrain,
                                        a_factor=args.a_factor, a_duration_s=durations,
                                        window_s=args.window, cells=args.cells, seed=args.seed,
+                                       pull_objective=args.pull_objective,
                                        task=task.describe(), quick=args.quick,
                                        total_wall_s=time.monotonic() - t_start), **host},
            "offline": offline, "cells": cells, "jobs": jobs}

@@ -32,7 +32,8 @@ _state = {"config": None, "comm": None, "rt": None, "role": None, "pushes": {}, 
 
 def init(mode="mlfabric-A", *, servers=1, replicas=0, aggregators=None, batch_interval=0.1,
          t_lag=0.2, slack=2, gamma=0.0, emulation=None, seed=0, distribution=True,
-         cut_through=True, checkpoint_every=0, checkpoint_dir=None, resume=False, comm=None):
+         cut_through=True, pull_objective="makespan", checkpoint_every=0, checkpoint_dir=None,
+         resume=False, comm=None):
     """Set the job's configuration (not collective: it only records it) and return this rank's
     role: 'scheduler', 'server', 'replica' or 'worker' (mlfabric.runtime.roles says which).
     mlfabric.runtime.Config documents every setting."""
@@ -49,6 +50,7 @@ def init(mode="mlfabric-A", *, servers=1, replicas=0, aggregators=None, batch_in
                  batch_interval=batch_interval, t_lag=t_lag, slack=slack, gamma=gamma,
                  emulation=emulation if emulation is not None else Emulation(), seed=seed,
                  distribution=distribution, cut_through=cut_through,
+                 pull_objective=pull_objective,
                  checkpoint_every=checkpoint_every,
                  checkpoint_dir=checkpoint_dir, resume=resume)
     comm = MPI.COMM_WORLD if comm is None else comm

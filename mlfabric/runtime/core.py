@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from .. import _config
 from ..emulate import Emulation
 from ..errors import MlfabricError, PeerTimeoutError
+from ..sched.distribution import OBJECTIVES
 from .control import Channel, clock_offsets
 from .ledger import Ledger
 from .roles import Roles
@@ -39,6 +40,7 @@ class Config:
     gamma: float = 0.0           # server momentum (eq. 2); the replica bound uses it
     distribution: bool = True    # answer simultaneous gets through distributors (§10.3)
     cut_through: bool = True     # relays and aggregates forward bytes as they come (worker.py)
+    pull_objective: str = "makespan"  # a pull batch's tree: least makespan (paper) or "mean"
     checkpoint_every: int = 0    # servers write model + version every this many updates (0: off)
     checkpoint_dir: str = None
     resume: bool = False         # servers start from their checkpoint in checkpoint_dir
@@ -52,6 +54,9 @@ class Config:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and 0 < v < math.inf):
                 raise MlfabricError("%s must be a positive number of seconds, got %r" % (name, v))
+        if self.pull_objective not in OBJECTIVES:
+            raise MlfabricError("pull_objective must be one of %s, got %r"
+                                % (", ".join(OBJECTIVES), self.pull_objective))
         if not (isinstance(self.slack, int) and self.slack >= 0):
             raise MlfabricError("slack must be an int >= 0, got %r" % (self.slack,))
         if not 0 <= self.gamma < 1:

@@ -32,7 +32,8 @@ class SchedulerPulls:
         dist, _ = distribute([idx[w] for w, _ in requests], self.view.network(hosts, t), 0,
                              float(nbytes), distributors=[idx[a] for a in self.aggregators],
                              start=t, seed=rt.config.seed * 1000003 + self.batches,
-                             cut_through=rt.config.cut_through)
+                             cut_through=rt.config.cut_through,
+                             objective=rt.config.pull_objective)
         for tr in dist.transfers():
             self.view.book(hosts[tr.src], hosts[tr.dst], tr.segments)
         direct = [(hosts[tr.dst], key_of[hosts[tr.dst]], tr.start, rate_of(tr))

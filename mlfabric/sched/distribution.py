@@ -33,6 +33,9 @@ Where the paper leaves a choice open, this is what we do, and why:
   receives the model twice.
 - Ties between cases go to the one that sends the fewest bytes out of the server, then to the one
   with the most direct transfers (no relay hop that does not help).
+- objective="mean" (not in the paper) keeps the case whose requesters have the model earliest on
+  average instead of the one whose last requester has it earliest: an asynchronous worker waits
+  for its own copy, not for the batch's last (the paper's makespan fits a synchronous barrier).
 - Requesters no path can ever reach (no capacity left on the way, for the rest of time) are
   listed as unserved rather than failing the whole batch.
 - The server is never its own distributor (it is dropped from the list, as schedule() drops it
@@ -282,15 +285,33 @@ def _pipeline(order, network, server, dists, size, start):
     return inbound.end, relays, nw
 
 
+OBJECTIVES = ("makespan", "mean")
+
+
+def _mean_end(direct, relays):
+    """Mean time at which the requesters of a case have the model (each counted once: in a
+    pipeline, a hop is one worker's delivery and the next relay's inbound)."""
+    ends = {t.dst: t.end for t in direct}
+    for r in relays:
+        if r.host in r.workers:
+            ends[r.host] = r.inbound.end
+        for t in r.outbound:
+            ends[t.dst] = t.end
+    return sum(ends.values()) / len(ends) if ends else 0.0
+
+
 def distribute(requests, network, server, model_size, *, distributors=(), start=0.0, seed=0,
-               version=None, cut_through=False):
+               version=None, cut_through=False, objective="makespan"):
     """Answer pull `requests` (requesting hosts) with one model of `model_size` bytes, ready at
     the server at `start`, through `distributors` (hosts; pre-assigned in a random order from
     `seed`) on `network` (not modified). `version` is only recorded. cut_through: distributors
     forward the model as it arrives (Network.t_en_relay; the runtime's data plane does) instead
-    of once it is whole (the paper's store-and-forward, the default). Returns (Distribution,
-    network after its reservations)."""
+    of once it is whole (the paper's store-and-forward, the default). objective: "makespan" (the
+    paper's: the last requester's delivery) or "mean" (the requesters' mean delivery). Returns
+    (Distribution, network after its reservations)."""
     _check_host(network, server, "server")
+    if objective not in OBJECTIVES:
+        raise ValueError("objective must be one of %s, got %r" % (", ".join(OBJECTIVES), objective))
     if not (isinstance(model_size, (int, float)) and model_size > 0 and isfinite(model_size)):
         raise ValueError("model_size must be a finite number of bytes > 0, got %r" % (model_size,))
     requests = list(requests)
@@ -318,11 +339,18 @@ def distribute(requests, network, server, model_size, *, distributors=(), start=
     order = rank_direct([w for w in requests if w not in unserved], network, server, model_size,
                         start)
 
+    def cost(run):
+        makespan, direct, relays, _ = run
+        if objective == "makespan" or makespan == inf:
+            return makespan
+        return _mean_end(direct, relays)
+
     def best_case(order):
         runs = [_case(n, order, network, server, dists, model_size, start, cut_through)
                 for n in range(len(order) + 1)]
-        # least makespan, then fewest sends out of the server, then the most direct transfers
-        best = min(range(len(runs)), key=lambda n: (runs[n][0], n + len(runs[n][2] or ()), -n))
+        # least cost, then fewest sends out of the server, then the most direct transfers
+        best = min(range(len(runs)),
+                   key=lambda n: (cost(runs[n]), n + len(runs[n][2] or ()), -n))
         return best, runs
     best, runs = best_case(order)
     if runs[best][0] == inf:
@@ -346,7 +374,7 @@ def distribute(requests, network, server, model_size, *, distributors=(), start=
     pipeline = inf
     if cut_through and not unserved:
         pipeline, chain, chain_nw = _pipeline(order, network, server, dists, model_size, start)
-        if pipeline <= runs[best][0]:
+        if pipeline < inf and cost((pipeline, [], chain, chain_nw)) <= cost(runs[best]):
             best, direct, relays, nw = 0, [], chain, chain_nw
     deliveries = {}
     for r in relays:
