@@ -33,7 +33,7 @@ def _check_gpu(ctx, xb, what):
     """Errors that must surface before the header exchange: no NCCL, or another GPU than the
     one this rank's communicator is bound to."""
     nccl.library()
-    comm = getattr(ctx, "nccl", None)
+    comm = ctx.nccl
     if comm is not None and comm.device != xb.device:
         raise MlfabricError(f"{what}: this rank's NCCL communicator is on GPU {comm.device}, the "
                             f"array is on GPU {xb.device}; mlfabric uses one GPU per rank")

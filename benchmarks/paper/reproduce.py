@@ -158,7 +158,24 @@ def section_table2(doc, path):
                     "%d%s." % (len(ideal), len(cells),
                                " (%s)" % ", ".join(ideal) if 0 < len(ideal) < len(cells) else ""))
     out += [""] + table2_profile(doc) + ["", source(doc, path), ""] + table2_runs(doc, path)
+    if m["workers"] == 30:
+        out += ["", LEVERS_TRIED_30]
     return out
+
+
+# Levers tried on the 30-worker runs and not kept as defaults, with what they measured (by hand:
+# the A/B runs' JSONs are not kept in the repository).
+LEVERS_TRIED_30 = (
+    "Levers tried at 30 workers, A/B in back-to-back runs of `--cells C1-N1,C1-N3`, not kept as "
+    "defaults: (1) the server's pull gate opening when its own link is idle instead of when "
+    "every send of the last pull batch is done: C1-N3's fetch median 1.56 -> 1.16 s, but 58% of "
+    "pushes dropped stale (was ~50%) and the time to target no better (0.61x). (2) Pull trees "
+    "minimising the requesters' mean delivery instead of the last one's "
+    "(`--pull-objective mean`): a fetch's median 0.257 s (makespan run: 0.266) in C1-N1 and "
+    "1.57 s (1.64) in C1-N3, 3-4% shorter, no more than runs differ; speedups 1.38 in C1-N3 "
+    "(makespan run: 0.78) and undetermined (<= 0.60; makespan run: 0.67) in C1-N1, the spread "
+    "the repeats above show between identical runs. The tree's objective is not what keeps a "
+    "fetch at 3x (N1) to 20x (N3) its transfer.")
 
 
 def table2_repeats(path):
