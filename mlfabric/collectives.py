@@ -470,6 +470,15 @@ def _alltoall_splits(splits, rows, n):
     return arr
 
 
+def _exchange_splits(ctx, what, send_rows, rest, code):
+    """(rows this rank receives from each rank, bytes of one row of shape `rest`): the split
+    counts go round over MPI first, for the host and the GPU path alike."""
+    recv_rows = np.empty(ctx.size, np.int64)
+    p2p.wait([ctx.comm.Ialltoall(send_rows, recv_rows)], list(range(ctx.size)),
+             f"{what} (split exchange)")
+    return recv_rows, int(np.prod(rest, dtype=np.int64)) * _dtypes.ITEMSIZE[code]
+
+
 def _alltoall(x, splits, async_):
     what = "alltoall"
     if _device.is_device(x):
@@ -477,13 +486,9 @@ def _alltoall(x, splits, async_):
 
     def body(ctx, xb, send_rows, hdr):
         _exchange_headers(ctx, what, hdr)
-        n = ctx.size
-        recv_rows = np.empty(n, np.int64)
-        p2p.wait([ctx.comm.Ialltoall(send_rows, recv_rows)], list(range(n)),
-                 f"{what} (split exchange)")
         rest = tuple(xb.shape[1:])
+        recv_rows, row_bytes = _exchange_splits(ctx, what, send_rows, rest, xb.code)
         res, ob = _buffers.empty_like(xb, (int(recv_rows.sum()), *rest))
-        row_bytes = int(np.prod(rest, dtype=np.int64)) * _dtypes.ITEMSIZE[xb.code]
         if row_bytes and (send_rows.any() or recv_rows.any()):
             # Counts in rows of a contiguous row type: no 2**31 limit on the bytes moved.
             row = MPI.BYTE.Create_contiguous(row_bytes).Commit()
@@ -495,7 +500,7 @@ def _alltoall(x, splits, async_):
                      row],
                     [p2p.as_bytes(ob.arr), (recv_rows.astype(np.int32), rdispl.astype(np.int32)),
                      row])
-                p2p.wait([req], list(range(n)), what)
+                p2p.wait([req], list(range(ctx.size)), what)
             finally:
                 row.Free()
         return _finish(res, ob), recv_rows

@@ -7,10 +7,8 @@ array, all raise MismatchError before NCCL sees anything (NCCL itself would hang
 Arrays are wrapped, and the caller's stream marked with a 'ready' event, on the caller's thread,
 since a non-blocking call runs on mlfabric's queue thread, whose current stream is another.
 Results on the GPU are written in place: a non-contiguous output is refused, not copied back."""
-import numpy as np
-
 from . import _device, _dtypes, collectives as _coll, context
-from .comm import header, nccl, p2p
+from .comm import header, nccl
 from .errors import MlfabricError
 
 
@@ -226,13 +224,9 @@ def alltoall(x, splits, async_):
 
         def body(hdr):
             _coll._exchange_headers(ctx, what, hdr)
-            n = ctx.size
-            recv_rows = np.empty(n, np.int64)
-            p2p.wait([ctx.comm.Ialltoall(send_rows, recv_rows)], list(range(n)),
-                     f"{what} (split exchange)")
             rest = tuple(xb.shape[1:])
+            recv_rows, row_bytes = _coll._exchange_splits(ctx, what, send_rows, rest, xb.code)
             res, ob = _device.empty_like(xb, (int(recv_rows.sum()), *rest))
-            row_bytes = int(np.prod(rest, dtype=np.int64)) * _dtypes.ITEMSIZE[xb.code]
             if row_bytes and (send_rows.any() or recv_rows.any()):
                 _communicator(ctx, xb).alltoallv(what, xb.devices, ready, xb.ptr, ob.ptr,
                                                  [int(r) * row_bytes for r in send_rows],
