@@ -3,6 +3,7 @@
     mpirun -n 4 python scripts/train.py                       # allreduce (Horovod-style), digits
     mpirun -n 4 python scripts/train.py --mode ps-async --tau-max 4
     mpirun -n 6 python scripts/train.py --mode ps-sync --stragglers C2 --network N1 --plot acc.png
+    mpirun -n 4 python scripts/train.py --device cuda          # a GPU per rank, over NCCL
 
 Modes: allreduce (mlfabric.torch.DistributedOptimizer: every rank trains), ps-async (mlfabric-A:
 scheduled, aggregated, bounded staleness tau_max), ps-sync (mlfabric-S), ssp (slack --slack),
@@ -13,6 +14,8 @@ or --dataset synthetic (seeded blobs, no dependency); each worker trains on its 
 --stragglers C1..C3 stretch workers' steps as in the paper (on top of --compute-ms of emulated
 compute per step); --network N1..N3 paces the parameter-server data plane at emulated NIC rates
 (--base-rate bytes/s stands for the paper's 10 Gbps).
+The allreduce mode trains on the GPUs when every rank has one of its own (--device auto, the
+default; cuda insists, cpu declines); the parameter-server modes train on the CPU.
 Output: a progress bar on the reporting rank (rank 0, or the first worker in the PS modes), one
 JSON line per epoch (--metrics FILE), a final summary line, and --plot FILE.png (test accuracy vs
 time).
@@ -63,12 +66,18 @@ def parse(argv=None):
     p.add_argument("--metrics", default=None, help="write per-epoch JSON lines here")
     p.add_argument("--plot", default=None, help="write test accuracy vs time here (PNG)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="allreduce mode: train on GPU local_rank over NCCL (cuda), or on the CPU; "
+                   "auto takes the GPUs when every rank has one of its own")
     args = p.parse_args(argv)
     if args.network and args.mode == "allreduce":
         p.error("--network emulates NIC rates on the parameter-server data plane; the allreduce "
                 "mode runs on the shared-memory engine, which is not paced")
     if args.replicas and args.mode == "allreduce":
         p.error("--replicas is for the parameter-server modes")
+    if args.device == "cuda" and args.mode != "allreduce":
+        p.error("--device cuda is for --mode allreduce: the parameter-server modes train on the "
+                "CPU (their updates travel through the host data plane)")
     if args.epochs < 1 or args.batch_size < 1:
         p.error("--epochs and --batch-size must be >= 1")
     if args.compute_ms is None:
@@ -138,7 +147,31 @@ def load_data(args):
     return data.synthetic_classification(2000, 64, 10, args.seed)
 
 
-def train_loop(args, model, opt, shard, test, worker, workers, report, compute):
+def pick_device(args, comm, hvd):
+    """The allreduce mode's device: GPU local_rank when --device cuda (every rank must have one),
+    or auto and every rank has one of its own and NCCL loads; else the CPU. Agreed by all ranks:
+    a mix would make the first collective a MismatchError."""
+    import torch
+    from mpi4py import MPI
+    from mlfabric import _config
+    if args.device == "cpu":
+        return torch.device("cpu")
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    own = n > 0 and hvd.nccl_built() and (hvd.local_rank() < n or _config.nccl_share_gpu())
+    if comm.allreduce(int(own), op=MPI.MIN):
+        dev = torch.device("cuda", hvd.local_rank() % n)
+        torch.cuda.set_device(dev)
+        return dev
+    if args.device == "cuda":
+        raise SystemExit("train.py: --device cuda needs a GPU for every rank on its host "
+                         "(MLFABRIC_NCCL_SHARE_GPU=1 lets ranks share one) and libnccl, on "
+                         "every rank; rank %d has %d GPU(s), NCCL %s" % (
+                             comm.rank, n, "found" if hvd.nccl_built() else "not found"))
+    return torch.device("cpu")
+
+
+def train_loop(args, model, opt, shard, test, worker, workers, report, compute,
+               device="cpu"):
     """The same loop in every mode: epochs over this worker's shard, emulated compute per step."""
     import torch
     from mlfabric.workloads import data, models
@@ -154,7 +187,8 @@ def train_loop(args, model, opt, shard, test, worker, workers, report, compute):
         model.train()
         for xb, yb in data.batches(X, y, args.batch_size, args.seed + worker, epoch):
             opt.zero_grad()
-            out = loss_fn(model(torch.from_numpy(xb)), torch.from_numpy(yb).long())
+            out = loss_fn(model(torch.from_numpy(xb).to(device)),
+                          torch.from_numpy(yb).long().to(device))
             out.backward()
             if compute is not None:
                 time.sleep(compute.time(worker, step))
@@ -192,6 +226,8 @@ def main(argv=None):
         hvd.init()
         rank, size = hvd.rank(), hvd.size()
         lr = args.lr if args.lr is not None else 0.1
+        device = pick_device(args, comm, hvd)
+        model = model.to(device)
         opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum)
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
@@ -200,9 +236,9 @@ def main(argv=None):
         report = Reporter(args, args.epochs * steps_per_epoch(len(shard[0]), args.batch_size),
                           rank == 0)
         steps, loss, acc = train_loop(args, model, opt, shard, (Xt, yt), rank, size, report,
-                                      compute)
+                                      compute, device)
         report.final(ranks=size, workers=size, steps=steps, loss=loss, test_accuracy=acc,
-                     wall_s=time.monotonic() - t0)
+                     wall_s=time.monotonic() - t0, device=str(device))
         hvd.shutdown()
         return 0
 

@@ -63,3 +63,17 @@ def test_gpu_cases(n):
     share = "1" if torch.cuda.device_count() < n else "0"
     run_cases("gpu_cases", n, timeout=600, env={"MLFABRIC_NCCL_SHARE_GPU": share,
                                                 "MLFABRIC_TIMEOUT": "60"})
+
+
+@gpu
+def test_train_script_on_gpus_reaches_95_percent():
+    """The main job, allreduce mode, with --device cuda: 2 ranks (sharing a GPU where there is
+    only one), digits, 10 epochs: the same accuracy target as on the CPU."""
+    from .mpi_util import run_mpi
+    from .test_train_script import SCRIPT, result
+    share = "1" if torch.cuda.device_count() < 2 else "0"
+    proc = run_mpi(2, [SCRIPT, "--device", "cuda", "--quiet"], timeout=400,
+                   env={"MLFABRIC_NCCL_SHARE_GPU": share})
+    assert proc.returncode == 0, proc.stdout
+    r = result(proc.stdout)
+    assert r["device"].startswith("cuda") and r["test_accuracy"] >= 0.95, r

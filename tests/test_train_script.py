@@ -34,6 +34,8 @@ def test_every_mode_reaches_95_percent_on_digits_with_4_ranks(mode, tmp_path):
     rows = [json.loads(ln) for ln in metrics.read_text().splitlines()]
     assert [row["epoch"] for row in rows[:-1]] == list(range(10)) and rows[-1]["final"]
     assert rows[-2]["test_accuracy"] == r["test_accuracy"]
+    if mode == "allreduce" and not _gpus_for(4):
+        assert r["device"] == "cpu", r   # auto: no GPU of its own for every rank
     if mode != "allreduce":
         # nothing lost: every pushed update applied (no tau_max given, so none is stale)
         assert r["balanced"] and r["pushed"] == r["applied"] == 2 * r["steps"], r
@@ -60,9 +62,26 @@ def test_odd_rank_count_with_stragglers_network_and_a_plot(tmp_path):
     (["--replicas", "1"], "--replicas is for the parameter-server modes"),
     (["--epochs", "0"], "--epochs and --batch-size must be >= 1"),
     (["--mode", "nonsense"], "invalid choice"),
+    (["--mode", "ps-async", "--device", "cuda"], "--device cuda is for --mode allreduce"),
 ])
 def test_bad_options_fail_before_any_mpi(args, match):
     proc = subprocess.run([sys.executable, SCRIPT, *args], cwd=ROOT, env=mpi_env(),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=60)
     assert proc.returncode == 2 and match in proc.stdout, proc.stdout
+
+
+def _gpus_for(ranks):
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available() and torch.cuda.device_count() >= ranks
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(_gpus_for(1), reason="for machines without a GPU")
+def test_device_cuda_without_a_gpu_fails_on_every_rank():
+    proc = run_mpi(2, [SCRIPT, "--device", "cuda", "--epochs", "1", "--quiet"], timeout=120)
+    assert proc.returncode != 0, proc.stdout
+    assert proc.stdout.count("--device cuda needs a GPU for every rank") == 2, proc.stdout

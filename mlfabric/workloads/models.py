@@ -215,9 +215,12 @@ def accuracy(model, X, y, batch_size=4096):
                          f"got {len(X)} samples and {len(y)} labels")
     model.eval()
     right = 0
+    p0 = next(model.parameters())   # the model's dtype and device (a GPU model too)
     with torch.no_grad():
         for a in range(0, len(X), batch_size):
-            pred = model(_inputs(model, X[a:a + batch_size])).argmax(1).numpy()
+            x = torch.as_tensor(np.asarray(X[a:a + batch_size]), dtype=p0.dtype,
+                                device=p0.device)
+            pred = model(x).argmax(1).cpu().numpy()
             right += int((pred == np.asarray(y[a:a + batch_size])).sum())
     return right / len(X)
 
