@@ -33,7 +33,7 @@ _state = {"config": None, "comm": None, "rt": None, "role": None, "pushes": {}, 
 def init(mode="mlfabric-A", *, servers=1, replicas=0, aggregators=None, batch_interval=0.1,
          t_lag=0.2, slack=2, gamma=0.0, emulation=None, seed=0, distribution=True,
          cut_through=True, pull_objective="makespan", checkpoint_every=0, checkpoint_dir=None,
-         resume=False, comm=None):
+         resume=False, applied_log_max=100_000, comm=None):
     """Set the job's configuration (not collective: it only records it) and return this rank's
     role: 'scheduler', 'server', 'replica' or 'worker' (mlfabric.runtime.roles says which).
     mlfabric.runtime.Config documents every setting."""
@@ -50,7 +50,7 @@ def init(mode="mlfabric-A", *, servers=1, replicas=0, aggregators=None, batch_in
                  batch_interval=batch_interval, t_lag=t_lag, slack=slack, gamma=gamma,
                  emulation=emulation if emulation is not None else Emulation(), seed=seed,
                  distribution=distribution, cut_through=cut_through,
-                 pull_objective=pull_objective,
+                 pull_objective=pull_objective, applied_log_max=applied_log_max,
                  checkpoint_every=checkpoint_every,
                  checkpoint_dir=checkpoint_dir, resume=resume)
     comm = MPI.COMM_WORLD if comm is None else comm
@@ -333,7 +333,7 @@ def serve():
 
 def applied_log():
     """Server or replica, after serve(): [(ids, version or count after, job time), ...] in the
-    order this rank applied them."""
+    order this rank applied them: the last applied_log_max commits (init's setting)."""
     return _state.get("applied_log", [])
 
 

@@ -14,6 +14,7 @@ every commit, server's and replica's, at Div_max in summed norm (aggregation.py,
 single update heavier than Div_max (or Div_max = 0) opens a wider gap, for one commit: one of the
 two sides must apply it first.
 """
+from collections import deque
 from math import inf
 
 from .server import ApplyInOrder, ServerRole, default_apply
@@ -30,7 +31,8 @@ class ReplicaRole:
         self.count = 0              # updates applied (or skipped: see peers_failed)
         self.skipped = 0
         self.reported = 0
-        self.applied_log = []       # (ids, count after, job time, 0)
+        # (ids, count after, job time, 0): the last applied_log_max commits, as the server's
+        self.applied_log = deque(maxlen=rt.config.applied_log_max)
         self.div_max = min((rt.infos[w]["div_max"] for w in rt.roles.worker_ranks), default=inf)
         self.server_count, self.server_need = 0, 0
         self.prefix = [0.0]         # prefix[p]: sum of the norms of the first p updates applied

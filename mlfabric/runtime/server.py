@@ -126,8 +126,9 @@ class ServerRole:
         self.snapshots = {}          # version -> the model copy a pull batch is planned for
         self.pulls = []              # requests due, waiting for the models still leaving
         self.leaving = {}            # rank -> model sends to it in flight (0: a batch is planned)
-        # (ids, version after, job time, replica count waited for): the order, for audits and tests
-        self.applied_log = []
+        # (ids, version after, job time, replica count waited for): the order, for audits and
+        # tests; the last cfg.applied_log_max commits only, so a long job does not grow it
+        self.applied_log = deque(maxlen=cfg.applied_log_max)
         self.unreported = []         # ids applied since the last 'applied' report
         self.iteration = None        # sync: [sum, members] of the open iteration
         self.planned_iterations = set()  # sync: iterations whose updates are all planned

@@ -135,6 +135,20 @@ def case_vanilla_async_applies_everything():
                                    atol=1e-14)
 
 
+def case_applied_log_keeps_the_last_commits():
+    """applied_log_max bounds what a server keeps for applied_log(): the last commits, in order;
+    the model and the accounts are unaffected."""
+    full = run_job("async", size=SIZE, iterations=5, emulation=FAST)
+    res = run_job("async", size=SIZE, iterations=5, emulation=FAST, applied_log_max=3)
+    _check_summary(res)
+    assert res.summary.applied == full.summary.applied
+    if res.role == "server":
+        assert len(full.applied_log) == full.summary.applied > 3
+        assert len(res.applied_log) == 3
+        assert [e[1] for e in res.applied_log] == [e[1] for e in full.applied_log[-3:]]
+        np.testing.assert_allclose(res.model, full.model, rtol=1e-12, atol=1e-14)
+
+
 def case_async_job_runs_for_a_duration():
     """duration_s: workers run for a time, not a quota. The first worker is slow (30 ms per
     update, the others 2 ms): it does fewer iterations, nobody starts one after the deadline,
