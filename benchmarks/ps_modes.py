@@ -36,6 +36,7 @@ from mlfabric.bench.report import host_info
 from mlfabric.bench.script import parser, run_main
 from mlfabric.emulate import Emulation
 from mlfabric.ps.driver import default_update, run_job
+from mlfabric.runtime.core import PS_MODES
 from mlfabric.runtime.roles import Roles
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -200,6 +201,8 @@ class Jobs:
                         batch_interval=a.batch_interval, seed=a.seed, **extra)
         if mode in ("mlfabric-A", "ssp"):
             settings["tau_max"] = a.tau_max
+        if mode in PS_MODES:   # every commit: the commit rates are read off the log
+            settings["applied_log_max"] = None
         settings.update(kw)
         comm.Barrier()
         t0 = time.monotonic()

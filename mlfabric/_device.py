@@ -34,16 +34,20 @@ class TorchDevices:
     def stream_handle(stream):
         return stream.cuda_stream
 
-    def new_event(self):
-        return self.torch.cuda.Event()
-
     @staticmethod
     def done(event):
         return event.query()
 
-    def ready_event(self, x):
+    def current_stream(self, x):
+        return self.torch.cuda.current_stream(x.device)
+
+    def using(self, stream):
+        """Context: `stream` is the current one (allocations come from its pool)."""
+        return self.torch.cuda.stream(stream)
+
+    def record(self, stream):
         ev = self.torch.cuda.Event()
-        ev.record(self.torch.cuda.current_stream(x.device))
+        ev.record(stream)
         return ev
 
     def describe(self, x):
@@ -93,17 +97,21 @@ class CupyDevices:
     def stream_handle(stream):
         return stream.ptr
 
-    def new_event(self):
-        return self.cupy.cuda.Event(disable_timing=True)
-
     @staticmethod
     def done(event):
         return event.done
 
-    def ready_event(self, x):
+    def current_stream(self, x):
         with self.cupy.cuda.Device(x.device.id):
-            ev = self.cupy.cuda.Event(disable_timing=True)
-            ev.record(self.cupy.cuda.get_current_stream())
+            return self.cupy.cuda.get_current_stream()
+
+    @staticmethod
+    def using(stream):
+        return stream
+
+    def record(self, stream):
+        ev = self.cupy.cuda.Event(disable_timing=True)
+        ev.record(stream)
         return ev
 
     def describe(self, x):
@@ -167,10 +175,6 @@ class DeviceBuf:
     def ptr(self):
         return self.devices.ptr(self.arr)
 
-    @property
-    def nbytes(self):
-        return self.count * _dtypes.ITEMSIZE[self.code]
-
 
 def wrap(x, name="x", output=False):
     """DeviceBuf of a GPU array; TypeError for an unsupported dtype, ValueError for an output
@@ -189,8 +193,16 @@ def wrap(x, name="x", output=False):
     return DeviceBuf(x, arr, devices, device, code, shape)
 
 
+def ready_event(buf):
+    """An event on the caller's current stream: the call's NCCL work waits for it. Recorded on
+    the caller's thread when the call is made, after any contiguous copy of the input."""
+    devices = buf.devices
+    return devices.record(devices.current_stream(buf.arr))
+
+
 def empty_like(buf, shape=None):
-    """A new array of buf's library, dtype and device, and its DeviceBuf."""
+    """A new array of buf's library, dtype and device (from the current stream's pool), and its
+    DeviceBuf."""
     shape = buf.shape if shape is None else tuple(shape)
     out = buf.devices.empty(buf.obj, shape)
     return out, wrap(out, "out", output=True)

@@ -28,20 +28,23 @@ def _now(fn):
 
 
 def _check_gpu(ctx, xb, what):
-    """Errors that must surface before the header exchange: no NCCL, or another GPU than the
-    one this rank's communicator is bound to."""
+    """Errors that must surface before the header exchange (so the peers hear of them at once):
+    no NCCL, a communicator that has failed, or another GPU than the communicator's."""
     nccl.library()
     comm = ctx.nccl
+    if comm is not None and comm.failed is not None:
+        raise MlfabricError(f"{what}: this rank's NCCL communicator is unusable: {comm.failed}")
     if comm is not None and comm.device != xb.device:
         raise MlfabricError(f"{what}: this rank's NCCL communicator is on GPU {comm.device}, the "
                             f"array is on GPU {xb.device}; mlfabric uses one GPU per rank")
 
 
 def _communicator(ctx, xb):
-    """This context's NCCL communicator, created at the first GPU call (every rank is in that
-    call: the headers agreed)."""
+    """This context's NCCL communicator, created at the first GPU call: right after that call's
+    header exchange, on every rank, whatever the rank then sends (creating it is collective)."""
     if ctx.nccl is None:
-        ctx.nccl = nccl.Communicator(ctx, xb.device, xb.devices)
+        comm = ctx.nccl = nccl.Communicator(ctx.rank, ctx.size, xb.device)
+        comm.init(ctx, xb.devices)   # a failure leaves it marked failed: later calls refuse
     return ctx.nccl
 
 
@@ -63,7 +66,7 @@ def allreduce(x, op, out, algorithm, async_):
     def now():
         xb = _device.wrap(x)
         res, ob = _output(xb, out, what, xb.count, xb.shape)
-        return xb, res, ob, xb.devices.ready_event(xb.arr)
+        return xb, res, ob, _device.ready_event(xb)
     early = _now(now)
 
     def prepare(ctx):
@@ -74,9 +77,10 @@ def allreduce(x, op, out, algorithm, async_):
 
         def body(hdr):
             _coll._exchange_headers(ctx, what, hdr)
+            comm = _communicator(ctx, xb)
             if xb.count:
-                _communicator(ctx, xb).allreduce(what, xb.devices, ready, xb.ptr, ob.ptr,
-                                                 xb.count, xb.code, opc, avg)
+                comm.allreduce(what, xb.devices, ready, xb.ptr, ob.ptr, xb.count, xb.code, opc,
+                               avg)
             return res
         return header.make(what, xb.code, opc, avg, 0, xb.shape, "nccl"), body
 
@@ -87,22 +91,24 @@ def reduce(x, root, op, out):
     what = "reduce"
 
     def now():
+        ctx = context.get()
         xb = _device.wrap(x)
-        return xb, xb.devices.ready_event(xb.arr)
+        r = _coll._check_root(root, ctx.size)
+        res, ob = _output(xb, out, what, xb.count, xb.shape) if ctx.rank == r else (None, xb)
+        return xb, r, res, ob, _device.ready_event(xb)
     early = _now(now)
 
     def prepare(ctx):
-        xb, ready = early()
+        xb, r, res, ob, ready = early()
         opc, avg = _dtypes.op_code(op, xb.code)
-        r = _coll._check_root(root, ctx.size)
-        res, ob = _output(xb, out, what, xb.count, xb.shape) if ctx.rank == r else (None, xb)
         _check_gpu(ctx, xb, what)
 
         def body(hdr):
             _coll._exchange_headers(ctx, what, hdr)
+            comm = _communicator(ctx, xb)
             if xb.count:
-                _communicator(ctx, xb).reduce(what, xb.devices, ready, xb.ptr, ob.ptr, xb.count,
-                                              xb.code, opc, avg, r)
+                comm.reduce(what, xb.devices, ready, xb.ptr, ob.ptr, xb.count, xb.code, opc, avg,
+                            r)
             return res
         return header.make(what, xb.code, opc, avg, r, xb.shape, "nccl"), body
 
@@ -114,7 +120,7 @@ def broadcast(x, root, async_):
 
     def now():
         xb = _device.wrap(x, output=True)
-        return xb, xb.devices.ready_event(xb.arr)
+        return xb, _device.ready_event(xb)
     early = _now(now)
 
     def prepare(ctx):
@@ -124,9 +130,9 @@ def broadcast(x, root, async_):
 
         def body(hdr):
             _coll._exchange_headers(ctx, what, hdr)
+            comm = _communicator(ctx, xb)
             if xb.count:
-                _communicator(ctx, xb).broadcast(what, xb.devices, ready, xb.ptr, xb.count,
-                                                 xb.code, r)
+                comm.broadcast(what, xb.devices, ready, xb.ptr, xb.count, xb.code, r)
             return x
         return header.make(what, xb.code, 0, False, r, xb.shape, "nccl"), body
 
@@ -141,7 +147,7 @@ def allgather(x, out, async_):
         xb = _device.wrap(x)
         shape = (n * xb.shape[0], *xb.shape[1:]) if xb.shape else (n,)
         res, ob = _output(xb, out, what, n * xb.count, shape)
-        return xb, res, ob, xb.devices.ready_event(xb.arr)
+        return xb, res, ob, _device.ready_event(xb)
     early = _now(now)
 
     def prepare(ctx):
@@ -150,9 +156,9 @@ def allgather(x, out, async_):
 
         def body(hdr):
             _coll._exchange_headers(ctx, what, hdr)
+            comm = _communicator(ctx, xb)
             if xb.count:
-                _communicator(ctx, xb).allgather(what, xb.devices, ready, xb.ptr, ob.ptr,
-                                                 xb.count, xb.code)
+                comm.allgather(what, xb.devices, ready, xb.ptr, ob.ptr, xb.count, xb.code)
             return res
         return header.make(what, xb.code, 0, False, 0, xb.shape, "nccl"), body
 
@@ -163,40 +169,42 @@ def reduce_scatter(x, op, out, async_):
     what = "reduce_scatter"
 
     def now():
-        n, me = context.get().size, context.get().rank
+        ctx = context.get()
         xb = _device.wrap(x)
         if not xb.shape:
             raise ValueError("reduce_scatter needs an array with at least one dimension")
-        rows = _coll.split_rows(xb.shape[0], n)
+        rows = _coll.split_rows(xb.shape[0], ctx.size)
         row_len = xb.count // xb.shape[0] if xb.shape[0] else 0
         counts = [r * row_len for r in rows]
-        res, ob = _output(xb, out, what, counts[me], (rows[me], *xb.shape[1:]))
-        return xb, res, ob, counts, xb.devices.ready_event(xb.arr)
+        res, ob = _output(xb, out, what, counts[ctx.rank], (rows[ctx.rank], *xb.shape[1:]))
+        # uneven blocks (NCCL's reduce-scatter takes equal ones): the whole sum lands here
+        full = _device.empty_like(xb)[1] if len(set(counts)) > 1 else None
+        return xb, res, ob, counts, full, _device.ready_event(xb)
     early = _now(now)
 
     def prepare(ctx):
-        xb, res, ob, counts, ready = early()
+        xb, res, ob, counts, full, ready = early()
         opc, avg = _dtypes.op_code(op, xb.code)
         _check_gpu(ctx, xb, what)
 
         def body(hdr):
             _coll._exchange_headers(ctx, what, hdr)
+            comm = _communicator(ctx, xb)
             if not xb.count:
                 return res
-            comm = _communicator(ctx, xb)
-            if len(set(counts)) == 1:
+            if full is None:
                 comm.reduce_scatter(what, xb.devices, ready, xb.ptr, ob.ptr, counts[0], xb.code,
                                     opc, avg)
                 return res
-            # Uneven blocks (NCCL's reduce-scatter takes equal ones): reduce everything, keep
-            # this rank's rows. Only when shape[0] is not a multiple of the ranks.
-            full, fb = _device.empty_like(xb)
+            # Only when shape[0] is not a multiple of the ranks: reduce everything, keep this
+            # rank's rows.
             lo = sum(counts[:ctx.rank])
-            mine = xb.devices.flat(full)[lo:lo + counts[ctx.rank]]
+            mine = xb.devices.flat(full.arr)[lo:lo + counts[ctx.rank]]
 
             def launch(lib, handle, s, stream):
-                nccl._check(lib.ncclAllReduce(xb.ptr, fb.ptr, xb.count, nccl._NCCL_DTYPE[xb.code],
-                                              comm.op(opc, avg), handle, s), what, handle)
+                nccl.check(lib.ncclAllReduce(xb.ptr, full.ptr, xb.count,
+                                             nccl.NCCL_DTYPE[xb.code], comm.op(opc, avg),
+                                             handle, s), what, handle)
                 xb.devices.copy_on(stream, xb.devices.flat(ob.arr), mine)
             comm.run(what, xb.devices, ready, launch)
             return res
@@ -206,7 +214,10 @@ def reduce_scatter(x, op, out, async_):
 
 
 def alltoall(x, splits, async_):
-    """As collectives.alltoall: the split counts go over MPI, the rows over NCCL."""
+    """As collectives.alltoall: the split counts go over MPI, the rows over NCCL. The output's
+    size is known only after the split exchange, so it is allocated then (on the queue thread, for
+    a non-blocking call) from the caller's stream's pool, and the NCCL work waits for an event
+    recorded after that allocation."""
     what = "alltoall"
 
     def now():
@@ -215,22 +226,26 @@ def alltoall(x, splits, async_):
         if not xb.shape:
             raise ValueError("alltoall needs an array with at least one dimension")
         return xb, _coll._alltoall_splits(splits, xb.shape[0], n), \
-            xb.devices.ready_event(xb.arr)
+            xb.devices.current_stream(xb.arr)
     early = _now(now)
 
     def prepare(ctx):
-        xb, send_rows, ready = early()
+        xb, send_rows, caller = early()
         _check_gpu(ctx, xb, what)
 
         def body(hdr):
             _coll._exchange_headers(ctx, what, hdr)
+            comm = _communicator(ctx, xb)
             rest = tuple(xb.shape[1:])
             recv_rows, row_bytes = _coll._exchange_splits(ctx, what, send_rows, rest, xb.code)
-            res, ob = _device.empty_like(xb, (int(recv_rows.sum()), *rest))
+            devices = xb.devices
+            with devices.using(caller):
+                res, ob = _device.empty_like(xb, (int(recv_rows.sum()), *rest))
+                ready = devices.record(caller)
             if row_bytes and (send_rows.any() or recv_rows.any()):
-                _communicator(ctx, xb).alltoallv(what, xb.devices, ready, xb.ptr, ob.ptr,
-                                                 [int(r) * row_bytes for r in send_rows],
-                                                 [int(r) * row_bytes for r in recv_rows])
+                comm.alltoallv(what, devices, ready, xb.ptr, ob.ptr,
+                               [int(r) * row_bytes for r in send_rows],
+                               [int(r) * row_bytes for r in recv_rows])
             return res, recv_rows
         # The shape carried is one row's (the first dimension may differ between ranks).
         return header.make(what, xb.code, 0, False, 0, tuple(xb.shape[1:]), "nccl"), body

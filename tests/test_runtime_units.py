@@ -33,7 +33,7 @@ def test_config_refuses_what_it_cannot_do():
         Config(batch_interval=0)
     with pytest.raises(MlfabricError, match="checkpoint_dir"):
         Config(checkpoint_every=5)
-    with pytest.raises(MlfabricError, match="applied_log_max must be an int >= 0"):
+    with pytest.raises(MlfabricError, match="applied_log_max must be an int >= 0 or None"):
         Config(applied_log_max=-1)
     with pytest.raises(MlfabricError, match="pull_objective must be one of makespan, mean"):
         Config(pull_objective="p99")

@@ -329,6 +329,7 @@ def traced_job(comm, mode, task, *, iterations, compute_s, emulation, tau_max=ma
     compute time between fetching the model and calling the update function, so that sleep
     (the same seeded trace) is taken off the time of the call."""
     from mlfabric.ps.driver import run_job
+    from mlfabric.runtime.core import PS_MODES
     from mlfabric.runtime.roles import Roles
     roles = Roles(comm.size)
     workers = len(roles.worker_ranks)
@@ -348,6 +349,8 @@ def traced_job(comm, mode, task, *, iterations, compute_s, emulation, tau_max=ma
     settings = dict(size=task.size, iterations=iterations, compute_s=compute_s,
                     dtype=task.dtype, emulation=emulation, batch_interval=batch_interval,
                     seed=seed, update_fn=update_fn, model0=task.model0(comm))
+    if mode in PS_MODES:   # every commit: the applied ids and drops are read off the log
+        settings["applied_log_max"] = None
     if mode in ("mlfabric-A", "ssp"):
         settings["tau_max"] = tau_max
     if duration_s is not None:     # an asynchronous job: workers run for a time (run_job)

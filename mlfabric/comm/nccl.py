@@ -16,6 +16,7 @@ import ctypes
 import glob
 import os
 import socket
+import threading
 import time
 
 from .. import _config
@@ -23,7 +24,7 @@ from ..errors import MlfabricError, PeerTimeoutError
 
 # ncclDataType_t of mlfabric's wire dtypes (_dtypes.DTYPE_NAMES order: float32, float64, float16,
 # bfloat16, int32, int64).
-_NCCL_DTYPE = (7, 8, 6, 9, 2, 4)
+NCCL_DTYPE = (7, 8, 6, 9, 2, 4)
 # ncclRedOp_t of mlfabric's kernel ops (_dtypes.OPS order: sum, prod, min, max); avg is ncclAvg.
 _NCCL_OP = (0, 1, 3, 2)
 _NCCL_AVG = 4
@@ -75,7 +76,8 @@ def _declare(lib):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, ctypes.c_int
     lib.ncclGetErrorString.argtypes, lib.ncclGetErrorString.restype = [i], ctypes.c_char_p
-    lib.ncclGetLastError.argtypes, lib.ncclGetLastError.restype = [p], ctypes.c_char_p
+    if hasattr(lib, "ncclGetLastError"):   # NCCL >= 2.13: the detail of the last error
+        lib.ncclGetLastError.argtypes, lib.ncclGetLastError.restype = [p], ctypes.c_char_p
 
 
 def library():
@@ -121,10 +123,11 @@ def version():
     return v.value
 
 
-def _check(rc, what, comm=None):
+def check(rc, what, comm=None):
     if rc != 0:
         lib = library()
-        detail = (lib.ncclGetLastError(comm) or b"").decode(errors="replace")
+        last = getattr(lib, "ncclGetLastError", None)
+        detail = (last(comm) or b"").decode(errors="replace") if last is not None else ""
         msg = f"{what}: NCCL error {rc} ({lib.ncclGetErrorString(rc).decode()})"
         if "Duplicate GPU" in detail:
             msg += (f": {detail}. NCCL needs one GPU per rank: pick the device with "
@@ -135,13 +138,31 @@ def _check(rc, what, comm=None):
         raise MlfabricError(msg)
 
 
+def _bounded(fn, seconds):
+    """Run fn() on a daemon thread (ctypes lets go of the GIL in the call) and wait at most
+    `seconds`: True when it returned. NCCL calls that need their peers (init, destroy; abort too,
+    where peers are gone) can block without end; a thread left behind cannot hold up the exit."""
+    t = threading.Thread(target=fn, name="mlfabric-nccl", daemon=True)
+    t.start()
+    t.join(seconds)
+    return not t.is_alive()
+
+
 class Communicator:
     """One NCCL communicator over an mlfabric context's ranks, bound to one GPU, with a stream
-    of its own. Created collectively (every rank at the same call, which collectives.py's header
-    exchange guarantees)."""
+    of its own per array library. Made by init(), collectively (every rank at the same call,
+    which collectives.py's header exchange guarantees)."""
 
-    def __init__(self, ctx, device, devices):
-        """device: the GPU's index; devices: the array library's adapter (mlfabric._device)."""
+    def __init__(self, rank, size, device):
+        self.rank, self.size, self.device = rank, size, device
+        self.handle = ctypes.c_void_p()
+        self.streams = {}   # array library's name -> mlfabric's stream on this GPU
+        self.failed = "not initialised"  # why the communicator cannot be used (None: it can)
+
+    def init(self, ctx, devices):
+        """Every rank: rank 0 makes NCCL's unique id and broadcasts it (over MPI, bounded, with
+        a status word, so a failure there is an error on every rank), then ncclCommInitRank,
+        bounded by MLFABRIC_TIMEOUT (a peer that died before it would hold it forever)."""
         import numpy as np
         from . import p2p
         lib = library()
@@ -149,19 +170,33 @@ class Communicator:
             # Before NCCL computes its host hash (at the first communicator of the process).
             os.environ["NCCL_HOSTID"] = f"{socket.gethostname()}-mlfabric-rank{ctx.rank}"
         uid = _UniqueId()
-        raw = np.zeros(128, np.uint8)
+        raw = np.zeros(129, np.uint8)   # the id, then a status: 1 made, 2 failed
+        rc = 0
         if ctx.rank == 0:
-            _check(lib.ncclGetUniqueId(ctypes.byref(uid)), "NCCL init (unique id)")
-            raw[:] = np.frombuffer(bytes(uid.internal), np.uint8)
+            rc = lib.ncclGetUniqueId(ctypes.byref(uid))
+            raw[:128] = np.frombuffer(bytes(uid.internal), np.uint8)
+            raw[128] = 1 if rc == 0 else 2
         p2p.wait([ctx.comm.Ibcast(raw, root=0)], [0], "NCCL init (unique id broadcast)")
+        if raw[128] != 1:
+            self.failed = "NCCL's unique id could not be made on rank 0"
+            check(rc, "NCCL init (unique id)")
+            raise MlfabricError("NCCL init: rank 0 could not make NCCL's unique id (see its error)")
         ctypes.memmove(ctypes.addressof(uid), raw.ctypes.data, 128)
-        self.device, self.rank, self.size = device, ctx.rank, ctx.size
-        self.handle = ctypes.c_void_p()
-        with devices.on(device):
-            _check(lib.ncclCommInitRank(ctypes.byref(self.handle), ctx.size, uid, ctx.rank),
-                   "NCCL init")
-        self.streams = {}   # array library's name -> mlfabric's stream on this GPU
-        self.failed = None  # why the communicator can no longer be used
+        result = []
+
+        def init_rank():
+            with devices.on(self.device):
+                result.append(lib.ncclCommInitRank(ctypes.byref(self.handle), ctx.size, uid,
+                                                   ctx.rank))
+        timeout = _config.timeout_s()
+        if not _bounded(init_rank, timeout):
+            self.failed = "NCCL init timed out"
+            raise PeerTimeoutError(f"NCCL init did not finish within {timeout:g} s "
+                                   "(MLFABRIC_TIMEOUT): a peer died or never reached it")
+        if result[0] != 0:
+            self.failed = "NCCL init failed"
+            check(result[0], "NCCL init")
+        self.failed = None
 
     # --- launching ---------------------------------------------------------------------------
 
@@ -181,9 +216,13 @@ class Communicator:
                 stream = self.streams[devices.name] = devices.new_stream(self.device)
             if ready is not None:
                 stream.wait_event(ready)
-            launch(lib, self.handle, devices.stream_handle(stream), stream)
-            done = devices.new_event()
-            done.record(stream)
+            try:
+                launch(lib, self.handle, devices.stream_handle(stream), stream)
+            except BaseException:
+                # the peers launched theirs: they would wait for this rank until their timeout
+                self.abort(f"{what} could not be launched on rank {self.rank}")
+                raise
+            done = devices.record(stream)
         self.wait(devices, done, what)
 
     def wait(self, devices, event, what):
@@ -199,8 +238,10 @@ class Communicator:
             if polls % 64 == 0:  # a host call into NCCL: not on every poll
                 lib.ncclCommGetAsyncError(self.handle, ctypes.byref(err))
                 if err.value not in (0, _IN_PROGRESS):
-                    self.abort(f"{what} failed in NCCL")
-                    _check(err.value, what, self.handle)
+                    try:
+                        check(err.value, what, self.handle)   # (its detail, before the abort)
+                    finally:
+                        self.abort(f"{what} failed in NCCL")
                 if time.monotonic() - start > timeout:
                     self.abort(f"{what} timed out")
                     raise PeerTimeoutError(
@@ -212,14 +253,21 @@ class Communicator:
             time.sleep(0 if polls < 2000 else 50e-6)
 
     def abort(self, why):
+        """Mark the communicator failed and abort it (frees a kernel stuck on a dead peer); the
+        abort is bounded too: with peers gone it has been seen to block."""
         if self.failed is None:
             self.failed = why
-            library().ncclCommAbort(self.handle)
+            lib = library()
+            _bounded(lambda: lib.ncclCommAbort(self.handle), min(_config.timeout_s(), 10.0))
 
     def close(self):
+        """At finalize: destroy a healthy communicator (its peers do the same), bounded."""
         if self.failed is None:
             self.failed = "closed"
-            library().ncclCommDestroy(self.handle)
+            lib = library()
+            if not _bounded(lambda: lib.ncclCommDestroy(self.handle),
+                            min(_config.timeout_s(), 30.0)):
+                _bounded(lambda: lib.ncclCommAbort(self.handle), 10.0)
 
     # --- the collectives (pointers are device addresses; counts in elements) ---------------
 
@@ -232,48 +280,48 @@ class Communicator:
 
     def allreduce(self, what, devices, ready, src, dst, count, code, opc, avg):
         def launch(lib, comm, s, _):
-            _check(lib.ncclAllReduce(src, dst, count, _NCCL_DTYPE[code], self.op(opc, avg),
+            check(lib.ncclAllReduce(src, dst, count, NCCL_DTYPE[code], self.op(opc, avg),
                                      comm, s), what, comm)
         self.run(what, devices, ready, launch)
 
     def reduce(self, what, devices, ready, src, dst, count, code, opc, avg, root):
         def launch(lib, comm, s, _):
-            _check(lib.ncclReduce(src, dst, count, _NCCL_DTYPE[code], self.op(opc, avg), root,
+            check(lib.ncclReduce(src, dst, count, NCCL_DTYPE[code], self.op(opc, avg), root,
                                   comm, s), what, comm)
         self.run(what, devices, ready, launch)
 
     def broadcast(self, what, devices, ready, buf, count, code, root):
         def launch(lib, comm, s, _):
-            _check(lib.ncclBroadcast(buf, buf, count, _NCCL_DTYPE[code], root, comm, s), what,
+            check(lib.ncclBroadcast(buf, buf, count, NCCL_DTYPE[code], root, comm, s), what,
                    comm)
         self.run(what, devices, ready, launch)
 
     def allgather(self, what, devices, ready, src, dst, count, code):
         def launch(lib, comm, s, _):
-            _check(lib.ncclAllGather(src, dst, count, _NCCL_DTYPE[code], comm, s), what, comm)
+            check(lib.ncclAllGather(src, dst, count, NCCL_DTYPE[code], comm, s), what, comm)
         self.run(what, devices, ready, launch)
 
     def reduce_scatter(self, what, devices, ready, src, dst, count, code, opc, avg):
         def launch(lib, comm, s, _):
-            _check(lib.ncclReduceScatter(src, dst, count, _NCCL_DTYPE[code], self.op(opc, avg),
+            check(lib.ncclReduceScatter(src, dst, count, NCCL_DTYPE[code], self.op(opc, avg),
                                          comm, s), what, comm)
         self.run(what, devices, ready, launch)
 
     def alltoallv(self, what, devices, ready, src, dst, send_bytes, recv_bytes):
         """Byte counts per peer; blocks back to back in rank order on both sides."""
         def launch(lib, comm, s, _):
-            _check(lib.ncclGroupStart(), what)
+            check(lib.ncclGroupStart(), what)
             so = ro = 0
             try:
                 for peer in range(self.size):
                     if send_bytes[peer]:
-                        _check(lib.ncclSend(src + so, send_bytes[peer], 1, peer, comm, s), what,
+                        check(lib.ncclSend(src + so, send_bytes[peer], 1, peer, comm, s), what,
                                comm)
                     if recv_bytes[peer]:
-                        _check(lib.ncclRecv(dst + ro, recv_bytes[peer], 1, peer, comm, s), what,
+                        check(lib.ncclRecv(dst + ro, recv_bytes[peer], 1, peer, comm, s), what,
                                comm)
                     so += send_bytes[peer]
                     ro += recv_bytes[peer]
             finally:
-                _check(lib.ncclGroupEnd(), what, comm)
+                check(lib.ncclGroupEnd(), what, comm)
         self.run(what, devices, ready, launch)

@@ -42,7 +42,8 @@ class Config:
     cut_through: bool = True     # relays and aggregates forward bytes as they come (worker.py)
     pull_objective: str = "makespan"  # a pull batch's tree: least makespan (paper) or "mean"
     checkpoint_every: int = 0    # servers write model + version every this many updates (0: off)
-    applied_log_max: int = 100_000  # commits a server / replica keeps for applied_log() (the last)
+    applied_log_max: int = 100_000  # commits a server / replica keeps for applied_log() (the
+    #                                 last ones; None: all, for benchmarks that audit every one)
     checkpoint_dir: str = None
     resume: bool = False         # servers start from their checkpoint in checkpoint_dir
     emulation: Emulation = field(default_factory=Emulation)
@@ -69,8 +70,9 @@ class Config:
         if self.replicas and self.mode not in ("mlfabric-A", "ssp"):
             raise MlfabricError("replicas follow the scheduler's plans (paper §5.3): they need "
                                 "mode 'mlfabric-A' or 'ssp', not %r" % (self.mode,))
-        if not (isinstance(self.applied_log_max, int) and self.applied_log_max >= 0):
-            raise MlfabricError("applied_log_max must be an int >= 0, got %r"
+        if self.applied_log_max is not None and not (
+                isinstance(self.applied_log_max, int) and self.applied_log_max >= 0):
+            raise MlfabricError("applied_log_max must be an int >= 0 or None, got %r"
                                 % (self.applied_log_max,))
         if not (isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 0):
             raise MlfabricError("checkpoint_every must be an int >= 0, got %r"

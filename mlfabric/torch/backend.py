@@ -18,7 +18,7 @@ A rank or world size passed to init_process_group must agree with MPI's, else an
 Groups: every mlfabric group spans all ranks of mlfabric's communicator (a new_group of every
 rank is fine); a proper subset is refused. CUDA tensors move over NCCL (mlfabric's GPU path);
 results that need a copy back (lists of several tensors, widened dtypes) are copied on the
-thread that completes the call, on its current stream. torch's timeout argument is not used: mlfabric's own bound
+stream that was current when the call was made. torch's timeout argument is not used: mlfabric's own bound
 (MLFABRIC_TIMEOUT) applies.
 
 Calls: every torch call is one mlfabric call, in the order issued. Collectives are non-blocking:
@@ -113,12 +113,20 @@ _completer = concurrent.futures.ThreadPoolExecutor(max_workers=32,
 def _launch(what, handle, finish):
     """Work of an mlfabric call in flight. finish(result of the call) runs after it on mlfabric's
     communication thread (queued now, so in issue order; it issues nothing itself), puts the
-    results in place, and returns the tensors the future gives."""
+    results in place, and returns the tensors the future gives. With CUDA in use, finish's copies
+    run on the stream current when the call was made (the communication thread's own is
+    another), so the caller's later work there follows them."""
     future = torch.futures.Future()
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    stream = torch.cuda.current_stream() if cuda else None
 
     def complete():
         try:
-            out = finish(handle.wait())
+            if stream is None:
+                out = finish(handle.wait())
+            else:
+                with torch.cuda.stream(stream):
+                    out = finish(handle.wait())
         except BaseException as exc:
             _completer.submit(future.set_exception, exc)
             raise

@@ -235,7 +235,8 @@ class _State:
         self.handles = {}
         self.ids = itertools.count()
         self.rounds = 0  # control rounds so far: the same on every rank (all take part in each)
-        self.staging = {}  # wire dtype -> the grouped allreduces' staging buffer
+        self.staging = {}  # wire dtype (and GPU) -> the grouped allreduces' staging buffer
+        self.staging_free = {}  # GPU staging key -> event: the last call's copies out are done
         self.shared_staging = {}  # the same in shared memory (see _staged)
         self.layouts = {}  # signature of a grouped allreduce's list -> (its _Groups, hash)
 
@@ -297,7 +298,8 @@ def _check_name(name):
 def _caller_stream(t):
     """The caller's current CUDA stream when t is a CUDA tensor, else None. Taken when the call
     is made: queued calls run on another thread, whose current stream is another, and the job's
-    copies must follow the work that produced t (and the caller's later work must follow them)."""
+    copies must follow the work that produced t; queued on that stream, they are also ahead of
+    whatever the caller queues there after synchronize()."""
     return torch.cuda.current_stream(t.device) if t.is_cuda else None
 
 
@@ -554,6 +556,10 @@ def _staged(st, group, everyone, device):
         nbytes <= _STAGING_MAX
     pool = st.shared_staging if shared else st.staging
     key = wire if device.type == "cpu" else (wire, device)
+    free = st.staging_free.pop(key, None)
+    if free is not None:
+        # the last call may have copied out on another stream: this one's copies in wait for it
+        torch.cuda.current_stream(device).wait_event(free)
     buf = pool.get(key)
     if group.staged is not None and group.staged[0] is buf:
         return group.staged[1], group.staged[2]
@@ -573,6 +579,15 @@ def _staged(st, group, everyone, device):
     return flat, views
 
 
+def _release_staging(st, flat):
+    """After a call's copies out of a GPU staging buffer (queued on its caller's stream): the next
+    call's copies in wait for them (_staged), whichever stream that call comes from."""
+    if flat.is_cuda:
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(flat.device))
+        st.staging_free[(flat.dtype, flat.device)] = ev
+
+
 def _clone_all(tensors):
     """Independent copies of tensors, in one call where this torch has one."""
     clone = getattr(torch, "_foreach_clone", None)
@@ -585,9 +600,9 @@ def _scan(tensors, what):
     not contiguous; no list at all for GPU tensors), for the C++ gather / scatter, which costs
     ~0.1 us a tensor where torch._foreach_copy_ costs ~0.4 us.
 
-    One pass of six attribute reads per tensor when they are fine (at 100 x 1 KiB these reads
-    are most of what the grouped call adds to one fused allreduce: ~0.35 us a tensor); the
-    per-tensor check, which names the first bad one, only otherwise."""
+    Six attribute reads per tensor, in two list comprehensions, when they are fine (at 100 x
+    1 KiB these reads are most of what the grouped call adds to one fused allreduce: ~0.35 us a
+    tensor); the per-tensor check, which names the first bad one, only otherwise."""
     codes, strided = _DTYPE_CODE, torch.strided
     try:  # (anything but a tensor fails at .is_cpu; a CUDA or sparse one is left out)
         sig = tuple([(codes[t.dtype], t.shape) for t in tensors
@@ -674,9 +689,11 @@ def _grouped_call(tensors, op, average, name, pre, post, inplace, async_):
                         _increment_version(srcs)
                     else:
                         torch._foreach_copy_(srcs, views)
+                    _release_staging(st, flat)
                     continue
                 results = _clone_all(views) if flat.dtype == dtype else [v.to(dtype)
                                                                          for v in views]
+                _release_staging(st, flat)
                 if members is None:
                     return results
                 for i, out in zip(members, results):
@@ -893,14 +910,16 @@ def fusion_threshold():
 
 
 def fuse(tensors, threshold, first=None):
-    """Indices of tensors grouped into buffers: one dtype per buffer, at most threshold bytes
-    (a larger tensor gets a buffer of its own), in the order given; first (default threshold)
-    caps the first buffer of each dtype instead (DDP's small first bucket). Deterministic: the
+    """Indices of tensors grouped into buffers: one device and dtype per buffer, at most
+    threshold bytes (a larger tensor gets a buffer of its own), in the order given; first
+    (default threshold) caps the first buffer of each instead (DDP's small first bucket). Deterministic: the
     same tensors give the same buffers on every rank."""
     first = threshold if first is None else first
     buckets, current, filled, cap = [], {}, {}, {}
     for i, t in enumerate(tensors):
-        dtype, nbytes = t.dtype, t.numel() * t.element_size()
+        # one device and dtype per buffer (an optimizer's state can mix CUDA tensors with CPU
+        # scalars: Adam's step counts)
+        dtype, nbytes = (t.device, t.dtype), t.numel() * t.element_size()
         members = current.get(dtype)
         if members is None or (members and filled[dtype] + nbytes > cap[dtype]):
             cap[dtype] = first if members is None else threshold
@@ -948,7 +967,8 @@ def _grouped_broadcast_call(tensors, root_rank, name):
                     off += s.numel()
         return tensors
 
-    return _issue(what, plan, job, False, tensors[0] if tensors else None)
+    cuda = next((t for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda), None)
+    return _issue(what, plan, job, False, cuda)
 
 
 # --- alltoall -------------------------------------------------------------------------------------
@@ -1031,16 +1051,20 @@ def barrier():
 def join(device=-1):
     """Declare that this rank has no more data: until every rank has joined, it takes part in the
     others' collectives (see the module docstring for what it contributes), then returns the rank
-    that joined last (of several joining in the same round, the highest). device is accepted
-    for Horovod compatibility: in the others' GPU calls a joined rank takes part on its NCCL
-    communicator's GPU (else the current one)."""
+    that joined last (of several joining in the same round, the highest). In the others' GPU
+    calls a joined rank takes part on GPU `device` if >= 0, else on its NCCL communicator's GPU,
+    else on the current one (as of this call)."""
+    gpu = device if device >= 0 else None
+    if gpu is None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        gpu = torch.cuda.current_device()   # taken here: the job runs on another thread
+
     def job(st, _):
-        return _joined_loop(st)
+        return _joined_loop(st, gpu)
 
     return _issue("join", lambda st: None, job, False)
 
 
-def _joined_loop(st):
+def _joined_loop(st, gpu):
     desc = np.zeros(_W, np.int64)
     desc[_STATE] = _JOINED
     desc[_JOINED_AT] = st.rounds + 1
@@ -1052,14 +1076,14 @@ def _joined_loop(st):
             return int(np.flatnonzero(at == at.max()).max())
         if _disagreement(table, "join") is not None:
             continue  # the active ranks raise; nothing moves
-        _take_part(table)
+        _take_part(table, gpu)
 
 
-def _take_part(table):
+def _take_part(table, gpu):
     """A joined rank's part in the call the active ranks described."""
     d = table[np.flatnonzero(table[:, _STATE] == _ACTIVE)[0]]
     kind, wire = int(d[_KIND]), _wire(_DTYPES[int(d[_DTYPE])])
-    device = _joined_device() if d[_DEVICE] else torch.device("cpu")
+    device = _joined_device(gpu) if d[_DEVICE] else torch.device("cpu")
     numel = int(d[_ROWS]) * int(d[_ROW_LEN])
     if kind == _ALLREDUCE:
         core = _CORE_OPS[int(d[_OP])]
@@ -1080,7 +1104,9 @@ def _take_part(table):
         _coll.barrier()
 
 
-def _joined_device():
-    """The GPU a joined rank takes part on: its NCCL communicator's, else the current one."""
+def _joined_device(gpu):
+    """The GPU a joined rank takes part on (see join())."""
     comm = _state().ctx.nccl
-    return torch.device("cuda", comm.device if comm is not None else torch.cuda.current_device())
+    if gpu is None:
+        gpu = comm.device if comm is not None else torch.cuda.current_device()
+    return torch.device("cuda", gpu)

@@ -295,12 +295,14 @@ def _bucket_buffers(layout, buckets):
     def private():
         return [torch.zeros(n, dtype=dt, device=device) for n, dt in specs]
 
-    if not _context.initialized() or _context.get().shm is None or device.type != "cpu":
+    if not _context.initialized() or _context.get().shm is None:
         return private()
 
     def job():
-        every = _coll.allgather(np.array([layout], np.int64))
-        if not (every == every[0]).all():
+        # every rank takes part, a GPU model's too (its buckets stay on its GPU): a rank that
+        # skipped this would pair the others' allgather with its next call
+        every = _coll.allgather(np.array([layout, device.type != "cpu"], np.int64)).reshape(-1, 2)
+        if not (every == every[0]).all() or device.type != "cpu":
             return private()
         # one shared buffer per dtype, cut into the buckets (a window per bucket could run
         # into MPI's limits with many small buckets)

@@ -286,6 +286,37 @@ def case_ddp_over_the_mlfabric_backend_on_gpu():
     assert diff < 1e-10, f"DDP on GPU over mlfabric: weights differ from one process by {diff}"
 
 
+def case_broadcast_parameters_mixing_gpu_and_host_tensors():
+    """Buffers are fused per device and dtype: CUDA parameters beside a CPU tensor (as an
+    optimizer's state holds CPU step counts beside CUDA moments) all get the root's values."""
+    n, r = hvd.size(), hvd.rank()
+    named = [("w", torch.full((5,), float(r), device=GPU)),
+             ("step", torch.tensor(float(10 + r))),
+             ("b", torch.full((2, 2), float(r), device=GPU, dtype=torch.float64))]
+    hvd.broadcast_parameters(named, root_rank=n - 1)
+    assert named[0][1].is_cuda and named[0][1].cpu().tolist() == [n - 1.0] * 5
+    assert not named[1][1].is_cuda and named[1][1].item() == 10.0 + n - 1
+    assert named[2][1].cpu().tolist() == [[n - 1.0] * 2] * 2
+
+
+def case_first_gpu_call_an_alltoall_where_a_rank_moves_nothing():
+    """A fresh context's NCCL communicator is made at its first GPU call on every rank, even
+    where a rank then has nothing to send or receive (making it is collective)."""
+    n, r = hvd.size(), hvd.rank()
+    if n < 2:
+        return
+    hvd.shutdown()   # (destroys the communicator made so far)
+    hvd.init()
+    assert mf.context.get().nccl is None
+    splits = [0] * n if r == 0 else [0] + [1] * (n - 1)   # rank 0 moves nothing at all
+    x = torch.arange(sum(splits), device=GPU, dtype=torch.float32) + 100 * r
+    out, got = mf.alltoall(x, splits)
+    assert got.tolist() == ([0] * n if r == 0 else [0] + [1] * (n - 1))
+    want = [] if r == 0 else [100.0 * q + (r - 1) for q in range(1, n)]
+    assert out.is_cuda and out.cpu().tolist() == want
+    assert mf.context.get().nccl is not None and mf.context.get().nccl.failed is None
+
+
 # --- last: a hung NCCL collective is bounded, and leaves the context unusable ----------------------
 
 def case_zz_hung_nccl_collective_times_out_and_aborts():
