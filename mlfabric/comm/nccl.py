@@ -6,7 +6,9 @@ Argument checks and the header exchange that turns a mismatch into an error on e
 in collectives.py: by the time a call reaches this module every rank has agreed to make it, so
 NCCL never sees mismatched calls. NCCL collectives cannot be cancelled; a wait that outlives
 MLFABRIC_TIMEOUT aborts the communicator (ncclCommAbort, which frees a kernel stuck on a dead
-peer) and raises PeerTimeoutError; every later GPU call on that context then fails at once.
+peer) and raises PeerTimeoutError; every later GPU call on this rank is then refused before
+its header exchange, so its peers get a MismatchError naming it. Init (connections included:
+NCCL_RUNTIME_CONNECT=0 unless set), destroy and abort are bounded too.
 
 Several ranks on one GPU: NCCL refuses them ("Duplicate GPU detected"). MLFABRIC_NCCL_SHARE_GPU=1
 gives each rank a host id of its own (NCCL_HOSTID), so NCCL treats them as separate hosts and
@@ -169,6 +171,11 @@ class Communicator:
         if _config.nccl_share_gpu():
             # Before NCCL computes its host hash (at the first communicator of the process).
             os.environ["NCCL_HOSTID"] = f"{socket.gethostname()}-mlfabric-rank{ctx.rank}"
+        # Connect every channel inside the (bounded) init, not lazily in the first collective
+        # that needs one: that connect runs in the launching host thread and waits for the
+        # peers without end (seen: a launch whose peers never came hung, 3 ranks on an H100).
+        # A user's own setting wins.
+        os.environ.setdefault("NCCL_RUNTIME_CONNECT", "0")
         uid = _UniqueId()
         raw = np.zeros(129, np.uint8)   # the id, then a status: 1 made, 2 failed
         rc = 0

@@ -327,10 +327,10 @@ def case_zz_hung_nccl_collective_times_out_and_aborts():
     if n < 2:
         return
     ctx = mf.context.get()
-    mf.allreduce(torch.ones(1, device=GPU))  # the communicator exists on every rank
+    x = torch.ones(1 << 16, device=GPU)
+    mf.allreduce(x)  # the communicator exists, and has run this very call, on every rank
     comm = ctx.nccl
     os.environ["MLFABRIC_TIMEOUT"] = "3"
-    x = torch.ones(1 << 16, device=GPU)
     ev = torch.cuda.Event()
     ev.record()
     world = MPI.COMM_WORLD
