@@ -50,7 +50,7 @@ import torch
 from .. import collectives as _coll
 from .. import context as _context
 from .. import shared as _shared
-from ..errors import MlfabricError
+from ..errors import MismatchError, MlfabricError
 from . import ops
 from .compression import Compression, check as _check_compression
 
@@ -107,6 +107,41 @@ class _DistributedOptimizer:
 
     def _mlf_setup(self, named_parameters, compression, backward_passes_per_step, op,
                    gradient_predivide_factor):
+        # A rank whose arguments are bad still takes part in the construction round, so that its
+        # peers fail at once (MismatchError naming it) instead of waiting for it.
+        try:
+            op, params, names = self._mlf_check(named_parameters, compression,
+                                                backward_passes_per_step, op,
+                                                gradient_predivide_factor)
+        except (TypeError, ValueError, MlfabricError) as exc:
+            _construction_round(0, torch.device("cpu"), exc)   # raises exc, after the round
+            raise
+        self._mlf_op = op
+        self._mlf_compression = compression
+        self._mlf_passes = backward_passes_per_step
+        self._mlf_predivide = float(gradient_predivide_factor)
+        # Buckets from the parameters in reverse order: the last layers' gradients come first.
+        order = params[::-1]
+        threshold = ops.fusion_threshold()
+        fp16 = compression is Compression.fp16
+        plan = ops.fuse(order, threshold, min(FIRST_BUCKET, threshold))
+        # Every bucket's allreduce carries (a hash of) the whole model's dtypes and shapes: ranks
+        # holding different models fail together at the first bucket.
+        self._mlf_layout = zlib.crc32(repr(
+            tuple((str(p.dtype), tuple(p.shape)) for p in params)).encode())
+        device = params[0].device if params else torch.device("cpu")
+        shared = _construction_round(self._mlf_layout, device, None)
+        flats = _bucket_buffers([[order[i] for i in m] for m in plan], shared)
+        self._mlf_buckets = [
+            _Bucket(b, [order[i] for i in members], [names[id(order[i])] for i in members], fp16,
+                    flat)
+            for (b, members), flat in zip(enumerate(plan), flats)]
+        self._mlf_finish_setup(flats)
+
+    def _mlf_check(self, named_parameters, compression, backward_passes_per_step, op,
+                   gradient_predivide_factor):
+        """(op, parameters, their names), or the error of a bad argument."""
+        _check_compression(compression)
         op = ops._resolve_op(op, None)
         if op not in (ops.Average, ops.Sum):
             raise ValueError(f"DistributedOptimizer supports op Average or Sum, got {op}")
@@ -128,31 +163,16 @@ class _DistributedOptimizer:
                 raise ValueError(f"DistributedOptimizer: parameter {names[id(p)]} is on "
                                  f"{p.device}, {names[id(params[0])]} on {params[0].device}; "
                                  "the parameters must share one device")
-        self._mlf_op = op
-        self._mlf_compression = _check_compression(compression)
-        self._mlf_passes = backward_passes_per_step
-        self._mlf_predivide = float(gradient_predivide_factor)
-        # Buckets from the parameters in reverse order: the last layers' gradients come first.
-        order = params[::-1]
-        threshold = ops.fusion_threshold()
-        fp16 = compression is Compression.fp16
-        plan = ops.fuse(order, threshold, min(FIRST_BUCKET, threshold))
-        # Every bucket's allreduce carries (a hash of) the whole model's dtypes and shapes: ranks
-        # holding different models fail together at the first bucket.
-        self._mlf_layout = zlib.crc32(repr(
-            tuple((str(p.dtype), tuple(p.shape)) for p in params)).encode())
-        flats = _bucket_buffers(self._mlf_layout, [[order[i] for i in m] for m in plan])
-        self._mlf_buckets = [
-            _Bucket(b, [order[i] for i in members], [names[id(order[i])] for i in members], fp16,
-                    flat)
-            for (b, members), flat in zip(enumerate(plan), flats)]
+        return op, params, names
+
+    def _mlf_finish_setup(self, flats):
         if flats and _shared.is_shared(flats[0]):
             hooks = _context.get().on_close
             # drop the hooks of optimizers gone since (a process may build thousands)
             hooks[:] = [f for f in hooks if not (getattr(f, "func", None) is _unshare
                                                  and f.args[0]() is None)]
             hooks.append(functools.partial(_unshare, weakref.ref(self)))
-        self._mlf_slots = [_Slot(b, v, backward_passes_per_step)
+        self._mlf_slots = [_Slot(b, v, self._mlf_passes)
                            for b in self._mlf_buckets for v in b.views]
         self._mlf_done = 0              # parameters through all their passes since the reset
         self._mlf_next = 0              # the next bucket to start
@@ -281,31 +301,43 @@ class _DistributedOptimizer:
         return super().zero_grad(set_to_none)
 
 
-def _bucket_buffers(layout, buckets):
-    """A zeroed flat buffer per bucket (a list of parameters). In shared memory when every rank
-    is on this host (and MLFABRIC_SHM is on) and every rank holds the same model: then each
-    bucket's allreduce reads the peers' buckets in place (zero-copy: 3-6x faster for 16 MB
-    here) instead of copying through the engine's segment. Deciding that is collective (one
-    allgather of the model's hash, then the allocations), so it runs in the calls' queue, in
-    order with them. Ranks with different models get private buckets, and the first bucket's
-    allreduce reports the mismatch on every rank, naming the ranks (as without shared memory)."""
-    specs = [(sum(p.numel() for p in ps), ps[0].dtype) for ps in buckets]
-    device = buckets[0][0].device if buckets else torch.device("cpu")
+def _construction_round(layout, device, problem):
+    """Every rank's construction, compared: one allgather of (the model's hash, whether it is on
+    a GPU, whether this rank's arguments were fine), in the calls' queue, in order with them.
+    Raises this rank's `problem` after it, or a MismatchError naming the ranks that had one;
+    else returns whether the gradient buckets go in shared memory: every rank on this host
+    (MLFABRIC_SHM on) and the same CPU model everywhere, so each bucket's allreduce reads the
+    peers' buckets in place (zero-copy: 3-6x faster for 16 MB here) instead of copying through
+    the engine's segment. Ranks with different models get private buckets, and the first
+    bucket's allreduce reports the mismatch on every rank, naming the ranks."""
+    if not _context.initialized():
+        if problem is not None:
+            raise problem
+        return False
+    mine = np.array([layout, device.type != "cpu", problem is None], np.int64)
+    every = ops._state().queue.run("DistributedOptimizer (construction)",
+                                   lambda: _coll.allgather(mine)).reshape(-1, 3)
+    if problem is not None:
+        raise problem
+    bad = np.flatnonzero(every[:, 2] == 0)
+    if bad.size:
+        raise MismatchError(f"DistributedOptimizer: rank(s) {bad.tolist()} refused their "
+                            "arguments (see the error on those ranks); nothing was set up")
+    return bool(_context.get().shm is not None and device.type == "cpu"
+                and (every[:, :2] == every[0, :2]).all())
 
-    def private():
+
+def _bucket_buffers(buckets, shared):
+    """A zeroed flat buffer per bucket (a list of parameters), on the parameters' device; cut
+    from one shared buffer per dtype when `shared` (every rank decided the same: the
+    allocation is collective, so it runs in the calls' queue; one window per dtype, as a window
+    per bucket could run into MPI's limits with many small buckets)."""
+    specs = [(sum(p.numel() for p in ps), ps[0].dtype) for ps in buckets]
+    if not shared:
+        device = buckets[0][0].device if buckets else torch.device("cpu")
         return [torch.zeros(n, dtype=dt, device=device) for n, dt in specs]
 
-    if not _context.initialized() or _context.get().shm is None:
-        return private()
-
     def job():
-        # every rank takes part, a GPU model's too (its buckets stay on its GPU): a rank that
-        # skipped this would pair the others' allgather with its next call
-        every = _coll.allgather(np.array([layout, device.type != "cpu"], np.int64)).reshape(-1, 2)
-        if not (every == every[0]).all() or device.type != "cpu":
-            return private()
-        # one shared buffer per dtype, cut into the buckets (a window per bucket could run
-        # into MPI's limits with many small buckets)
         totals = {}
         for n, dt in specs:
             totals[dt] = totals.get(dt, 0) + n

@@ -1074,3 +1074,24 @@ def case_sparse_tensors_refused_on_every_rank():
             hvd.grouped_allreduce(ts, op=hvd.Sum)
     outs = hvd.grouped_allreduce([torch.ones(3), torch.ones(2, 2)], op=hvd.Sum)
     assert [o.tolist() for o in outs] == [[n] * 3, [[n, n], [n, n]]]
+
+
+def case_distributed_optimizer_bad_arguments_on_one_rank_fail_everywhere():
+    """Arguments refused on one rank only (an unsupported op; a parameter of an unsupported
+    dtype) are that rank's error and a MismatchError naming it on the others, at construction;
+    then everything works."""
+    n, r = hvd.size(), hvd.rank()
+    model = Net(seed=3).double()
+    for bad in ("op", "dtype"):
+        kw, params = {}, list(model.parameters())
+        if r == 0 and bad == "op":
+            kw["op"] = hvd.Max
+        if r == 0 and bad == "dtype":
+            params = params + [torch.nn.Parameter(torch.ones(2, dtype=torch.complex64))]
+        if r == 0:
+            with pytest.raises((ValueError, TypeError), match="op Average or Sum|complex64"):
+                hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1), **kw)
+        elif n > 1:
+            with pytest.raises(hvd.MismatchError, match=r"rank\(s\) \[0\] refused their"):
+                hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1), **kw)
+    _still_works()
