@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+import mlfabric as mf
 from tests.mpi_util import ROOT, mpi_env, run_cases
 
 
@@ -84,3 +85,16 @@ def test_ranks_with_different_settings_fail_at_init(name, value):
     assert proc.stdout.count("REFUSED") == 2, proc.stdout
     assert f"ranks disagree on {name}: unset on rank(s) [0]; '{value}' on rank(s) [1]" \
         in proc.stdout
+
+
+def test_a_gpu_and_a_host_call_disagree_on_the_algorithm():
+    """The header word a GPU call carries ('nccl') against a host call's: the message every
+    rank raises (tests/mpi_cases/gpu_cases.py checks it end to end on a GPU machine)."""
+    from mlfabric.comm import header
+    gpu = header.make("allreduce", 0, 0, False, 0, (5,), "nccl")
+    host = header.make("allreduce", 0, 0, False, 0, (5,), "shm")
+    with pytest.raises(mf.MismatchError,
+                       match=r"allreduce: ranks disagree on algorithm: nccl on rank\(s\) \[0, 2\]; "
+                             r"shm on rank\(s\) \[1\]"):
+        header.check([gpu, host, gpu], "allreduce")
+    header.check([gpu, gpu], "allreduce")  # agreeing GPU calls pass
