@@ -192,9 +192,12 @@ class Communicator:
         result = []
 
         def init_rank():
-            with devices.on(self.device):
-                result.append(lib.ncclCommInitRank(ctypes.byref(self.handle), ctx.size, uid,
-                                                   ctx.rank))
+            try:
+                with devices.on(self.device):
+                    result.append(lib.ncclCommInitRank(ctypes.byref(self.handle), ctx.size, uid,
+                                                       ctx.rank))
+            except BaseException as exc:  # noqa: BLE001 - raised below, on the caller's thread
+                result.append(exc)
         timeout = _config.timeout_s()
         if not _bounded(init_rank, timeout):
             self.failed = "NCCL init timed out"
@@ -202,6 +205,8 @@ class Communicator:
                                    "(MLFABRIC_TIMEOUT): a peer died or never reached it")
         if result[0] != 0:
             self.failed = "NCCL init failed"
+            if isinstance(result[0], BaseException):
+                raise MlfabricError(f"NCCL init failed: {result[0]}") from result[0]
             check(result[0], "NCCL init")
         self.failed = None
 
