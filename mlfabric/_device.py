@@ -7,6 +7,7 @@ Stream semantics: a call is ordered after the work already queued on the caller'
 (an event recorded there when the call is made, on the caller's thread: non-blocking calls run
 on another thread, whose current stream is not the caller's), runs on mlfabric's own stream, and
 returns once it has finished, so the result is ready for any stream."""
+import math
 import sys
 
 from . import _dtypes
@@ -166,10 +167,7 @@ class DeviceBuf:
 
     def __init__(self, obj, arr, devices, device, code, shape):
         self.obj, self.arr, self.devices, self.device = obj, arr, devices, device
-        self.code, self.shape = code, shape
-        self.count = 1
-        for d in shape:
-            self.count *= d
+        self.code, self.shape, self.count = code, shape, math.prod(shape)
 
     @property
     def ptr(self):

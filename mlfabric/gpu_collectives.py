@@ -200,13 +200,9 @@ def reduce_scatter(x, op, out, async_):
             # rank's rows.
             lo = sum(counts[:ctx.rank])
             mine = xb.devices.flat(full.arr)[lo:lo + counts[ctx.rank]]
-
-            def launch(lib, handle, s, stream):
-                nccl.check(lib.ncclAllReduce(xb.ptr, full.ptr, xb.count,
-                                             nccl.NCCL_DTYPE[xb.code], comm.op(opc, avg),
-                                             handle, s), what, handle)
-                xb.devices.copy_on(stream, xb.devices.flat(ob.arr), mine)
-            comm.run(what, xb.devices, ready, launch)
+            comm.allreduce(what, xb.devices, ready, xb.ptr, full.ptr, xb.count, xb.code, opc, avg,
+                           then=lambda stream: xb.devices.copy_on(stream,
+                                                                  xb.devices.flat(ob.arr), mine))
             return res
         return header.make(what, xb.code, opc, avg, 0, xb.shape, "nccl"), body
 

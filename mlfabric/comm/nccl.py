@@ -26,7 +26,7 @@ from ..errors import MlfabricError, PeerTimeoutError
 
 # ncclDataType_t of mlfabric's wire dtypes (_dtypes.DTYPE_NAMES order: float32, float64, float16,
 # bfloat16, int32, int64).
-NCCL_DTYPE = (7, 8, 6, 9, 2, 4)
+_NCCL_DTYPE = (7, 8, 6, 9, 2, 4)
 # ncclRedOp_t of mlfabric's kernel ops (_dtypes.OPS order: sum, prod, min, max); avg is ncclAvg.
 _NCCL_OP = (0, 1, 3, 2)
 _NCCL_AVG = 4
@@ -125,7 +125,7 @@ def version():
     return v.value
 
 
-def check(rc, what, comm=None):
+def _check(rc, what, comm=None):
     if rc != 0:
         lib = library()
         last = getattr(lib, "ncclGetLastError", None)
@@ -186,7 +186,7 @@ class Communicator:
         p2p.wait([ctx.comm.Ibcast(raw, root=0)], [0], "NCCL init (unique id broadcast)")
         if raw[128] != 1:
             self.failed = "NCCL's unique id could not be made on rank 0"
-            check(rc, "NCCL init (unique id)")
+            _check(rc, "NCCL init (unique id)")
             raise MlfabricError("NCCL init: rank 0 could not make NCCL's unique id (see its error)")
         ctypes.memmove(ctypes.addressof(uid), raw.ctypes.data, 128)
         result = []
@@ -207,7 +207,7 @@ class Communicator:
             self.failed = "NCCL init failed"
             if isinstance(result[0], BaseException):
                 raise MlfabricError(f"NCCL init failed: {result[0]}") from result[0]
-            check(result[0], "NCCL init")
+            _check(result[0], "NCCL init")
         self.failed = None
 
     # --- launching ---------------------------------------------------------------------------
@@ -251,7 +251,7 @@ class Communicator:
                 lib.ncclCommGetAsyncError(self.handle, ctypes.byref(err))
                 if err.value not in (0, _IN_PROGRESS):
                     try:
-                        check(err.value, what, self.handle)   # (its detail, before the abort)
+                        _check(err.value, what, self.handle)   # (its detail, before the abort)
                     finally:
                         self.abort(f"{what} failed in NCCL")
                 if time.monotonic() - start > timeout:
@@ -290,50 +290,54 @@ class Communicator:
             return _NCCL_OP[0]
         return _NCCL_AVG if avg else _NCCL_OP[opc]
 
-    def allreduce(self, what, devices, ready, src, dst, count, code, opc, avg):
-        def launch(lib, comm, s, _):
-            check(lib.ncclAllReduce(src, dst, count, NCCL_DTYPE[code], self.op(opc, avg),
+    def allreduce(self, what, devices, ready, src, dst, count, code, opc, avg, then=None):
+        """then(stream): more work for mlfabric's stream after the allreduce, waited for with it
+        (an uneven reduce_scatter's copy of this rank's rows)."""
+        def launch(lib, comm, s, stream):
+            _check(lib.ncclAllReduce(src, dst, count, _NCCL_DTYPE[code], self.op(opc, avg),
                                      comm, s), what, comm)
+            if then is not None:
+                then(stream)
         self.run(what, devices, ready, launch)
 
     def reduce(self, what, devices, ready, src, dst, count, code, opc, avg, root):
         def launch(lib, comm, s, _):
-            check(lib.ncclReduce(src, dst, count, NCCL_DTYPE[code], self.op(opc, avg), root,
-                                  comm, s), what, comm)
+            _check(lib.ncclReduce(src, dst, count, _NCCL_DTYPE[code], self.op(opc, avg), root,
+                                   comm, s), what, comm)
         self.run(what, devices, ready, launch)
 
     def broadcast(self, what, devices, ready, buf, count, code, root):
         def launch(lib, comm, s, _):
-            check(lib.ncclBroadcast(buf, buf, count, NCCL_DTYPE[code], root, comm, s), what,
-                   comm)
+            _check(lib.ncclBroadcast(buf, buf, count, _NCCL_DTYPE[code], root, comm, s), what,
+                    comm)
         self.run(what, devices, ready, launch)
 
     def allgather(self, what, devices, ready, src, dst, count, code):
         def launch(lib, comm, s, _):
-            check(lib.ncclAllGather(src, dst, count, NCCL_DTYPE[code], comm, s), what, comm)
+            _check(lib.ncclAllGather(src, dst, count, _NCCL_DTYPE[code], comm, s), what, comm)
         self.run(what, devices, ready, launch)
 
     def reduce_scatter(self, what, devices, ready, src, dst, count, code, opc, avg):
         def launch(lib, comm, s, _):
-            check(lib.ncclReduceScatter(src, dst, count, NCCL_DTYPE[code], self.op(opc, avg),
-                                         comm, s), what, comm)
+            _check(lib.ncclReduceScatter(src, dst, count, _NCCL_DTYPE[code], self.op(opc, avg),
+                                          comm, s), what, comm)
         self.run(what, devices, ready, launch)
 
     def alltoallv(self, what, devices, ready, src, dst, send_bytes, recv_bytes):
         """Byte counts per peer; blocks back to back in rank order on both sides."""
         def launch(lib, comm, s, _):
-            check(lib.ncclGroupStart(), what)
+            _check(lib.ncclGroupStart(), what)
             so = ro = 0
             try:
                 for peer in range(self.size):
                     if send_bytes[peer]:
-                        check(lib.ncclSend(src + so, send_bytes[peer], 1, peer, comm, s), what,
-                               comm)
+                        _check(lib.ncclSend(src + so, send_bytes[peer], 1, peer, comm, s), what,
+                                comm)
                     if recv_bytes[peer]:
-                        check(lib.ncclRecv(dst + ro, recv_bytes[peer], 1, peer, comm, s), what,
-                               comm)
+                        _check(lib.ncclRecv(dst + ro, recv_bytes[peer], 1, peer, comm, s), what,
+                                comm)
                     so += send_bytes[peer]
                     ro += recv_bytes[peer]
             finally:
-                check(lib.ncclGroupEnd(), what, comm)
+                _check(lib.ncclGroupEnd(), what, comm)
         self.run(what, devices, ready, launch)

@@ -42,8 +42,9 @@ class Config:
     cut_through: bool = True     # relays and aggregates forward bytes as they come (worker.py)
     pull_objective: str = "makespan"  # a pull batch's tree: least makespan (paper) or "mean"
     checkpoint_every: int = 0    # servers write model + version every this many updates (0: off)
-    applied_log_max: int = 100_000  # commits a server / replica keeps for applied_log() (the
-    #                                 last ones; None: all, for benchmarks that audit every one)
+    # the last commits a server / replica keeps for applied_log() (None: all, for benchmarks
+    # that audit every one)
+    applied_log_max: int = 100_000
     checkpoint_dir: str = None
     resume: bool = False         # servers start from their checkpoint in checkpoint_dir
     emulation: Emulation = field(default_factory=Emulation)

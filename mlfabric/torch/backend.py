@@ -18,8 +18,8 @@ A rank or world size passed to init_process_group must agree with MPI's, else an
 Groups: every mlfabric group spans all ranks of mlfabric's communicator (a new_group of every
 rank is fine); a proper subset is refused. CUDA tensors move over NCCL (mlfabric's GPU path);
 results that need a copy back (lists of several tensors, widened dtypes) are copied on the
-stream that was current when the call was made. torch's timeout argument is not used: mlfabric's own bound
-(MLFABRIC_TIMEOUT) applies.
+stream that was current when the call was made. torch's timeout argument is not used:
+mlfabric's own bound (MLFABRIC_TIMEOUT) applies.
 
 Calls: every torch call is one mlfabric call, in the order issued. Collectives are non-blocking:
 Work.wait() returns, and the Work's future completes, when mlfabric is done; send, recv, reduce
@@ -32,6 +32,7 @@ all-to-all). Reductions: SUM, AVG, PRODUCT, MIN, MAX on float32/64, float16, bfl
 int64; calls that only move data carry any dtype (narrow ones widened, complex as pairs).
 """
 import concurrent.futures
+import contextlib
 import functools
 import importlib
 import os
@@ -118,15 +119,13 @@ def _launch(what, handle, finish):
     another), so the caller's later work there follows them."""
     future = torch.futures.Future()
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    stream = torch.cuda.current_stream() if cuda else None
+    on_stream = torch.cuda.stream(torch.cuda.current_stream()) if cuda else \
+        contextlib.nullcontext()
 
     def complete():
         try:
-            if stream is None:
+            with on_stream:
                 out = finish(handle.wait())
-            else:
-                with torch.cuda.stream(stream):
-                    out = finish(handle.wait())
         except BaseException as exc:
             _completer.submit(future.set_exception, exc)
             raise

@@ -133,7 +133,8 @@ _W = 21  # int64 words per descriptor
  _NAME_HASH) = range(12)
 _DIMS, _MAX_DIMS = 12, 8  # words 12..19: the first dimensions, for messages
 _DEVICE = 20  # 0: the tensors are on the CPU, 1: on a GPU (they move over NCCL)
-_SAME = [_KIND, _DTYPE, _OP, _ROOT, _ROW_LEN, _ROW_HASH, _NAME_HASH, _DEVICE]  # equal when all agree
+# equal when all agree
+_SAME = [_KIND, _DTYPE, _OP, _ROOT, _ROW_LEN, _ROW_HASH, _NAME_HASH, _DEVICE]
 _ACTIVE, _JOINED, _REJECTED = 1, 0, -1
 _KINDS = ("barrier", "allreduce", "allgather", "broadcast", "alltoall")
 _BARRIER, _ALLREDUCE, _ALLGATHER, _BROADCAST, _ALLTOALL = range(5)
@@ -555,7 +556,7 @@ def _staged(st, group, everyone, device):
     shared = everyone and device.type == "cpu" and st.ctx.shm is not None and \
         nbytes <= _STAGING_MAX
     pool = st.shared_staging if shared else st.staging
-    key = wire if device.type == "cpu" else (wire, device)
+    key = _staging_key(wire, device)
     free = st.staging_free.pop(key, None)
     if free is not None:
         # the last call may have copied out on another stream: this one's copies in wait for it
@@ -579,13 +580,18 @@ def _staged(st, group, everyone, device):
     return flat, views
 
 
+def _staging_key(wire, device):
+    """A staging buffer's key: its wire dtype, and its GPU for one on a GPU."""
+    return wire if device.type == "cpu" else (wire, device)
+
+
 def _release_staging(st, flat):
     """After a call's copies out of a GPU staging buffer (queued on its caller's stream): the next
     call's copies in wait for them (_staged), whichever stream that call comes from."""
     if flat.is_cuda:
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(flat.device))
-        st.staging_free[(flat.dtype, flat.device)] = ev
+        st.staging_free[_staging_key(flat.dtype, flat.device)] = ev
 
 
 def _clone_all(tensors):
@@ -616,10 +622,9 @@ def _scan(tensors, what):
         if t.device != tensors[0].device:
             raise ValueError(f"{what}: tensors[{i}] is on {t.device}, tensors[0] on "
                              f"{tensors[0].device}; a group's tensors share one device")
-    sig = tuple((_DTYPE_CODE[t.dtype], t.shape) for t in tensors)
-    if tensors[0].is_cpu:
-        return sig, [t.data_ptr() if t.is_contiguous() else None for t in tensors]
-    return sig, None
+    # only GPU lists get here (CPU ones that pass these checks passed the first pass): torch
+    # copies them, no addresses needed
+    return tuple((_DTYPE_CODE[t.dtype], t.shape) for t in tensors), None
 
 
 def _grouped_call(tensors, op, average, name, pre, post, inplace, async_):
@@ -912,22 +917,22 @@ def fusion_threshold():
 def fuse(tensors, threshold, first=None):
     """Indices of tensors grouped into buffers: one device and dtype per buffer, at most
     threshold bytes (a larger tensor gets a buffer of its own), in the order given; first
-    (default threshold) caps the first buffer of each instead (DDP's small first bucket). Deterministic: the
-    same tensors give the same buffers on every rank."""
+    (default threshold) caps the first buffer of each instead (DDP's small first bucket).
+    Deterministic: the same tensors give the same buffers on every rank."""
     first = threshold if first is None else first
     buckets, current, filled, cap = [], {}, {}, {}
     for i, t in enumerate(tensors):
         # one device and dtype per buffer (an optimizer's state can mix CUDA tensors with CPU
         # scalars: Adam's step counts)
-        dtype, nbytes = (t.device, t.dtype), t.numel() * t.element_size()
-        members = current.get(dtype)
-        if members is None or (members and filled[dtype] + nbytes > cap[dtype]):
-            cap[dtype] = first if members is None else threshold
-            members = current[dtype] = []
-            filled[dtype] = 0
+        kind, nbytes = (t.device, t.dtype), t.numel() * t.element_size()
+        members = current.get(kind)
+        if members is None or (members and filled[kind] + nbytes > cap[kind]):
+            cap[kind] = first if members is None else threshold
+            members = current[kind] = []
+            filled[kind] = 0
             buckets.append(members)
         members.append(i)
-        filled[dtype] += nbytes
+        filled[kind] += nbytes
     return buckets
 
 

@@ -19,10 +19,10 @@ How it works:
   backward over 100 small ones (no second Python hook per parameter);
 - CUDA parameters get buckets on their GPU, reduced over NCCL (ops.py);
 - with every rank on one host (MLFABRIC_SHM on), CPU parameters and the same model everywhere,
-  the bucket buffers are in shared memory, allocated collectively at construction: each bucket's allreduce
-  then reads the peers' buckets in place (zero-copy). mlfabric's finalize (hvd.shutdown(), or
-  the end of the process) first moves them to private memory, re-pointing the same .grad tensor
-  objects, so gradients stay readable after it;
+  the bucket buffers are in shared memory, allocated collectively at construction: each
+  bucket's allreduce then reads the peers' buckets in place (zero-copy). mlfabric's finalize
+  (hvd.shutdown(), or the end of the process) first moves them to private memory, re-pointing
+  the same .grad tensor objects, so gradients stay readable after it;
 - a hook after each gradient accumulation (register_post_accumulate_grad_hook) counts the
   backward passes of its parameter; when the last parameter of a bucket has had
   backward_passes_per_step passes, the bucket (and any ready buckets after it) starts an async

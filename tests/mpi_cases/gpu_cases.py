@@ -12,8 +12,9 @@ from mpi4py import MPI
 import mlfabric as mf
 import mlfabric.torch as hvd
 
-from .common import RTOL, bf16_round, same_everywhere, values
-from .torch_api import B, Net, _data, _loss, _max_diff, _train_reference
+from .common import same_everywhere, values
+from .torch_api import B, Net, _data, _loss, _max_diff, _train_reference, reference
+from .torch_api import check as host_check
 
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64")
 GPU = None
@@ -33,25 +34,9 @@ def on_gpu(v, dtype, shape=None):
 
 
 def check(got, want, dtype, what, mag=None):
+    """got is on the GPU and, brought to the host, equals want as far as dtype holds it."""
     assert got.is_cuda, f"{what}: result not on the GPU"
-    want = np.asarray(want, np.float64)
-    assert tuple(got.shape) == want.shape, f"{what}: shape {tuple(got.shape)} != {want.shape}"
-    g = got.cpu().to(torch.float64).numpy()
-    if dtype.startswith("int"):
-        want_r = want.astype(np.int64).astype(dtype).astype(np.float64)
-        bad = np.flatnonzero(g != want_r)
-    else:
-        want_r = bf16_round(want) if dtype == "bfloat16" else want.astype(dtype).astype(np.float64)
-        tol = RTOL[dtype] * ((np.abs(want) if mag is None else mag) + 1.0)
-        bad = np.flatnonzero(np.abs(g - want_r) > tol)
-    assert bad.size == 0, (f"{what}: {bad.size} of {g.size} wrong; first at {bad[0]}: got "
-                           f"{g.flat[bad[0]]}, want {want_r.flat[bad[0]]}")
-
-
-def reference(op, stack):
-    n = stack.shape[0]
-    return {"sum": stack.sum(0), "avg": stack.sum(0) / n, "min": stack.min(0),
-            "max": stack.max(0), "prod": np.prod(stack, 0)}[op]
+    host_check(got.cpu(), want, dtype, what, mag)
 
 
 # --- the core collectives -------------------------------------------------------------------------
@@ -317,7 +302,7 @@ def case_first_gpu_call_an_alltoall_where_a_rank_moves_nothing():
     assert mf.context.get().nccl is not None and mf.context.get().nccl.failed is None
 
 
-# --- last: a hung NCCL collective is bounded, and leaves the context unusable ----------------------
+# --- last: a hung NCCL collective is bounded, and leaves the context unusable -------------------
 
 def case_zz_hung_nccl_collective_times_out_and_aborts():
     """Only rank 0 launches an NCCL allreduce (below the public API, which would have refused
