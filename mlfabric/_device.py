@@ -51,6 +51,10 @@ class TorchDevices:
         ev.record(stream)
         return ev
 
+    def follow(self, event):
+        """The current stream (of the current device) waits for event."""
+        self.torch.cuda.current_stream().wait_event(event)
+
     def describe(self, x):
         return (x.device.index, self.codes.get(x.dtype), tuple(x.shape), x.is_contiguous(),
                 str(x.dtype))
@@ -114,6 +118,9 @@ class CupyDevices:
         ev = self.cupy.cuda.Event(disable_timing=True)
         ev.record(stream)
         return ev
+
+    def follow(self, event):
+        self.cupy.cuda.get_current_stream().wait_event(event)
 
     def describe(self, x):
         return (x.device.id, self.codes.get(x.dtype), tuple(x.shape), x.flags.c_contiguous,

@@ -14,6 +14,7 @@ Several ranks on one GPU: NCCL refuses them ("Duplicate GPU detected"). MLFABRIC
 gives each rank a host id of its own (NCCL_HOSTID), so NCCL treats them as separate hosts and
 moves data through its socket transport: slow, but it lets a one-GPU machine test several ranks.
 """
+import contextlib
 import ctypes
 import glob
 import os
@@ -35,6 +36,7 @@ _MIN_VERSION = 21000      # ncclAvg came with NCCL 2.10
 
 _lib = None
 _lib_error = None
+_launch_only = threading.local()   # .pending: the list deferred() yields, on this thread
 
 
 class _UniqueId(ctypes.Structure):
@@ -150,6 +152,20 @@ def _bounded(fn, seconds):
     return not t.is_alive()
 
 
+@contextlib.contextmanager
+def deferred():
+    """Inside, on this thread, a collective returns once launched, not once done: the current
+    stream is made to wait for it (what the caller queues there after follows it), and
+    (communicator, devices, event, what) of each goes to the list this yields, for the caller's
+    bounded wait (Communicator.wait) later. So one call's NCCL work can queue behind the last
+    one's instead of starting after the host saw it finish (as DDP's bucket allreduces queue)."""
+    pending = _launch_only.pending = []
+    try:
+        yield pending
+    finally:
+        _launch_only.pending = None
+
+
 class Communicator:
     """One NCCL communicator over an mlfabric context's ranks, bound to one GPU, with a stream
     of its own per array library. Made by init(), collectively (every rank at the same call,
@@ -219,7 +235,7 @@ class Communicator:
     def run(self, what, devices, ready, launch):
         """Make mlfabric's stream wait for `ready` (an event on the caller's stream, recorded when
         the call was made), launch(lib, comm, stream_handle, stream) NCCL calls on it, and wait
-        (bounded) until they are done."""
+        (bounded) until they are done; inside deferred(), only launch them (see there)."""
         self._usable(what)
         lib = library()
         with devices.on(self.device):
@@ -235,6 +251,11 @@ class Communicator:
                 self.abort(f"{what} could not be launched on rank {self.rank}")
                 raise
             done = devices.record(stream)
+            pending = getattr(_launch_only, "pending", None)
+            if pending is not None:
+                devices.follow(done)
+                pending.append((self, devices, done, what))
+                return
         self.wait(devices, done, what)
 
     def wait(self, devices, event, what):

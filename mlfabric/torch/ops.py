@@ -20,7 +20,9 @@ Owns:
   While joined, a rank waits for the others' next call at most MLFABRIC_TIMEOUT seconds.
 - devices: CPU tensors move through mlfabric's host paths, CUDA tensors over NCCL (every rank's
   tensor of a call on the same kind of device: the descriptor carries it). A call on CUDA
-  tensors runs its copies on the caller's current stream, captured when the call is made.
+  tensors follows the work queued on the caller's current stream when it is made, and only that
+  (an event), runs its copies and NCCL on mlfabric's streams, and its result is ready for the
+  caller's current stream when it returns (blocking) or at synchronize() (as in Horovod).
 - dtypes: float32, float64, float16, bfloat16, int32 and int64 travel as they are; uint8, int8,
   int16 and bool travel widened to int64 and come back narrowed (exact: integer sums wrap the way
   the dtype does). Average needs a floating tensor.
@@ -237,9 +239,9 @@ class _State:
         self.ids = itertools.count()
         self.rounds = 0  # control rounds so far: the same on every rank (all take part in each)
         self.staging = {}  # wire dtype (and GPU) -> the grouped allreduces' staging buffer
-        self.staging_free = {}  # GPU staging key -> event: the last call's copies out are done
         self.shared_staging = {}  # the same in shared memory (see _staged)
         self.layouts = {}  # signature of a grouped allreduce's list -> (its _Groups, hash)
+        self.streams = {}  # GPU -> mlfabric's stream there for calls on CUDA tensors
 
 
 _S = None
@@ -296,17 +298,9 @@ def _check_name(name):
         raise TypeError(f"name must be a string or None, got {type(name).__name__}")
 
 
-def _caller_stream(t):
-    """The caller's current CUDA stream when t is a CUDA tensor, else None. Taken when the call
-    is made: queued calls run on another thread, whose current stream is another, and the job's
-    copies must follow the work that produced t; queued on that stream, they are also ahead of
-    whatever the caller queues there after synchronize()."""
-    return torch.cuda.current_stream(t.device) if t.is_cuda else None
-
-
 def _issue(what, plan, job, async_, tensor=None):
     """Validate (plan() -> its result, or raise) and run job(st, planned) in order. tensor: one
-    of the call's tensors; for a CUDA one, job runs on the caller's current stream.
+    of the call's tensors; for a CUDA one, job runs on mlfabric's stream (see _GpuCall).
 
     A rank whose arguments are bad still takes part in the control round, as 'rejected', so its
     peers fail at once with a MismatchError naming it; then it raises its own error."""
@@ -316,19 +310,80 @@ def _issue(what, plan, job, async_, tensor=None):
     except (TypeError, ValueError, MlfabricError) as exc:
         _reject(st, what, async_)
         raise exc
-    stream = _caller_stream(tensor) if tensor is not None else None
-    if stream is not None:
-        inner = job
-
-        def job(st, planned):
-            with torch.cuda.stream(stream):
-                return inner(st, planned)
+    gpu = tensor is not None and tensor.is_cuda
+    if gpu:
+        job = _on_side_stream(st, job, tensor.device)
     if async_:
         handle = st.queue.submit(what, lambda: job(st, planned))
         hid = next(st.ids)
-        st.handles[hid] = handle
+        st.handles[hid] = _GpuCall(handle, tensor.device, job) if gpu else handle
         return hid
-    return st.queue.run(what, lambda: job(st, planned))
+    result = st.queue.run(what, lambda: job(st, planned))
+    return _on_caller_stream(*result, tensor.device) if gpu else result
+
+
+def _on_side_stream(st, job, device):
+    """job, to run on mlfabric's stream on `device` after the work queued so far on the caller's
+    current stream (an event recorded now, on the caller's thread), returning (its result, an
+    event after its work, the NCCL work it launched). Recorded at the call, not when the queue
+    reaches it: by then a gradient hook's caller has queued the rest of backward, which the
+    allreduce need not wait for, and would. Its NCCL work is launched, not waited for (the
+    caller waits, bounded, in _on_caller_stream): the next call's queues behind it on the GPU
+    while the host exchanges that call's descriptors. (DDP and Horovod do the same.)"""
+    produced = torch.cuda.Event()
+    produced.record(torch.cuda.current_stream(device))
+    side = st.streams.get(device)
+    if side is None:
+        side = st.streams[device] = torch.cuda.Stream(device)
+
+    def on_side(st, planned):
+        side.wait_event(produced)
+        with torch.cuda.stream(side), _nccl.deferred() as launched:
+            try:
+                result = job(st, planned)
+            except BaseException:
+                _wait_launched(launched)  # its buffers stay put until NCCL is done with them
+                raise
+        done = torch.cuda.Event()
+        done.record(side)
+        return result, done, launched
+    return on_side
+
+
+def _wait_launched(launched):
+    """Wait (bounded by MLFABRIC_TIMEOUT; PeerTimeoutError) for NCCL work a call launched."""
+    for comm, devices, event, what in launched:
+        comm.wait(devices, event, what)
+
+
+def _on_caller_stream(result, done, launched, device):
+    """A GPU call's result, once its NCCL work is done, made safe for the caller's current
+    stream: its later work there follows mlfabric's, and tensors allocated on mlfabric's stream
+    are marked in use by it, so the allocator does not hand their memory to mlfabric's next
+    call while that work reads them."""
+    _wait_launched(launched)
+    stream = torch.cuda.current_stream(device)
+    stream.wait_event(done)
+    for t in result if isinstance(result, (list, tuple)) else (result,):
+        if isinstance(t, torch.Tensor) and t.is_cuda:
+            t.record_stream(stream)
+    return result
+
+
+class _GpuCall:
+    """An *_async call on CUDA tensors in flight: its queue Handle, and its job, which holds its
+    tensors alive until synchronize(): freed earlier, their memory could go to the caller's next
+    tensor while mlfabric's stream still reads them."""
+    __slots__ = ("handle", "device", "keep")
+
+    def __init__(self, handle, device, keep):
+        self.handle, self.device, self.keep = handle, device, keep
+
+    def done(self):
+        return self.handle.done()
+
+    def wait(self):
+        return _on_caller_stream(*self.handle.wait(), self.device)
 
 
 def _reject(st, what, async_):
@@ -550,17 +605,14 @@ def _staged(st, group, everyone, device):
     """(flat, views) for group in the staging buffer of its wire dtype on `device`: views shaped
     like the group's tensors, back to back at the start of flat. Runs inside calls, one at a
     time, after the control round: `everyone` (every rank takes part, none joined) means every
-    rank makes this same call now, so a shared buffer may be allocated (a collective)."""
+    rank makes this same call now, so a shared buffer may be allocated (a collective). A GPU
+    buffer is only touched on mlfabric's stream there, one call after another: reuse is ordered."""
     wire = _wire(_DTYPES[group.code])
     nbytes = group.total * wire.itemsize
     shared = everyone and device.type == "cpu" and st.ctx.shm is not None and \
         nbytes <= _STAGING_MAX
     pool = st.shared_staging if shared else st.staging
-    key = _staging_key(wire, device)
-    free = st.staging_free.pop(key, None)
-    if free is not None:
-        # the last call may have copied out on another stream: this one's copies in wait for it
-        torch.cuda.current_stream(device).wait_event(free)
+    key = wire if device.type == "cpu" else (wire, device)
     buf = pool.get(key)
     if group.staged is not None and group.staged[0] is buf:
         return group.staged[1], group.staged[2]
@@ -578,20 +630,6 @@ def _staged(st, group, everyone, device):
     if pool.get(key) is buf:
         group.staged = (buf, flat, views)
     return flat, views
-
-
-def _staging_key(wire, device):
-    """A staging buffer's key: its wire dtype, and its GPU for one on a GPU."""
-    return wire if device.type == "cpu" else (wire, device)
-
-
-def _release_staging(st, flat):
-    """After a call's copies out of a GPU staging buffer (queued on its caller's stream): the next
-    call's copies in wait for them (_staged), whichever stream that call comes from."""
-    if flat.is_cuda:
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(flat.device))
-        st.staging_free[_staging_key(flat.dtype, flat.device)] = ev
 
 
 def _clone_all(tensors):
@@ -694,11 +732,9 @@ def _grouped_call(tensors, op, average, name, pre, post, inplace, async_):
                         _increment_version(srcs)
                     else:
                         torch._foreach_copy_(srcs, views)
-                    _release_staging(st, flat)
                     continue
                 results = _clone_all(views) if flat.dtype == dtype else [v.to(dtype)
                                                                          for v in views]
-                _release_staging(st, flat)
                 if members is None:
                     return results
                 for i, out in zip(members, results):

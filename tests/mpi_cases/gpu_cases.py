@@ -173,6 +173,28 @@ def case_cupy_arrays():
 
 # --- mlfabric.torch -------------------------------------------------------------------------------
 
+def case_async_call_does_not_wait_for_work_queued_after_it():
+    """An *_async call follows the work queued on the caller's stream when it is made, and only
+    that: a GPU spin queued right after it (as the rest of backward is after a gradient hook
+    starts a bucket) does not hold it back, so synchronize() returns while the spin still runs;
+    and what the caller queues after synchronize() reads the reduced values."""
+    n, r = mf.size(), mf.rank()
+    x = torch.full((1 << 16,), float(r + 1), device=GPU)
+    hvd.allreduce(x.clone(), op=hvd.Sum)  # the communicator exists and is connected before
+    for form in ("in place", "out of place"):
+        x.fill_(float(r + 1))
+        h = hvd.allreduce_async_(x, op=hvd.Sum) if form == "in place" else \
+            hvd.allreduce_async(x, op=hvd.Sum)
+        torch.cuda._sleep(4_000_000_000)  # ~2-3 s of one SM spinning on the caller's stream
+        got = hvd.synchronize(h)
+        spinning = not torch.cuda.current_stream().query()
+        doubled = got * 2
+        torch.cuda.synchronize()
+        assert spinning, f"{form}: synchronize() waited for work queued after the call"
+        check(doubled, np.full(x.numel(), n * (n + 1.0)), "float32", f"{form}: result")
+        mf.barrier()
+
+
 def case_horovod_api_on_cuda_tensors():
     n, r = hvd.size(), hvd.rank()
     fs = [on_gpu(values(r, k, "float32", "sum"), "float32") for k in (3, 1024, 1)]
