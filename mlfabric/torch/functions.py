@@ -170,10 +170,23 @@ def broadcast_optimizer_state(optimizer, root_rank):
     _same_everywhere(summary, root_rank, what, _describe_groups)
     if summary[0] == "invalid":
         raise TypeError(summary[1])
-    state = broadcast_object(optimizer.state_dict() if ops._state().ctx.rank == root_rank
-                             else None, root_rank, what)
+    state = broadcast_object(_on_host(optimizer.state_dict())
+                             if ops._state().ctx.rank == root_rank else None, root_rank, what)
     if ops._state().ctx.rank != root_rank:
-        optimizer.load_state_dict(state)
+        optimizer.load_state_dict(state)  # moves each state tensor to its parameter's device
+
+
+def _on_host(obj):
+    """obj (a state_dict: dicts, lists, tuples, tensors) with host copies of its GPU tensors:
+    pickled as they are, they would land on the root's GPU index on every rank, which another
+    rank may not have, or not use."""
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu() if obj.is_cuda else obj
+    if isinstance(obj, dict):
+        return {k: _on_host(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_on_host(v) for v in obj)
+    return obj
 
 
 def _describe_groups(root, other):

@@ -306,6 +306,35 @@ def case_broadcast_parameters_mixing_gpu_and_host_tensors():
     assert named[2][1].cpu().tolist() == [[n - 1.0] * 2] * 2
 
 
+def case_broadcast_optimizer_state_of_cuda_parameters():
+    """The root's Adam state (moments on its GPU) reaches every rank through host copies (never
+    pickled as CUDA tensors, which would land on the root's GPU index) and is loaded onto each
+    rank's own parameters' GPU, with the root's values."""
+    from mlfabric.torch.functions import _on_host
+    n, r = hvd.size(), hvd.rank()
+    model = torch.nn.Linear(4, 3).to(GPU)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01 * (r + 1))
+    if r == n - 1:
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 0.5)
+        opt.step()
+    root_state = _on_host(opt.state_dict())
+    assert not any(t.is_cuda for s in root_state["state"].values() for t in s.values()
+                   if isinstance(t, torch.Tensor))
+    hvd.broadcast_optimizer_state(opt, root_rank=n - 1)
+    assert opt.param_groups[0]["lr"] == 0.01 * n
+    state = opt.state_dict()["state"]
+    assert sorted(state) == [0, 1]
+    for p, s in zip(model.parameters(), (state[0], state[1])):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert s[key].device == p.device, (key, s[key].device)
+            got = hvd.broadcast(s[key], root_rank=n - 1)  # the root's, to compare with
+            assert torch.equal(s[key], got), key
+        assert float(s["step"]) == 1.0
+    model(torch.ones(2, 4, device=GPU)).sum().backward()
+    opt.step()  # the loaded state works with this rank's parameters
+
+
 def case_first_gpu_call_an_alltoall_where_a_rank_moves_nothing():
     """A fresh context's NCCL communicator is made at its first GPU call on every rank, even
     where a rank then has nothing to send or receive (making it is collective)."""
