@@ -357,3 +357,20 @@ def test_reproduce_rejects_unknown_benchmarks(tmp_path):
                           timeout=60)
     assert proc.returncode == 2 and "unknown table3" in proc.stdout, proc.stdout
     assert not os.path.exists(tmp_path / "R.md")
+
+
+def test_push_side_numbers_of_table2_profile():
+    """The push side of Table 2's profile, from a job's accounting: offered load over the
+    server link's base rate, the link's busy share of the commit span, updates per commit; jobs
+    of other modes, or without commits, are left out."""
+    rep = load_reproduce()
+    payload, rate = 1e6, 12.5e6
+    job = {"mode": "mlfabric-A", "duration_s": 2.0, "target": {"commit_span_s": 1.6},
+           "server_commits": [[1, 0.1], [3, 0.5], [2, 0.9], [2, 1.7]],
+           "summary": {"pushed": 12, "applied": 8, "server_bytes_in": 4 * payload}}
+    doc = {"meta": {"base_rate": rate, "task": {"payload_bytes": payload}},
+           "jobs": [job, {**job, "mode": "rr-sync"}, {**job, "server_commits": []}]}
+    (offered, busy, per_commit), = rep.push_side(doc)
+    assert offered == pytest.approx(12 * payload / 2.0 / rate)
+    assert busy == pytest.approx(4 * payload / rate / 1.6)
+    assert per_commit == 2.0

@@ -302,6 +302,21 @@ def span(xs, fmt="%.2f"):
     return fmt % lo if fmt % lo == fmt % hi else "%s-%s" % (fmt % lo, fmt % hi)
 
 
+def push_side(doc):
+    """Per mlfabric-A job: (pushes offered / the server link's base rate, the share of the
+    commit span the link spent carrying commits at that rate, updates applied per commit)."""
+    m, out = doc["meta"], []
+    rate, payload = m["base_rate"], m["task"]["payload_bytes"]
+    for j in doc.get("jobs", []):
+        s, span_s = j.get("summary", {}), (j.get("target") or {}).get("commit_span_s")
+        commits = j.get("server_commits")
+        if j.get("mode") != "mlfabric-A" or not span_s or not commits or not j.get("duration_s"):
+            continue
+        out.append((s["pushed"] * payload / j["duration_s"] / rate,
+                    s["server_bytes_in"] / rate / span_s, s["applied"] / len(commits)))
+    return out
+
+
 def table2_profile(doc):
     """Where the time goes, in numbers from the JSON: time to target = updates needed / update
     rate, so say which of the two differs."""
@@ -331,6 +346,24 @@ def table2_profile(doc):
                  "batch is done, runtime/server.py _serve_pulls - and, through a distributor, "
                  "for that worker's link)" % (
                      span(waits), 1e3 * payload / m["base_rate"]) if waits else "")]
+    inbound = push_side(doc)
+    if inbound:
+        offered, busy, per_commit = zip(*inbound)
+        idle = [d for d, b in zip(drops, busy) if b < 0.4]
+        lines[0] += (
+            " Push side: mlfabric-A's pushes offered the server's inbound link (a dedicated "
+            "machine's: always at the base rate) %sx what it carries; it carried commits %s%% "
+            "of the time from the first commit to the last, each commit summing %s updates." % (
+                span(offered, "%.1f"), span([100 * b for b in busy], "%.0f"),
+                span(per_commit, "%.1f")))
+        if idle:
+            lines[0] += (
+                " Where that link was busy under 40%% of the time, %s%% of the pushes were "
+                "still dropped: not for the server link's queue, then, but for the bound, with "
+                "slow worker links (N3: half the NIC directions at a tenth of the rate) aging "
+                "updates on their way: with tau_max = the workers, an update is stale once the "
+                "model it started from is about a round of the others' updates old (the paper "
+                "dropped 30%% in C1-N1, §7.1)." % span(idle, "%.0f"))
     if need and 0.8 <= sorted(need)[len(need) // 2] <= 1.25:
         lines += ["", "Per applied update the two modes progress alike here (the median of the "
                   "first ratio is within 0.8-1.25x), so the difference in time to target is the "
