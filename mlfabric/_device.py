@@ -6,7 +6,8 @@ inputs, new outputs on the same device, and each library's streams and events (t
 Stream semantics: a call is ordered after the work already queued on the caller's current stream
 (an event recorded there when the call is made, on the caller's thread: non-blocking calls run
 on another thread, whose current stream is not the caller's), runs on mlfabric's own stream, and
-returns once it has finished, so the result is ready for any stream."""
+returns once it has finished, so the result is ready for any stream (inside comm/nccl.py's
+deferred(), which mlfabric.torch uses, it returns once launched: see there)."""
 import math
 import sys
 

@@ -6,7 +6,9 @@ that disagree on shape, dtype, op or root, or where one passes a GPU array and a
 array, all raise MismatchError before NCCL sees anything (NCCL itself would hang or corrupt).
 Arrays are wrapped, and the caller's stream marked with a 'ready' event, on the caller's thread,
 since a non-blocking call runs on mlfabric's queue thread, whose current stream is another.
-Results on the GPU are written in place: a non-contiguous output is refused, not copied back."""
+A call returns once NCCL is done (inside nccl.deferred(), as mlfabric.torch calls it, once
+launched: the caller then waits). Results on the GPU are written in place: a non-contiguous
+output is refused, not copied back."""
 from . import _device, _dtypes, collectives as _coll, context
 from .comm import header, nccl
 from .errors import MlfabricError

@@ -365,12 +365,15 @@ def test_push_side_numbers_of_table2_profile():
     of other modes, or without commits, are left out."""
     rep = load_reproduce()
     payload, rate = 1e6, 12.5e6
-    job = {"mode": "mlfabric-A", "duration_s": 2.0, "target": {"commit_span_s": 1.6},
+    job = {"mode": "mlfabric-A", "cell": "C1-N1", "duration_s": 2.0,
+           "target": {"commit_span_s": 1.6},
            "server_commits": [[1, 0.1], [3, 0.5], [2, 0.9], [2, 1.7]],
-           "summary": {"pushed": 12, "applied": 8, "server_bytes_in": 4 * payload}}
+           "summary": {"pushed": 12, "applied": 8, "dropped_total": 4,
+                       "server_bytes_in": 4 * payload}}
     doc = {"meta": {"base_rate": rate, "task": {"payload_bytes": payload}},
            "jobs": [job, {**job, "mode": "rr-sync"}, {**job, "server_commits": []}]}
-    (offered, busy, per_commit), = rep.push_side(doc)
+    (cell, offered, busy, per_commit, dropped), = rep.push_side(doc)
+    assert cell == "C1-N1" and dropped == pytest.approx(4 / 12)
     assert offered == pytest.approx(12 * payload / 2.0 / rate)
     assert busy == pytest.approx(4 * payload / rate / 1.6)
     assert per_commit == 2.0

@@ -303,8 +303,9 @@ def span(xs, fmt="%.2f"):
 
 
 def push_side(doc):
-    """Per mlfabric-A job: (pushes offered / the server link's base rate, the share of the
-    commit span the link spent carrying commits at that rate, updates applied per commit)."""
+    """Per mlfabric-A job: (its cell, pushes offered / the server link's base rate, the share of
+    the commit span the link spent carrying commits at that rate, updates applied per commit,
+    the share of its pushes dropped)."""
     m, out = doc["meta"], []
     rate, payload = m["base_rate"], m["task"]["payload_bytes"]
     for j in doc.get("jobs", []):
@@ -312,8 +313,9 @@ def push_side(doc):
         commits = j.get("server_commits")
         if j.get("mode") != "mlfabric-A" or not span_s or not commits or not j.get("duration_s"):
             continue
-        out.append((s["pushed"] * payload / j["duration_s"] / rate,
-                    s["server_bytes_in"] / rate / span_s, s["applied"] / len(commits)))
+        out.append((j.get("cell"), s["pushed"] * payload / j["duration_s"] / rate,
+                    s["server_bytes_in"] / rate / span_s, s["applied"] / len(commits),
+                    s["dropped_total"] / s["pushed"]))
     return out
 
 
@@ -348,8 +350,8 @@ def table2_profile(doc):
                      span(waits), 1e3 * payload / m["base_rate"]) if waits else "")]
     inbound = push_side(doc)
     if inbound:
-        offered, busy, per_commit = zip(*inbound)
-        idle = [d for d, b in zip(drops, busy) if b < 0.4]
+        _, offered, busy, per_commit, dropped = zip(*inbound)
+        idle = [100 * d for d, b in zip(dropped, busy) if b < 0.4]
         lines[0] += (
             " Push side: mlfabric-A's pushes offered the server's inbound link (a dedicated "
             "machine's: always at the base rate) %sx what it carries; it carried commits %s%% "

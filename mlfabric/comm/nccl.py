@@ -159,11 +159,12 @@ def deferred():
     (communicator, devices, event, what) of each goes to the list this yields, for the caller's
     bounded wait (Communicator.wait) later. So one call's NCCL work can queue behind the last
     one's instead of starting after the host saw it finish (as DDP's bucket allreduces queue)."""
+    outer = getattr(_launch_only, "pending", None)
     pending = _launch_only.pending = []
     try:
         yield pending
     finally:
-        _launch_only.pending = None
+        _launch_only.pending = outer
 
 
 class Communicator:
@@ -176,6 +177,10 @@ class Communicator:
         self.handle = ctypes.c_void_p()
         self.streams = {}   # array library's name -> mlfabric's stream on this GPU
         self.failed = "not initialised"  # why the communicator cannot be used (None: it can)
+        # Held from the usability check through a launch, and taken (bounded) by abort(): with
+        # deferred() the wait, and so the abort, runs on the caller's thread while the queue's
+        # thread may be launching the next call on this communicator.
+        self._launching = threading.Lock()
 
     def init(self, ctx, devices):
         """Every rank: rank 0 makes NCCL's unique id and broadcasts it (over MPI, bounded, with
@@ -236,9 +241,9 @@ class Communicator:
         """Make mlfabric's stream wait for `ready` (an event on the caller's stream, recorded when
         the call was made), launch(lib, comm, stream_handle, stream) NCCL calls on it, and wait
         (bounded) until they are done; inside deferred(), only launch them (see there)."""
-        self._usable(what)
         lib = library()
-        with devices.on(self.device):
+        with self._launching, devices.on(self.device):
+            self._usable(what)
             stream = self.streams.get(devices.name)
             if stream is None:
                 stream = self.streams[devices.name] = devices.new_stream(self.device)
@@ -248,7 +253,8 @@ class Communicator:
                 launch(lib, self.handle, devices.stream_handle(stream), stream)
             except BaseException:
                 # the peers launched theirs: they would wait for this rank until their timeout
-                self.abort(f"{what} could not be launched on rank {self.rank}")
+                self.failed = f"{what} could not be launched on rank {self.rank}"
+                self._kill()
                 raise
             done = devices.record(stream)
             pending = getattr(_launch_only, "pending", None)
@@ -259,14 +265,20 @@ class Communicator:
         self.wait(devices, done, what)
 
     def wait(self, devices, event, what):
-        """Return once event has happened; MlfabricError if NCCL reports an error,
-        PeerTimeoutError after MLFABRIC_TIMEOUT seconds (the communicator is aborted then)."""
+        """Return once event has happened; MlfabricError if NCCL reports an error or the
+        communicator was aborted meanwhile (by another call's wait: the event may then have
+        completed on a killed kernel), PeerTimeoutError after MLFABRIC_TIMEOUT seconds (the
+        communicator is aborted then)."""
         lib = library()
         timeout = _config.timeout_s()
         start = time.monotonic()
         err = ctypes.c_int()
         polls = 0
-        while not devices.done(event):
+        while True:
+            if self.failed is not None:
+                raise MlfabricError(f"{what}: the NCCL communicator is unusable: {self.failed}")
+            if devices.done(event):
+                break
             polls += 1
             if polls % 64 == 0:  # a host call into NCCL: not on every poll
                 lib.ncclCommGetAsyncError(self.handle, ctypes.byref(err))
@@ -287,11 +299,21 @@ class Communicator:
 
     def abort(self, why):
         """Mark the communicator failed and abort it (frees a kernel stuck on a dead peer); the
-        abort is bounded too: with peers gone it has been seen to block."""
+        abort is bounded too: with peers gone it has been seen to block. Marked first, so no
+        launch starts after; a launch under way gets a second to finish (one blocked on a dead
+        peer is what the abort frees)."""
         if self.failed is None:
             self.failed = why
-            lib = library()
-            _bounded(lambda: lib.ncclCommAbort(self.handle), min(_config.timeout_s(), 10.0))
+            locked = self._launching.acquire(timeout=1.0)
+            try:
+                self._kill()
+            finally:
+                if locked:
+                    self._launching.release()
+
+    def _kill(self):
+        lib = library()
+        _bounded(lambda: lib.ncclCommAbort(self.handle), min(_config.timeout_s(), 10.0))
 
     def close(self):
         """At finalize: destroy a healthy communicator (its peers do the same), bounded."""

@@ -184,6 +184,8 @@ def _on_host(obj):
         return obj.cpu() if obj.is_cuda else obj
     if isinstance(obj, dict):
         return {k: _on_host(v) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+        return type(obj)(*(_on_host(v) for v in obj))
     if isinstance(obj, (list, tuple)):
         return type(obj)(_on_host(v) for v in obj)
     return obj

@@ -298,9 +298,10 @@ def _check_name(name):
         raise TypeError(f"name must be a string or None, got {type(name).__name__}")
 
 
-def _issue(what, plan, job, async_, tensor=None):
+def _issue(what, plan, job, async_, tensor=None, group=None):
     """Validate (plan() -> its result, or raise) and run job(st, planned) in order. tensor: one
-    of the call's tensors; for a CUDA one, job runs on mlfabric's stream (see _GpuCall).
+    of the call's tensors; for a CUDA one, job runs on mlfabric's stream (see _on_side_stream);
+    group: all of them, where there are several.
 
     A rank whose arguments are bad still takes part in the control round, as 'rejected', so its
     peers fail at once with a MismatchError naming it; then it raises its own error."""
@@ -312,7 +313,7 @@ def _issue(what, plan, job, async_, tensor=None):
         raise exc
     gpu = tensor is not None and tensor.is_cuda
     if gpu:
-        job = _on_side_stream(st, job, tensor.device)
+        job = _on_side_stream(st, job, tensor.device, group or (tensor,))
     if async_:
         handle = st.queue.submit(what, lambda: job(st, planned))
         hid = next(st.ids)
@@ -322,31 +323,39 @@ def _issue(what, plan, job, async_, tensor=None):
     return _on_caller_stream(*result, tensor.device) if gpu else result
 
 
-def _on_side_stream(st, job, device):
+def _on_side_stream(st, job, device, tensors):
     """job, to run on mlfabric's stream on `device` after the work queued so far on the caller's
     current stream (an event recorded now, on the caller's thread), returning (its result, an
-    event after its work, the NCCL work it launched). Recorded at the call, not when the queue
-    reaches it: by then a gradient hook's caller has queued the rest of backward, which the
-    allreduce need not wait for, and would. Its NCCL work is launched, not waited for (the
-    caller waits, bounded, in _on_caller_stream): the next call's queues behind it on the GPU
-    while the host exchanges that call's descriptors. (DDP and Horovod do the same.)"""
+    event after its work, the NCCL work it launched, its error or None). Recorded at the call,
+    not when the queue reaches it: by then a gradient hook's caller has queued the rest of
+    backward, which the allreduce need not wait for, and would. Its NCCL work is launched, not
+    waited for (the caller waits, bounded, in _on_caller_stream): the next call's queues behind
+    it on the GPU while the host exchanges that call's descriptors. (DDP and Horovod do the
+    same.) The call's CUDA tensors are marked in use by mlfabric's stream: freed after the call,
+    whichever stream they came from, their memory waits for its work there."""
     produced = torch.cuda.Event()
     produced.record(torch.cuda.current_stream(device))
     side = st.streams.get(device)
     if side is None:
-        side = st.streams[device] = torch.cuda.Stream(device)
+        with _S_LOCK:  # calls come from the training thread and from autograd's
+            side = st.streams.get(device)
+            if side is None:
+                side = st.streams[device] = torch.cuda.Stream(device)
 
     def on_side(st, planned):
+        for t in tensors:
+            if t.is_cuda:
+                t.record_stream(side)
         side.wait_event(produced)
+        result = error = None
         with torch.cuda.stream(side), _nccl.deferred() as launched:
             try:
                 result = job(st, planned)
-            except BaseException:
-                _wait_launched(launched)  # its buffers stay put until NCCL is done with them
-                raise
+            except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread
+                error = exc
         done = torch.cuda.Event()
         done.record(side)
-        return result, done, launched
+        return result, done, launched, error
     return on_side
 
 
@@ -356,14 +365,23 @@ def _wait_launched(launched):
         comm.wait(devices, event, what)
 
 
-def _on_caller_stream(result, done, launched, device):
-    """A GPU call's result, once its NCCL work is done, made safe for the caller's current
-    stream: its later work there follows mlfabric's, and tensors allocated on mlfabric's stream
-    are marked in use by it, so the allocator does not hand their memory to mlfabric's next
-    call while that work reads them."""
-    _wait_launched(launched)
+def _on_caller_stream(result, done, launched, error, device):
+    """A GPU call's result (or its error), once its NCCL work is done, made safe for the
+    caller's current stream: its later work there follows mlfabric's (copies out included,
+    and on an error whatever the call did before it), and tensors allocated on mlfabric's
+    stream are marked in use by it, so the allocator does not hand their memory to mlfabric's
+    next call while that work reads them. Where the wait fails (the communicator was aborted)
+    the stream is left alone: it would wait for NCCL work that may never finish."""
+    try:
+        _wait_launched(launched)
+    except MlfabricError:
+        if error is None:
+            raise
+        raise error from None  # the call's own error says more
     stream = torch.cuda.current_stream(device)
     stream.wait_event(done)
+    if error is not None:
+        raise error
     for t in result if isinstance(result, (list, tuple)) else (result,):
         if isinstance(t, torch.Tensor) and t.is_cuda:
             t.record_stream(stream)
@@ -380,7 +398,14 @@ class _GpuCall:
         self.handle, self.device, self.keep = handle, device, keep
 
     def done(self):
-        return self.handle.done()
+        """True once synchronize() would return at once: the job has run and its GPU work is
+        done (or failed)."""
+        if not self.handle.done():
+            return False
+        _, done, launched, error = self.handle.wait()
+        if error is not None or any(comm.failed is not None for comm, *_ in launched):
+            return True
+        return all(devices.done(ev) for _, devices, ev, _ in launched) and done.query()
 
     def wait(self):
         return _on_caller_stream(*self.handle.wait(), self.device)
@@ -742,7 +767,7 @@ def _grouped_call(tensors, op, average, name, pre, post, inplace, async_):
         return outs
 
     return _issue(what, plan, job, async_, tensors[0] if isinstance(tensors, (list, tuple))
-                  and tensors else None)
+                  and tensors else None, tensors)
 
 
 class _GroupedAllreduceFn(torch.autograd.Function):
@@ -1009,7 +1034,7 @@ def _grouped_broadcast_call(tensors, root_rank, name):
         return tensors
 
     cuda = next((t for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda), None)
-    return _issue(what, plan, job, False, cuda)
+    return _issue(what, plan, job, False, cuda, tensors)
 
 
 # --- alltoall -------------------------------------------------------------------------------------

@@ -195,6 +195,25 @@ def case_async_call_does_not_wait_for_work_queued_after_it():
         mf.barrier()
 
 
+def case_poll_is_false_until_the_gpu_work_is_done():
+    """poll() says True only once synchronize() would return at once: not while the call's NCCL
+    work, launched, still waits for the caller's stream (busy with a spin queued before the
+    call), only after it."""
+    import time
+    n, r = mf.size(), mf.rank()
+    x = torch.full((1 << 12,), float(r + 1), device=GPU)
+    torch.cuda._sleep(2_000_000_000)  # ~1-2 s of the caller's stream, ahead of the call
+    h = hvd.allreduce_async(x, op=hvd.Sum)
+    time.sleep(0.3)  # by now the queue has (as a rule) run the call: launched, not done
+    assert not hvd.poll(h), "poll() said done while the GPU had not run the call"
+    deadline = time.monotonic() + 60
+    while not hvd.poll(h):
+        assert time.monotonic() < deadline, "poll() never said done"
+        time.sleep(0.01)
+    check(hvd.synchronize(h), np.full(x.numel(), n * (n + 1) / 2), "float32", "after poll")
+    mf.barrier()
+
+
 def case_horovod_api_on_cuda_tensors():
     n, r = hvd.size(), hvd.rank()
     fs = [on_gpu(values(r, k, "float32", "sum"), "float32") for k in (3, 1024, 1)]
@@ -307,10 +326,10 @@ def case_broadcast_parameters_mixing_gpu_and_host_tensors():
 
 
 def case_broadcast_optimizer_state_of_cuda_parameters():
-    """The root's Adam state (moments on its GPU) reaches every rank through host copies (never
-    pickled as CUDA tensors, which would land on the root's GPU index) and is loaded onto each
-    rank's own parameters' GPU, with the root's values."""
-    from mlfabric.torch.functions import _on_host
+    """The root's Adam state (moments on its GPU) is sent as host copies (pickled as CUDA
+    tensors it would land on the root's GPU index on every rank) and loaded onto each rank's
+    own parameters' GPU, with the root's values."""
+    from mlfabric.torch import functions
     n, r = hvd.size(), hvd.rank()
     model = torch.nn.Linear(4, 3).to(GPU)
     opt = torch.optim.Adam(model.parameters(), lr=0.01 * (r + 1))
@@ -318,10 +337,21 @@ def case_broadcast_optimizer_state_of_cuda_parameters():
         for p in model.parameters():
             p.grad = torch.full_like(p, 0.5)
         opt.step()
-    root_state = _on_host(opt.state_dict())
-    assert not any(t.is_cuda for s in root_state["state"].values() for t in s.values()
-                   if isinstance(t, torch.Tensor))
-    hvd.broadcast_optimizer_state(opt, root_rank=n - 1)
+    sent = []
+    real = functions.broadcast_object
+
+    def spy(obj, root_rank=0, name=None):
+        sent.append(obj)
+        return real(obj, root_rank, name)
+    functions.broadcast_object = spy
+    try:
+        hvd.broadcast_optimizer_state(opt, root_rank=n - 1)
+    finally:
+        functions.broadcast_object = real
+    if r == n - 1:
+        moments = [t for s in sent[0]["state"].values() for t in s.values()
+                   if isinstance(t, torch.Tensor)]
+        assert moments and not any(t.is_cuda for t in moments), [t.device for t in moments]
     assert opt.param_groups[0]["lr"] == 0.01 * n
     state = opt.state_dict()["state"]
     assert sorted(state) == [0, 1]
