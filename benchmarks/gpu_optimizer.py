@@ -33,7 +33,6 @@ from mpi4py import MPI
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 VARIANTS = ("alone", "hvd", "ddp-nccl")
-PHASES = ("forward", "backward", "sync", "update")
 
 
 def parse_args():
@@ -54,38 +53,6 @@ def parse_args():
     return args
 
 
-def mlp(torch, args, dev):
-    torch.manual_seed(0)  # every rank and every variant starts from the same weights
-    layers, width = [], args.inputs
-    for _ in range(args.layers):
-        layers += [torch.nn.Linear(width, args.hidden), torch.nn.ReLU()]
-        width = args.hidden
-    layers.append(torch.nn.Linear(width, 1))
-    return torch.nn.Sequential(*layers).to(dev)
-
-
-def train_steps(torch, model, opt, batches, split, reduce):
-    for x, y in batches:
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        if reduce is not None:
-            reduce()
-            t3 = time.perf_counter()
-            with opt.skip_synchronize():
-                opt.step()
-        else:
-            t3 = t2
-            opt.step()
-        torch.cuda.synchronize()
-        t4 = time.perf_counter()
-        for key, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
-            split[key] += dt
-
-
 def main():
     args = parse_args()
     world = MPI.COMM_WORLD
@@ -93,6 +60,8 @@ def main():
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from benchmarks.torch_optimizer import PHASES, mlp, train_steps
 
     local = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     if torch.cuda.device_count() < local.size:  # before either library makes a communicator
@@ -114,7 +83,7 @@ def main():
                for _ in range(args.steps)]
     runs = {}
     for name in VARIANTS:
-        model = mlp(torch, args, dev)
+        model = mlp(args).to(dev)
         if name == "ddp-nccl":
             model = DDP(model, device_ids=[dev.index])
         opt = torch.optim.SGD(model.parameters(), lr=args.lr)
@@ -126,7 +95,8 @@ def main():
     for name, (model, opt, reduce) in runs.items():  # warm-up: buckets, communicators
         comm.Barrier()
         if name != "alone" or rank == 0:
-            train_steps(torch, model, opt, batches[:2], dict.fromkeys(PHASES, 0.0), reduce)
+            train_steps(model, opt, batches[:2], dict.fromkeys(PHASES, 0.0), reduce,
+                        torch.cuda.synchronize)
     times = {n: [] for n in VARIANTS}
     splits = {n: dict.fromkeys(PHASES, 0.0) for n in VARIANTS}
     for r in range(args.rounds):
@@ -135,7 +105,7 @@ def main():
             comm.Barrier()
             t0 = time.perf_counter()
             if name != "alone" or rank == 0:
-                train_steps(torch, model, opt, batches, splits[name], reduce)
+                train_steps(model, opt, batches, splits[name], reduce, torch.cuda.synchronize)
             times[name].append((time.perf_counter() - t0) / args.steps)
             comm.Barrier()
     weights = {n: torch.cat([p.detach().reshape(-1) for p in runs[n][0].parameters()])

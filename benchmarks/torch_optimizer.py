@@ -159,9 +159,11 @@ def mlp(args):
     return torch.nn.Sequential(*layers)
 
 
-def train_steps(model, opt, batches, split, reduce=None):
+def train_steps(model, opt, batches, split, reduce=None, settle=None):
     """Run the steps; add each phase's seconds to split. reduce: the synchronize() of
-    DistributedOptimizer, timed on its own (the wait for the allreduces not hidden by backward)."""
+    DistributedOptimizer, timed on its own (the wait for the allreduces not hidden by backward).
+    settle: called at the end of each step, inside it (on a GPU: a device synchronize, so that
+    the step is timed to completion)."""
     for x, y in batches:
         t0 = time.perf_counter()
         opt.zero_grad()
@@ -177,6 +179,8 @@ def train_steps(model, opt, batches, split, reduce=None):
         else:
             t3 = t2
             opt.step()
+        if settle is not None:
+            settle()
         t4 = time.perf_counter()
         for key, dt in (("forward", t1 - t0), ("backward", t2 - t1), ("sync", t3 - t2),
                         ("update", t4 - t3)):
