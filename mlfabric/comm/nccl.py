@@ -179,8 +179,9 @@ class Communicator:
         self.failed = "not initialised"  # why the communicator cannot be used (None: it can)
         # Held from the usability check through a launch, and taken (bounded) by abort(): with
         # deferred() the wait, and so the abort, runs on the caller's thread while the queue's
-        # thread may be launching the next call on this communicator.
-        self._launching = threading.Lock()
+        # thread may be launching the next call on this communicator. (Reentrant: a launch that
+        # fails aborts while holding it.)
+        self._launching = threading.RLock()
 
     def init(self, ctx, devices):
         """Every rank: rank 0 makes NCCL's unique id and broadcasts it (over MPI, bounded, with
@@ -253,8 +254,7 @@ class Communicator:
                 launch(lib, self.handle, devices.stream_handle(stream), stream)
             except BaseException:
                 # the peers launched theirs: they would wait for this rank until their timeout
-                self.failed = f"{what} could not be launched on rank {self.rank}"
-                self._kill()
+                self.abort(f"{what} could not be launched on rank {self.rank}")
                 raise
             done = devices.record(stream)
             pending = getattr(_launch_only, "pending", None)
@@ -304,16 +304,13 @@ class Communicator:
         peer is what the abort frees)."""
         if self.failed is None:
             self.failed = why
+            lib = library()
             locked = self._launching.acquire(timeout=1.0)
             try:
-                self._kill()
+                _bounded(lambda: lib.ncclCommAbort(self.handle), min(_config.timeout_s(), 10.0))
             finally:
                 if locked:
                     self._launching.release()
-
-    def _kill(self):
-        lib = library()
-        _bounded(lambda: lib.ncclCommAbort(self.handle), min(_config.timeout_s(), 10.0))
 
     def close(self):
         """At finalize: destroy a healthy communicator (its peers do the same), bounded."""
