@@ -80,11 +80,24 @@ def rr_matches_offline(job, curve, tol):
 
 
 @pytest.mark.mpi
-def test_table2_quick(tmp_path):
+@pytest.mark.parametrize("dilate", [1, 2])
+def test_table2_quick(tmp_path, dilate):
     n = 7                                           # odd: 5 workers
-    doc, out = bench(n, "table2.py", tmp_path)
+    doc, out = bench(n, "table2.py", tmp_path, "--dilate", str(dilate))
     workers = n - 2
-    assert doc["meta"]["workers"] == workers and doc["meta"]["tau_max"] == workers
+    m = doc["meta"]
+    assert m["workers"] == workers and m["tau_max"] == workers
+    # --dilate stretches every time of the setting alike: --quick's 20 ms compute, 0.2 MB at
+    # 50 MB/s, 0.05 s window; the NIC rate period (5 s) in every job's emulation
+    assert m["dilate"] == dilate and m["compute_ms"] == pytest.approx(20.0 * dilate)
+    assert m["base_rate"] == pytest.approx(50e6 / dilate)
+    assert m["window_s"] == pytest.approx(0.05 * dilate)
+    for job in doc["jobs"]:
+        assert job["compute_s"] == pytest.approx(0.02 * dilate)
+        assert job["batch_interval"] == pytest.approx(0.1 * dilate)
+        assert job["t_lag"] == pytest.approx(0.2 * dilate)
+        assert job["emulation"]["base_rate"] == pytest.approx(50e6 / dilate)
+        assert job["emulation"]["period"] == pytest.approx(5.0 * dilate)
     assert list(doc["cells"]) == ["C2-N1"]
     cell = doc["cells"]["C2-N1"]
     assert cell["paper_speedup"] == 2.96
@@ -294,6 +307,19 @@ FIXTURES = {
                        "cells": {"C1-N1": cell(1.74, 0.8, "opposite", 12.0, 9.6),
                                  "C2-N1": cell(2.96, None, "undetermined", None, 9.0,
                                                bound="<= 0.5")}},
+    # the 30-worker command with every time 3x the paper's (--dilate 3): a section of its own
+    "table2-30-dilated": {"meta": meta("table2.py", target=0.76, workers=30, tau_max=30.0,
+                                       compute_ms=300.0, base_rate=50e6 / 12, dilate=3.0,
+                                       rr_iterations=15, a_factor=2.2,
+                                       a_duration_s={"C1-N2": 50.0}, window_s=1.5,
+                                       task={"params": 9610, "pretrain_iterations": 6,
+                                             "dataset": "synthetic", "payload_bytes": 1e6}),
+                          "offline": {"start_accuracy": 0.653, "crossing": 10},
+                          "cells": {"C1-N2": cell(1.23, 0.67, "opposite", 39.95, 26.7,
+                                                  t_rr_sync_ideal=25.33,
+                                                  speedup_vs_rr_ideal=0.63,
+                                                  direction_vs_rr_ideal="opposite",
+                                                  rr_ideal_iteration_s=2.46)}},
     # fig9_replica: left out, so the report must say it was not run
     "sched_cost": {"meta": meta("sched_cost.py"),
                    "results": [{"updates": 1000, "paper_ms": 1460.0, "ms_median": 8.0,
@@ -326,7 +352,13 @@ def test_reproduce_builds_the_report_from_fixtures(tmp_path):
         # a repeated command: each run and the median
         "| C1-N1 | 1.74 | 1.02 | 0.80 | 0.91 | **no** |",
         "| C2-N1 | 2.96 | 1.60 | <= 0.5 | 0.80 | **no** |",
-        "Over 2 runs, the median speedup is in the paper's direction in 0 of 2 settings"]
+        "Over 2 runs, the median speedup is in the paper's direction in 0 of 2 settings",
+        # dilated: said in the heading, times as run (a 1 MB transfer: 240 ms, compute 300 ms)
+        "## Table 2 with 30 workers (the paper's count), time dilated 3x: mlfabric-A vs "
+        "RR-Sync, time to a target accuracy, 1 setting (§7.1)",
+        "Every time of the setting runs 3x the paper's (`--dilate 3`)",
+        "updates padded to 1.0 MB (240 ms at the base rate); compute 300 ms",
+        "| C1-N2 | 1.23 | 0.67 | 0.63 | **no** | 39.95 | 26.70 | 25.33 |"]
     for line in expected:
         assert line in text, line
     assert "| rr-sync | 145 | 182 | 1.00 | 29 | 14.00 | 1.00 |" in text
@@ -377,3 +409,20 @@ def test_push_side_numbers_of_table2_profile():
     assert offered == pytest.approx(12 * payload / 2.0 / rate)
     assert busy == pytest.approx(4 * payload / rate / 1.6)
     assert per_commit == 2.0
+
+
+def test_staleness_side_of_table2_profile():
+    """The staleness budget of Table 2's profile, from the scheduler's record: the median lag
+    when planned (from the histogram), the share planned with no position left within tau_max,
+    and the medians of the updates in flight and of a fetch's wait and whole request; jobs of
+    other modes, or without the record (older JSONs), are left out."""
+    rep = load_reproduce()
+    st = {"lag_at_plan": {"1": 2, "4": 3, "6": 4, "9": 1},   # 10 updates: median lag 4 or 6
+          "in_flight_at_plan": {"median": 3.0}, "pull_wait": {"median": 0.1},
+          "get_latency": {"median": 0.4}}
+    job = {"mode": "mlfabric-A", "summary": {"staleness": st}}
+    doc = {"jobs": [job, {**job, "mode": "rr-sync"}, {"mode": "mlfabric-A", "summary": {}}]}
+    (median, over, flight, wait, fetch), = rep.staleness_side(doc, 6.0)
+    assert median == 4                        # the 5th of 10 in lag order
+    assert over == pytest.approx(5 / 10)      # lags 6 and 9 leave no position within tau_max 6
+    assert (flight, wait, fetch) == (3.0, 0.1, 0.4)

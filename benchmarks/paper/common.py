@@ -316,7 +316,8 @@ class LdaTask:
 # --- the traced job ------------------------------------------------------------------------------
 
 def traced_job(comm, mode, task, *, iterations, compute_s, emulation, tau_max=math.inf,
-               batch_interval=0.1, seed=0, every=1, duration_s=None, pull_objective=None):
+               batch_interval=0.1, t_lag=0.2, seed=0, every=1, duration_s=None,
+               pull_objective=None):
     """Run one job of `mode` (mlfabric.ps.driver.run_job, the loop every mode shares) on every
     rank with `task`'s updates, recording the model each worker computes from. Returns, on rank
     0, the job's record with 'points' [{t, value, worker, iteration}] (the model evaluated
@@ -348,6 +349,7 @@ def traced_job(comm, mode, task, *, iterations, compute_s, emulation, tau_max=ma
 
     settings = dict(size=task.size, iterations=iterations, compute_s=compute_s,
                     dtype=task.dtype, emulation=emulation, batch_interval=batch_interval,
+                    t_lag=t_lag,
                     seed=seed, update_fn=update_fn, model0=task.model0(comm))
     if mode in PS_MODES:   # every commit: the applied ids and drops are read off the log
         settings["applied_log_max"] = None
@@ -409,6 +411,7 @@ def _job_record(mode, task, parts, summary, settings, emulation, tau_max):
             "worker_iterations": [len(p["iter_times"]) for p in
                                   sorted(workers, key=lambda p: p["rank"])],
             "compute_s": settings["compute_s"],
+            "batch_interval": settings["batch_interval"], "t_lag": settings["t_lag"],
             "emulation": {"compute": emulation.compute, "network": emulation.network,
                           "base_rate": emulation.base_rate, "period": emulation.period,
                           "seed": emulation.seed},
@@ -531,10 +534,12 @@ def idle_barrier(comm, poll_s=0.005):
         time.sleep(poll_s)
 
 
-def emulation(preset, seed, base_rate=BASE_RATE):
+def emulation(preset, seed, base_rate=BASE_RATE, period=5.0):
+    """The paper's straggler preset 'C?-N?' as an Emulation; period: seconds between NIC rate
+    changes (the paper's T = 5 s)."""
     from mlfabric.emulate import Emulation
     compute, network = preset.upper().split("-")
-    return Emulation(compute, network, base_rate=base_rate, seed=seed)
+    return Emulation(compute, network, base_rate=base_rate, period=period, seed=seed)
 
 
 def host(comm):
