@@ -182,7 +182,23 @@ def summary_record(s):
             "balanced": bool(s.balanced), "missing": len(s.missing), "twice": len(s.twice),
             "server_bytes_in": s.server_bytes_in, "replica_bytes_in": s.replica_bytes_in,
             "relayed": dict(getattr(s, "relayed", {})),
-            "nic_bytes": {str(r): v for r, v in getattr(s, "nic_bytes", {}).items()}}
+            "nic_bytes": {str(r): v for r, v in getattr(s, "nic_bytes", {}).items()},
+            "staleness": staleness_record(getattr(s, "control", None) or {})}
+
+
+def staleness_record(control):
+    """The staleness budget of a scheduled asynchronous job, from the scheduler's profile
+    (runtime/scheduler.py): each update's lag when planned (a histogram: lag -> updates; over
+    tau_max it is dropped), the updates in flight (planned, not applied) at each plan, and a
+    model fetch split into the wait at the server before the pull batch left and the whole
+    request (seconds). None for jobs without one (allreduce baselines, vanilla async)."""
+    lag = control.get("lag_at_plan")
+    if not lag:
+        return None
+    return {"lag_at_plan": {str(k): v for k, v in sorted(lag.items())},
+            "in_flight_at_plan": stats(control.get("in_flight_at_plan", [])),
+            "get_latency": stats(control.get("get_latency", [])),
+            "pull_wait": stats(control.get("pull_wait", []))}
 
 
 class Jobs:

@@ -14,6 +14,7 @@ the job's t0, on the scheduler's clock; daemons convert).
 """
 import time
 from bisect import bisect_right
+from collections import Counter
 from dataclasses import replace
 from math import inf
 
@@ -61,6 +62,13 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
         # applied are dropped (recovery.py); a byte an id (IdSet), none without a replica
         self.planned = {s: IdSet() for s in self.servers}
         self.v_init = {s: rt.infos[s].get("version", 0) for s in self.servers}  # (resume)
+        # The staleness budget, profiled (asynchronous modes): an update's lag when planned,
+        # v_init - its version (the updates planned since the model it was computed from; over
+        # tau_max it is dropped), and how many of those were planned but not yet applied then
+        # (in flight: the model a worker fetches is behind v_init by that many)
+        self.applied_of = dict(self.v_init)   # per server, as its 'applied' reports say
+        self.lag_at_plan = Counter()
+        self.in_flight_at_plan = profile()
         self.after = {s: 0.0 for s in self.servers}
         self.next_batch = rt.now() + cfg.batch_interval
         self.batches = 0
@@ -109,6 +117,9 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
             self.caps.update(src, *body)
         elif kind == "applied":
             self._resolve(body)
+            s = next((s for s, r in self.rank_of.items() if r == src), None)
+            if s is not None:
+                self.applied_of[s] += len(body)
         elif kind == "lost":            # work a failure took, found by a daemon (recovery.py)
             self.lost(body)
         elif kind == "replicated":
@@ -277,6 +288,9 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
         ups = [Update(u.id, idx[u.worker], u.size, u.version, t, u.norm) for u in updates]
         if self.mode == "sync" and ups:
             self.v_init[server] = max(self.v_init[server], max(u.version for u in ups))
+        elif ups:
+            self.lag_at_plan.update(self.v_init[server] - u.version for u in ups)
+            self.in_flight_at_plan.append(self.v_init[server] - self.applied_of[server])
         seed = cfg.seed * 1000003 + self.batches
         # with a replica, no commit on either side may weigh more than Div_max (aggregation.py)
         cap = self.div_max if state is not None else inf
@@ -402,6 +416,8 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
                            "get_latency": [x for lg in ledgers if lg for x in lg.get_latency],
                            "pull_wait": [x for lg in ledgers if lg for x in lg.pull_wait],
                            "achieved_rates": dict(self.caps.achieved),
+                           "lag_at_plan": dict(self.lag_at_plan),
+                           "in_flight_at_plan": list(self.in_flight_at_plan),
                            "batches": self.batches}
         summary.failovers = list(self.failovers)
         for r in range(1, rt.size):

@@ -12,6 +12,7 @@ from mlfabric.emulate import Emulation
 from mlfabric.errors import MlfabricError
 from mlfabric.ps.driver import default_update, run_job, shards
 from mlfabric.runtime.roles import Roles
+from mlfabric.sched.plan import DROP_STALE
 
 from .common import take_part
 
@@ -335,6 +336,7 @@ def case_paced_async_keeps_delays_within_tau_max():
         _check_summary(res)
         s = res.summary
         assert s.max_delay is None or s.max_delay <= tau, s
+        _check_staleness_profile(s, tau)
         if res.role == "server":
             applied = _server_ids(res)
             assert len(applied) == s.applied
@@ -343,6 +345,21 @@ def case_paced_async_keeps_delays_within_tau_max():
             np.testing.assert_allclose(res.model, ref, rtol=1e-12, atol=1e-14)
         if WORLD.rank == 0:
             print("paced async, pull trees by %s: %s" % (objective, s))
+
+
+def _check_staleness_profile(s, tau):
+    """The scheduler's staleness profile (every rank gets the summary): each pushed update's lag
+    when planned counted once; a lag of tau_max or more (the versions planned since its model)
+    leaves no position within the bound, so at least that many were dropped stale, and every
+    applied update had a lag under tau_max; nothing planned is ever ahead of v_init, and the
+    updates in flight at a plan are between none and all of those pushed."""
+    lag = s.control["lag_at_plan"]
+    assert sum(lag.values()) == s.pushed, (lag, s)
+    assert min(lag) >= 0, lag
+    assert sum(n for k, n in lag.items() if k >= tau) <= s.dropped.get(DROP_STALE, 0), (lag, s)
+    assert sum(n for k, n in lag.items() if k < tau) >= s.applied, (lag, s)
+    flight = s.control["in_flight_at_plan"]
+    assert flight and all(0 <= x <= s.pushed for x in flight), flight
 
 
 def case_allreduce_through_push_and_get():
