@@ -39,6 +39,9 @@ PAPER_GBPS = 10.0
 PAPER_TABLE2 = {"C1-N1": 1.74, "C1-N2": 1.23, "C1-N3": 1.42,
                 "C2-N1": 2.96, "C2-N2": 2.0, "C2-N3": 2.32,
                 "C3-N1": 1.90, "C3-N2": 1.33, "C3-N3": 1.42}
+# §2 (measured in §7's cluster): a synchronous iteration took 8x as long when 10% of the workers
+# took 4x longer and 10% of the NIC directions ran at 5 Gbps (C2 with N1's link rates) as without
+PAPER_SYNC_SLOWDOWN = ("C2-N1", 8.0)
 # Fig. 7 (c, d): LDA on NYTimes, C1-N1, iterations and seconds to log-likelihood -7.94
 PAPER_LDA = {"rr-sync": (145, 182.0), "mlfabric-A-30": (188, 139.0),
              "mlfabric-A-60": (239, 169.0), "async": (300, 1080.0)}
