@@ -302,7 +302,8 @@ def plot(path, cells, jobs, args):
     a2.set_xlabel("job time (s)")
     a2.set_ylabel("test accuracy")
     a2.set_title("%s: the model over time" % first, fontsize=9)
-    fig.suptitle("Table 2 at this machine's scale (target %.3f)" % args.target)
+    fig.suptitle("Table 2 at this machine's scale (target %.3f%s)" % (
+        args.target, ", time dilated %gx" % args.dilate if args.dilate != 1 else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
