@@ -331,8 +331,9 @@ def paper_baseline(doc, sets):
         em = common.emulation(preset, m.get("seed", 0), base_rate=m["base_rate"])
         return common.ring_ideal(em, m["workers"], m["compute_ms"] / 1e3,
                                  m["task"]["payload_bytes"], its)[-1] / its
-    ring_slow = per_iteration(cell) / per_iteration("C0-N0")
-    measured = doc["cells"][cell]["rr_iteration_s"] / per_iteration("C0-N0")
+    calm = per_iteration("C0-N0")   # no stragglers, every link at the base rate
+    ring_slow = per_iteration(cell) / calm
+    measured = doc["cells"][cell]["rr_iteration_s"] / calm
     paper_vs_ring = common.PAPER_TABLE2[cell] * ring_slow / paper_slow
     ours = ["%.2f (%s, median of %d run%s)" % (
         median_speedup([dict(speedup=r["cells"][cell].get("speedup_vs_rr_ideal"),
@@ -391,11 +392,11 @@ def staleness_side(doc, tau_max):
         if j.get("mode") != "mlfabric-A" or not st:
             continue
         lag = sorted((int(k), n) for k, n in st["lag_at_plan"].items())
-        total, seen, median = sum(n for _, n in lag), 0, None
-        for k, n in lag:
+        total, seen = sum(n for _, n in lag), 0
+        for median, n in lag:    # the first lag at which half the updates are counted
             seen += n
-            if median is None and 2 * seen >= total:
-                median = k
+            if 2 * seen >= total:
+                break
         over = sum(n for k, n in lag if k >= tau_max) / total
         med = [(st.get(x) or {}).get("median") for x in ("in_flight_at_plan", "pull_wait",
                                                           "get_latency")]
