@@ -10,7 +10,7 @@ import os
 import shutil
 import subprocess
 
-from pybind11.setup_helpers import Pybind11Extension, build_ext
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
 from setuptools import find_packages, setup
 
 
@@ -77,6 +77,9 @@ class BuildExt(build_ext):
             objs.append(obj)
         return objs
 
+
+# The C++ sources compile in parallel, one job per CPU (MLFABRIC_BUILD_JOBS=N to choose).
+ParallelCompile("MLFABRIC_BUILD_JOBS", default=0).install()
 
 ext = Pybind11Extension(
     "mlfabric._C",
