@@ -1061,7 +1061,7 @@ def case_core_alltoall_numpy():
 
 
 def case_sparse_tensors_refused_on_every_rank():
-    """A sparse tensor in a grouped list (found by the one-pass scan: is_contiguous() raises for
+    """A sparse tensor in a grouped list (found by the one-pass scan: data_ptr() raises for
     it) is named on its rank; the others fail at the same call; the next call works."""
     n, r = hvd.size(), hvd.rank()
     ts = [torch.ones(3), torch.ones(2, 2), torch.ones(4)]
