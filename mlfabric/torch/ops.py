@@ -699,8 +699,8 @@ def _scan(tensors, what):
         if t.device != tensors[0].device:
             raise ValueError(f"{what}: tensors[{i}] is on {t.device}, tensors[0] on "
                              f"{tensors[0].device}; a group's tensors share one device")
-    # only GPU lists get here (CPU ones that pass these checks passed the first pass): torch
-    # copies them, no addresses needed
+    # GPU lists get here, and CPU tensors whose storage has no address to read (wrapper
+    # subclasses, whose data_ptr raises): torch copies them, no addresses needed
     return (tuple(_DTYPE_CODE[t.dtype] for t in tensors), tuple(t.shape for t in tensors)), None
 
 
