@@ -1,7 +1,8 @@
 """mlfabric: a communication library for distributed ML training on MPI.
 
 Public API (this __all__ is the contract; everything else is private):
-    init(comm=None), finalize(), initialized(), rank(), size(), local_rank(), local_size()
+    init(comm=None), finalize(), initialized(), rank(), size(), local_rank(), local_size(),
+    cross_rank(), cross_size(), is_homogeneous()
     allreduce(x, op="sum", out=None, algorithm="auto"), reduce, broadcast(x, root=0),
     allgather(x), reduce_scatter(x, op="sum"), barrier(), send, recv, *_async -> Handle
     shared_empty / shared_zeros / is_shared (zero-copy shared buffers)
@@ -68,6 +69,23 @@ def local_size():
     return _get().local_size
 
 
+def cross_rank():
+    """This host's index among the hosts that run a rank with this rank's local rank (Horovod's
+    cross_rank: the rank in the communicator of the ranks with the same local rank)."""
+    return _get().cross_rank
+
+
+def cross_size():
+    """Number of hosts that run a rank with this rank's local rank (every host, when each runs
+    as many ranks)."""
+    return _get().cross_size
+
+
+def is_homogeneous():
+    """True when every host runs the same number of ranks."""
+    return _get().homogeneous
+
+
 def cuda_built():
     """True when the native core was compiled with CUDA kernels (nvcc found at build time)."""
     return bool(_C.cuda_built())
@@ -81,6 +99,7 @@ def nccl_built():
 
 
 __all__ = ["init", "finalize", "initialized", "rank", "size", "local_rank", "local_size",
+           "cross_rank", "cross_size", "is_homogeneous",
            "allreduce", "allreduce_async", "reduce", "broadcast", "broadcast_async", "allgather",
            "allgather_async", "reduce_scatter", "reduce_scatter_async", "barrier", "send", "recv",
            "Handle", "shared_empty", "shared_zeros", "is_shared", "cuda_built", "nccl_built",

@@ -27,9 +27,15 @@ class Context:
             raise
         self.node_comm = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         self.local_rank, self.local_size = self.node_comm.rank, self.node_comm.size
-        # One host for everyone? Then every collective can go through shared memory.
-        self.single_host = self.comm.allreduce(1 if self.local_size == self.size else 0,
-                                               op=MPI.MIN) == 1
+        # Every rank's place on its host, once: one host for everyone (then every collective
+        # can go through shared memory); the cross-host ranks (Horovod's cross_rank / cross_size:
+        # the ranks with the same local rank, one per host, in rank order); whether every host
+        # runs as many ranks.
+        places = self.comm.allgather((self.local_rank, self.local_size))
+        self.single_host = all(ls == self.size for _, ls in places)
+        peers = [q for q, (lr, _) in enumerate(places) if lr == self.local_rank]
+        self.cross_rank, self.cross_size = peers.index(self.rank), len(peers)
+        self.homogeneous = len({ls for _, ls in places}) == 1
         self.shm = None
         if self.single_host and _config.shm_enabled():
             from .comm.shm import ShmTransport

@@ -3,10 +3,12 @@
 `import mlfabric.torch as hvd` in place of `import horovod.torch as hvd`, and a script written for
 Horovod runs on mlfabric:
 
-    hvd.init(); hvd.rank(); hvd.size(); hvd.local_rank(); hvd.local_size(); hvd.shutdown()
+    hvd.init(); hvd.rank(); hvd.size(); hvd.local_rank(); hvd.local_size(); hvd.cross_rank();
+    hvd.cross_size(); hvd.is_homogeneous(); hvd.shutdown()
     hvd.allreduce / allreduce_ / allreduce_async / allreduce_async_   (default op: Average)
     hvd.grouped_allreduce (+ _ / _async / _async_), hvd.allgather (+ _async),
-    hvd.broadcast / broadcast_ (+ _async), hvd.alltoall (+ _async), hvd.synchronize, hvd.poll,
+    hvd.broadcast / broadcast_ (+ _async), hvd.alltoall (+ _async), hvd.reducescatter
+    (+ _async), hvd.synchronize, hvd.poll,
     hvd.join, hvd.barrier, hvd.Average / Sum / Min / Max / Product, hvd.Compression,
     hvd.DistributedOptimizer, hvd.broadcast_parameters, hvd.broadcast_optimizer_state,
     hvd.broadcast_object, hvd.allgather_object
@@ -18,9 +20,9 @@ torch.distributed.init_process_group("mlfabric") and DistributedDataParallel run
 
 This module owns the process-level calls (init, shutdown, the queries); ops.py the tensor
 collectives, optimizer.py DistributedOptimizer, functions.py the whole-model helpers,
-compression.py the compressors. Differences from Horovod: CPU tensors only (GPU tensors are
-refused with an error); collectives are matched by the order ranks issue them, not by name
-(names, when every rank gives one, are checked to agree); Adasum is not provided.
+compression.py the compressors. Differences from Horovod: collectives are matched by the order
+ranks issue them, not by name (names, when every rank gives one, are checked to agree); Adasum,
+process sets, grouped allgather / reducescatter and the timeline are not provided.
 """
 from mpi4py import MPI as _MPI
 
@@ -34,7 +36,8 @@ from .ops import (Average, Max, Min, Product, Sum, allgather, allgather_async, a
                   allreduce_, allreduce_async, allreduce_async_, alltoall, alltoall_async,
                   barrier, broadcast, broadcast_, broadcast_async, broadcast_async_,
                   grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
-                  grouped_allreduce_async_, join, poll, synchronize)
+                  grouped_allreduce_async_, join, poll, reducescatter, reducescatter_async,
+                  synchronize)
 from .optimizer import DistributedOptimizer
 from .ps_optimizer import PSOptimizer, ps_init, serve_model
 from . import backend as _backend  # noqa: F401  (registers the "mlfabric" process-group backend)
@@ -84,6 +87,21 @@ def local_rank():
 def local_size():
     """Number of ranks on this host."""
     return _mf.local_size()
+
+
+def cross_rank():
+    """This host's index among the hosts running a rank with this local rank."""
+    return _mf.cross_rank()
+
+
+def cross_size():
+    """Number of hosts running a rank with this local rank."""
+    return _mf.cross_size()
+
+
+def is_homogeneous():
+    """True when every host runs the same number of ranks."""
+    return _mf.is_homogeneous()
 
 
 # Build queries, as Horovod's: what a script may test to pick a code path.
@@ -137,6 +155,7 @@ def __getattr__(name):
 
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
+           "cross_rank", "cross_size", "is_homogeneous", "reducescatter", "reducescatter_async",
            "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
            "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
            "grouped_allreduce_async_", "allgather", "allgather_async", "broadcast",

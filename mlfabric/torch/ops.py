@@ -1,6 +1,7 @@
 """mlfabric.torch's tensor collectives, with horovod.torch's names and semantics: allreduce,
-grouped_allreduce, allgather, broadcast, alltoall (and their in-place `_` and `_async` forms),
-synchronize / poll on integer handles, join and barrier, on top of mlfabric's collectives.
+grouped_allreduce, allgather, broadcast, alltoall, reducescatter (and their in-place `_` and
+`_async` forms), synchronize / poll on integer handles, join and barrier, on top of mlfabric's
+collectives.
 
 Owns:
 - issue order. Every call goes through one queue per process, in the order it was issued (as on
@@ -13,9 +14,10 @@ Owns:
   rank fails together, before any data moves). A rank inside join() contributes 'joined' and
   learns from the others' descriptors which call to take part in, and how.
 - join semantics (Horovod's): a joined rank takes part in the others' calls until every rank has
-  joined. In an allreduce it contributes the op's identity (zeros for Sum and Average, as in
-  Horovod; +inf / -inf / 1 for Min / Max / Product), and Average still divides by size(), the
-  joined ranks included: Horovod averages over all ranks too. In an allgather or alltoall it
+  joined. In an allreduce or reducescatter it contributes the op's identity (zeros for Sum and
+  Average, as in Horovod; +inf / -inf / 1 for Min / Max / Product; its own rows of a
+  reducescatter are dropped), and Average still divides by size(), the joined ranks included:
+  Horovod averages over all ranks too. In an allgather or alltoall it
   contributes no rows; in a broadcast it receives (a joined root is an error on every rank).
   While joined, a rank waits for the others' next call at most MLFABRIC_TIMEOUT seconds.
 - devices: CPU tensors move through mlfabric's host paths, CUDA tensors over NCCL (every rank's
@@ -26,10 +28,11 @@ Owns:
 - dtypes: float32, float64, float16, bfloat16, int32 and int64 travel as they are; uint8, int8,
   int16 and bool travel widened to int64 and come back narrowed (exact: integer sums wrap the way
   the dtype does). Average needs a floating tensor.
-- autograd: allreduce, grouped_allreduce, allgather, broadcast and alltoall are differentiable as
-  in Horovod (>= 0.22): the gradient of an allreduce is the allreduce (same op and factors) of
-  the gradient; of an allgather, this rank's rows of the averaged gradient; of a broadcast, the
-  averaged gradient on the root and zeros elsewhere; of an alltoall, the alltoall back.
+- autograd: allreduce, grouped_allreduce, allgather, broadcast, alltoall and reducescatter are
+  differentiable as in Horovod (>= 0.22): the gradient of an allreduce is the allreduce (same op
+  and factors) of the gradient; of an allgather, this rank's rows of the averaged gradient; of a
+  broadcast, the averaged gradient on the root and zeros elsewhere; of an alltoall, the alltoall
+  back; of a reducescatter, the allgather of the gradient, scaled as the forward was.
 """
 import atexit
 import itertools
@@ -139,8 +142,8 @@ _DEVICE = 20  # 0: the tensors are on the CPU, 1: on a GPU (they move over NCCL)
 # equal when all agree
 _SAME = [_KIND, _DTYPE, _OP, _ROOT, _ROW_LEN, _ROW_HASH, _NAME_HASH, _DEVICE]
 _ACTIVE, _JOINED, _REJECTED = 1, 0, -1
-_KINDS = ("barrier", "allreduce", "allgather", "broadcast", "alltoall")
-_BARRIER, _ALLREDUCE, _ALLGATHER, _BROADCAST, _ALLTOALL = range(5)
+_KINDS = ("barrier", "allreduce", "allgather", "broadcast", "alltoall", "reducescatter")
+_BARRIER, _ALLREDUCE, _ALLGATHER, _BROADCAST, _ALLTOALL, _REDUCESCATTER = range(6)
 
 
 def _hash(value):
@@ -209,11 +212,11 @@ def _disagreement(table, what):
               ("device", lambda d: int(d[_DEVICE]), lambda d: ("cpu", "cuda")[int(d[_DEVICE])]),
               ("dtype", lambda d: int(d[_DTYPE]), lambda d: _dtype_name(int(d[_DTYPE])))]
     kind = int(table[active[0], _KIND])
-    if kind == _ALLREDUCE:
+    if kind in (_ALLREDUCE, _REDUCESCATTER):
         checks.append(("op", lambda d: int(d[_OP]), lambda d: _CORE_OPS[int(d[_OP])]))
     if kind == _BROADCAST:
         checks.append(("root", lambda d: int(d[_ROOT]), lambda d: str(int(d[_ROOT]))))
-    if kind in (_ALLREDUCE, _BROADCAST):
+    if kind in (_ALLREDUCE, _BROADCAST, _REDUCESCATTER):
         checks.append(("shape", lambda d: int(d[_SHAPE_HASH]), lambda d: str(_shape_of(d))))
     elif kind in (_ALLGATHER, _ALLTOALL):
         checks.append(("shape of a row (the dimensions after the first)",
@@ -902,6 +905,74 @@ def allgather_async(tensor, name=None):
     return _allgather_call(tensor, name, True)
 
 
+# --- reducescatter --------------------------------------------------------------------------------
+
+def _reducescatter_call(tensor, op, average, name, pre, post, async_):
+    what = _what("reducescatter", name)
+
+    def plan(st):
+        _check_name(name)
+        code = _check_tensor(tensor, what)
+        if tensor.dim() == 0:
+            raise ValueError(f"{what}: needs a tensor with at least one dimension")
+        p = _ReducePlan(_resolve_op(op, average), tensor.dtype, pre, post, st.ctx.size, what)
+        return p, _desc(_REDUCESCATTER, code, _CORE_OPS.index(p.core), shape=tensor.shape,
+                        name=name, tensor=tensor)
+
+    def job(st, planned):
+        p, desc = planned
+        _agree(st, desc, what)
+        src = tensor.detach()
+        n, rows = st.ctx.size, src.shape[0]
+        mine = _coll.split_rows(rows, n)[st.ctx.rank]
+        if not src.numel():
+            return src.new_empty((mine, *src.shape[1:]))
+        out = _coll.reduce_scatter(_wire_copy(src, p).view(rows, -1), op=p.core)
+        out = out.view(mine, *src.shape[1:])
+        if p.after != 1.0:
+            out.mul_(p.after)
+        return out if out.dtype == src.dtype else out.to(src.dtype)
+
+    return _issue(what, plan, job, async_, tensor)
+
+
+class _ReducescatterFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, op, average, name, pre, post):
+        out = _reducescatter_call(tensor, op, average, name, pre, post, False)  # checks first
+        ctx.op = _resolve_op(op, average)
+        ctx.scale = float(pre) * float(post) / (_state().ctx.size if ctx.op == Average else 1)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        # Every rank's input rows r went, scaled, into rank r's output: the gradient of an input
+        # is the allgather of the outputs' gradients, scaled the same way.
+        _check_differentiable(ctx.op, "reducescatter")
+        back = _allgather_call(grad.contiguous(), None, False)
+        return (back.mul_(ctx.scale) if ctx.scale != 1.0 else back), None, None, None, None, None
+
+
+def reducescatter(tensor, op=Average, name=None, compression=Compression.none,
+                  prescale_factor=1.0, postscale_factor=1.0):
+    """Reduce tensor over all ranks (default: Average) and return this rank's block of rows of
+    the result: dimension 0 split in rank order, the first shape[0] % size() ranks one row more
+    (as Horovod). Every rank passes the same shape. Differentiable (Average, Sum); the
+    factors and compression as in allreduce."""
+    compression = _compression(_what("reducescatter", name), compression)
+    if not isinstance(tensor, torch.Tensor):  # reported on every rank
+        return _reducescatter_call(tensor, op, None, name, 1.0, 1.0, False)
+    compressed, cctx = compression.compress(tensor)
+    out = _ReducescatterFn.apply(compressed, op, None, name, prescale_factor, postscale_factor)
+    return compression.decompress(out, cctx)
+
+
+def reducescatter_async(tensor, op=Average, name=None, prescale_factor=1.0,
+                        postscale_factor=1.0):
+    """Non-blocking reducescatter: synchronize(handle) returns this rank's rows."""
+    return _reducescatter_call(tensor, op, None, name, prescale_factor, postscale_factor, True)
+
+
 # --- broadcast ------------------------------------------------------------------------------------
 
 def _broadcast_call(tensor, root_rank, name, inplace, async_):
@@ -1177,6 +1248,11 @@ def _take_part(table, gpu):
     elif kind == _BROADCAST:
         if numel:
             _coll.broadcast(torch.empty(numel, dtype=wire, device=device), root=int(d[_ROOT]))
+    elif kind == _REDUCESCATTER:
+        core = _CORE_OPS[int(d[_OP])]
+        if numel:  # its rows of the result are dropped
+            _coll.reduce_scatter(_identity(core, wire, numel, device).view(int(d[_ROWS]), -1),
+                                 op=core)
     elif kind == _ALLTOALL:
         _coll.alltoall(torch.empty((0, *_row_shape(d)), dtype=wire, device=device),
                        np.zeros(table.shape[0], np.int64))

@@ -13,7 +13,7 @@ import mlfabric as mf
 import mlfabric.torch as hvd
 
 from .common import same_everywhere, values
-from .torch_api import B, Net, _data, _loss, _max_diff, _train_reference, reference
+from .torch_api import B, Net, _data, _loss, _max_diff, _rows_of, _train_reference, reference
 from .torch_api import check as host_check
 
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64")
@@ -243,10 +243,26 @@ def case_horovod_api_on_cuda_tensors():
     assert b.cpu().tolist() == list(range(6))
     out = hvd.alltoall(torch.arange(n, device=GPU) + 10 * r)
     assert out.cpu().tolist() == [r + 10 * q for q in range(n)]
+    # reducescatter: rows that do not divide by size(), Average and Sum, async, widened
+    for rows, dtype, op in ((2 * n + 1, "float64", hvd.Average), (max(n - 1, 1), "int8", hvd.Sum)):
+        stack = np.stack([values(q, rows * 3, "float64", "sum", salt=rows) if dtype == "float64"
+                          else np.abs(values(q, rows * 3, "int32", "sum", salt=rows)) % 100
+                          for q in range(n)]).reshape(n, rows, 3)
+        lo, k = _rows_of(rows, n, r)
+        want = (stack.sum(0) / (n if op == hvd.Average else 1))[lo:lo + k]
+        x = on_gpu(stack[r], dtype)
+        check(hvd.reducescatter(x, op=op), want, dtype, f"reducescatter {dtype}")
+        check(hvd.synchronize(hvd.reducescatter_async(x, op=op)), want, dtype,
+              f"reducescatter async {dtype}")
     # autograd: the gradient of an allreduce is the allreduce of the gradient
     w = torch.ones(3, device=GPU, requires_grad=True)
     (hvd.allreduce(w * (r + 1), op=hvd.Sum) * (r + 1)).sum().backward()
     check(w.grad, np.full(3, n * (n + 1) / 2 * (r + 1)), "float32", "autograd")
+    # of a reducescatter, the allgather of the gradient
+    w = torch.ones(n, 2, device=GPU, requires_grad=True)
+    (hvd.reducescatter(w, op=hvd.Sum) * (r + 1)).sum().backward()
+    check(w.grad, np.repeat(np.arange(1.0, n + 1), 2).reshape(n, 2), "float32",
+          "reducescatter autograd")
 
 
 def case_join_on_gpu():
@@ -258,6 +274,9 @@ def case_join_on_gpu():
         check(got, sum(xs[q] for q in active), "float64", f"join sum step {s}")
         got = hvd.allgather(torch.full((2,), float(r), device=GPU))
         check(got, np.repeat([float(q) for q in active], 2), "float32", f"join allgather {s}")
+        lo, k = _rows_of(2 * n, n, r)
+        got = hvd.reducescatter(on_gpu(np.full((2 * n, 2), r + 1.0), "float32"), op=hvd.Max)
+        check(got, np.full((k, 2), float(n)), "float32", f"join reducescatter max {s}")
     assert hvd.join() == n - 1
 
 

@@ -78,7 +78,8 @@ def check(got, want, dtype, what, mag=None):
 
 def case_calls_before_init_raise():
     assert not hvd.is_initialized()
-    for call in (hvd.rank, hvd.size, lambda: hvd.allreduce(torch.ones(3)),
+    for call in (hvd.rank, hvd.size, hvd.cross_rank, lambda: hvd.allreduce(torch.ones(3)),
+                 lambda: hvd.reducescatter(torch.ones(3)),
                  lambda: hvd.broadcast_parameters({}, 0), lambda: hvd.join(),
                  lambda: hvd.synchronize(0)):
         with pytest.raises(hvd.NotInitializedError):
@@ -86,6 +87,8 @@ def case_calls_before_init_raise():
     hvd.init()
     assert hvd.is_initialized()
     assert 0 <= hvd.local_rank() < hvd.local_size() <= hvd.size()
+    # the tests run on one host: one rank of each local rank, every host alike
+    assert (hvd.cross_rank(), hvd.cross_size(), hvd.is_homogeneous()) == (0, 1, True)
 
 
 # --- allreduce ------------------------------------------------------------------------------------
@@ -453,6 +456,99 @@ def case_autograd_like_horovod():
     out /= 2  # a result may be modified in place
 
 
+# --- reducescatter -------------------------------------------------------------------------------
+
+def _rows_of(rows, n, r):
+    """(first row, rows) of rank r's block of a reducescatter: the first rows % n ranks get one
+    more (Horovod's split)."""
+    counts = [rows // n + (q < rows % n) for q in range(n)]
+    return sum(counts[:r]), counts[r]
+
+
+def case_reducescatter_ops_dtypes_forms():
+    """Every op and dtype against float64, rows that do not divide by size() and fewer rows
+    than ranks, the async form, the scale factors."""
+    n, r = hvd.size(), hvd.rank()
+    for op, core in OPS.items():
+        for dtype in NATIVE + ("int8", "bool"):
+            if (core == "avg" and dtype not in FLOATS) or (core == "prod" and dtype == "bfloat16"):
+                continue
+            for rows, tail in ((2 * n + 1, (3,)), (max(n - 1, 1), ()), (n, (2, 2))):
+                count = rows * int(np.prod(tail, dtype=np.int64))
+                stack = np.stack([inputs(q, count, dtype, core, salt=rows) for q in range(n)])
+                x = as_tensor(stack[r], dtype, (rows, *tail))
+                lo, k = _rows_of(rows, n, r)
+                want = reference(core, stack).reshape(rows, *tail)[lo:lo + k]
+                mag = np.abs(stack).sum(0).reshape(rows, *tail)[lo:lo + k]
+                what = f"reducescatter {core} {dtype} {(rows, *tail)}"
+                check(hvd.reducescatter(x, op=op), want, dtype, what, mag)
+                check(hvd.synchronize(hvd.reducescatter_async(x, op=op)), want, dtype,
+                      what + " async", mag)
+                assert torch.equal(x, as_tensor(stack[r], dtype, (rows, *tail))), \
+                    what + ": input changed"
+    x = torch.from_numpy(values(r, 12, "float64", "sum")).reshape(6, 2)
+    stack = np.stack([values(q, 12, "float64", "sum") for q in range(n)]).reshape(n, 6, 2)
+    lo, k = _rows_of(6, n, r)
+    check(hvd.reducescatter(x, prescale_factor=0.5, postscale_factor=3.0),
+          1.5 * stack.sum(0)[lo:lo + k] / n, "float64", "reducescatter average x 1.5")
+    check(hvd.reducescatter(x, op=hvd.Sum, postscale_factor=2.0), 2 * stack.sum(0)[lo:lo + k],
+          "float64", "reducescatter sum x 2")
+    check(hvd.reducescatter(torch.zeros(0, 3)), np.zeros((0, 3)), "float32", "empty")
+
+
+def case_reducescatter_autograd_and_compression():
+    """The gradient of a reducescatter is the allgather of the outputs' gradients, scaled as
+    the forward was; fp16 compression within its tolerance."""
+    n, r = hvd.size(), hvd.rank()
+    rows = 2 * n + 1
+    stack = np.stack([values(q, rows * 2, "float64", "sum") for q in range(n)]).reshape(n, rows, 2)
+    weights = [np.arange(1, _rows_of(rows, n, q)[1] * 2 + 1, dtype=np.float64) * (q + 1)
+               for q in range(n)]  # d loss / d output on rank q
+    grad_out = np.concatenate([w.reshape(-1, 2) for w in weights])  # every rank's, in order
+    for op, scale in ((hvd.Sum, 2.0), (hvd.Average, 2.0 / n)):
+        x = torch.from_numpy(stack[r].copy()).requires_grad_(True)
+        y = hvd.reducescatter(x, op=op, prescale_factor=2.0)
+        (y * torch.from_numpy(weights[r].reshape(-1, 2))).sum().backward()
+        check(x.grad, scale * grad_out, "float64", f"reducescatter grad {op}")
+    with pytest.raises(hvd.MlfabricError, match="gradient of reducescatter with op max"):
+        x = torch.ones(n, requires_grad=True)
+        hvd.reducescatter(x, op=hvd.Max).sum().backward()
+    x = torch.from_numpy(stack[r]).float()
+    lo, k = _rows_of(rows, n, r)
+    got = hvd.reducescatter(x, op=hvd.Sum, compression=hvd.Compression.fp16)
+    assert got.dtype == torch.float32
+    want = stack.sum(0)[lo:lo + k]
+    assert np.allclose(got.double().numpy(), want, rtol=2e-3, atol=2e-3 * n), "fp16 compression"
+
+
+def case_reducescatter_bad_input_fails_on_every_rank():
+    """A 0-d tensor or Average on integers on one rank: its own error there, a MismatchError
+    naming it on the others; shapes or ops that differ between ranks: a MismatchError on every
+    rank naming both; then the next call works."""
+    n, r = hvd.size(), hvd.rank()
+    bad = n - 1
+    if r == bad:
+        with pytest.raises(ValueError, match="at least one dimension"):
+            hvd.reducescatter(torch.tensor(1.0))
+        with pytest.raises(TypeError, match="Average needs a floating tensor"):
+            hvd.reducescatter(torch.ones(3, dtype=torch.int32))
+    elif n > 1:
+        for _ in range(2):
+            with pytest.raises(hvd.MismatchError, match=rf"rank\(s\) \[{bad}\] rejected"):
+                hvd.reducescatter(torch.ones(3))
+    if n > 1:
+        with pytest.raises(hvd.MismatchError, match=r"ranks disagree on shape: \(3, 2\) on "
+                           rf"rank\(s\) \[.*\]; \(4, 2\) on rank\(s\) \[{bad}\]"):
+            hvd.reducescatter(torch.ones(4 if r == bad else 3, 2))
+        with pytest.raises(hvd.MismatchError, match="ranks disagree on op"):
+            hvd.reducescatter(torch.ones(3), op=hvd.Max if r == bad else hvd.Sum)
+        with pytest.raises(hvd.MismatchError, match=r"ranks disagree on call: reducescatter on "
+                           rf"rank\(s\) \[.*\]; allreduce on rank\(s\) \[{bad}\]"):
+            (hvd.allreduce if r == bad else hvd.reducescatter)(torch.ones(3))
+    lo, k = _rows_of(3, n, r)
+    assert hvd.reducescatter(torch.ones(3), op=hvd.Sum).tolist() == [float(n)] * k
+
+
 # --- join -----------------------------------------------------------------------------------------
 
 def case_join_uneven_batches():
@@ -475,6 +571,13 @@ def case_join_uneven_batches():
               f"join broadcast step {s}")
         out, rec = hvd.alltoall(torch.arange(n, dtype=torch.int64) + 10 * r, splits=[1] * n)
         assert out.tolist() == [r + 10 * q for q in active], out
+        # reducescatter: joined ranks contribute the identity and their rows are dropped
+        zs = {q: values(q, 2 * (2 * n + 1), "float64", "sum", salt=50 + s).reshape(-1, 2)
+              for q in range(n)}
+        lo, k = _rows_of(2 * n + 1, n, r)
+        check(hvd.reducescatter(torch.from_numpy(zs[r]), op=hvd.Max),
+              np.max([zs[q] for q in active], 0)[lo:lo + k], "float64",
+              f"join reducescatter max step {s}")
         assert q_rows
     assert hvd.join() == last
     # Everyone joins at once: the highest rank is reported; then all works as before.
