@@ -953,12 +953,12 @@ class _ReducescatterFn(torch.autograd.Function):
         return (back.mul_(ctx.scale) if ctx.scale != 1.0 else back), None, None, None, None, None
 
 
-def reducescatter(tensor, op=Average, name=None, compression=Compression.none,
+def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
                   prescale_factor=1.0, postscale_factor=1.0):
     """Reduce tensor over all ranks (default: Average) and return this rank's block of rows of
     the result: dimension 0 split in rank order, the first shape[0] % size() ranks one row more
-    (as Horovod). Every rank passes the same shape. Differentiable (Average, Sum); the
-    factors and compression as in allreduce."""
+    (as Horovod, whose argument order this keeps). Every rank passes the same shape.
+    Differentiable (Average, Sum); the factors and compression as in allreduce."""
     compression = _compression(_what("reducescatter", name), compression)
     if not isinstance(tensor, torch.Tensor):  # reported on every rank
         return _reducescatter_call(tensor, op, None, name, 1.0, 1.0, False)
@@ -967,7 +967,7 @@ def reducescatter(tensor, op=Average, name=None, compression=Compression.none,
     return compression.decompress(out, cctx)
 
 
-def reducescatter_async(tensor, op=Average, name=None, prescale_factor=1.0,
+def reducescatter_async(tensor, name=None, op=Average, prescale_factor=1.0,
                         postscale_factor=1.0):
     """Non-blocking reducescatter: synchronize(handle) returns this rank's rows."""
     return _reducescatter_call(tensor, op, None, name, prescale_factor, postscale_factor, True)

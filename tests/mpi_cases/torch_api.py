@@ -494,6 +494,9 @@ def case_reducescatter_ops_dtypes_forms():
     check(hvd.reducescatter(x, op=hvd.Sum, postscale_factor=2.0), 2 * stack.sum(0)[lo:lo + k],
           "float64", "reducescatter sum x 2")
     check(hvd.reducescatter(torch.zeros(0, 3)), np.zeros((0, 3)), "float32", "empty")
+    # Horovod's argument order: name, compression, op
+    check(hvd.reducescatter(x, "rs", hvd.Compression.none, hvd.Sum), stack.sum(0)[lo:lo + k],
+          "float64", "reducescatter, positional arguments")
 
 
 def case_reducescatter_autograd_and_compression():
