@@ -118,6 +118,16 @@ def _check_tensor(t, what, arg="tensor"):
     return _DTYPE_CODE[t.dtype]
 
 
+def _check_rows(tensor, name, what):
+    """The checks of a call that splits tensor's dimension 0 (name, tensor, at least one
+    dimension): its dtype code."""
+    _check_name(name)
+    code = _check_tensor(tensor, what)
+    if tensor.dim() == 0:
+        raise ValueError(f"{what}: needs a tensor with at least one dimension")
+    return code
+
+
 def _identity(core, wire, n, device):
     """n elements that leave a reduction unchanged: what a joined rank contributes."""
     if core in ("sum", "avg"):
@@ -911,10 +921,7 @@ def _reducescatter_call(tensor, op, average, name, pre, post, async_):
     what = _what("reducescatter", name)
 
     def plan(st):
-        _check_name(name)
-        code = _check_tensor(tensor, what)
-        if tensor.dim() == 0:
-            raise ValueError(f"{what}: needs a tensor with at least one dimension")
+        code = _check_rows(tensor, name, what)
         p = _ReducePlan(_resolve_op(op, average), tensor.dtype, pre, post, st.ctx.size, what)
         return p, _desc(_REDUCESCATTER, code, _CORE_OPS.index(p.core), shape=tensor.shape,
                         name=name, tensor=tensor)
@@ -1137,10 +1144,7 @@ def _alltoall_call(tensor, splits, name, async_):
     what = _what("alltoall", name)
 
     def plan(st):
-        _check_name(name)
-        code = _check_tensor(tensor, what)
-        if tensor.dim() == 0:
-            raise ValueError(f"{what}: needs a tensor with at least one dimension")
+        code = _check_rows(tensor, name, what)
         sends = _coll._alltoall_splits(splits, tensor.shape[0], st.ctx.size)
         return sends, _desc(_ALLTOALL, code, shape=tensor.shape, name=name, tensor=tensor)
 
