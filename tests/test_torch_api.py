@@ -19,8 +19,8 @@ def test_torch_api(n):
 @pytest.mark.parametrize("n,extra", [(2, []), (3, ["--fp16-allreduce"])])
 def test_horovod_style_script_trains(n, extra):
     script = os.path.join(ROOT, "tests", "mpi_cases", "horovod_style_script.py")
-    # --no-cuda: the script's own flag; mlfabric.torch moves CPU tensors only (on a GPU host the
-    # script would put rank r on GPU r, and GPU tensors are refused with an error)
+    # --no-cuda: the script's own flag, keeping this test on the CPU (on a GPU host the script
+    # would put rank r on GPU r; tests/test_gpu.py covers CUDA tensors)
     # lr 0.02 (x size, the script's scaling): at 0.05 x 3 ranks this synthetic task's loss stalls
     # or rises by the third epoch on some CPUs; the fourth epoch is where it learns at 0.02
     proc = run_mpi(n, ["-W", "ignore", script, "--epochs", "4", "--lr", "0.02",

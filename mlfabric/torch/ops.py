@@ -17,8 +17,8 @@ Owns:
   joined. In an allreduce or reducescatter it contributes the op's identity (zeros for Sum and
   Average, as in Horovod; +inf / -inf / 1 for Min / Max / Product; its own rows of a
   reducescatter are dropped), and Average still divides by size(), the joined ranks included:
-  Horovod averages over all ranks too. In an allgather or alltoall it
-  contributes no rows; in a broadcast it receives (a joined root is an error on every rank).
+  Horovod averages over all ranks too. In an allgather or alltoall it contributes no rows; in a
+  broadcast it receives (a joined root is an error on every rank).
   While joined, a rank waits for the others' next call at most MLFABRIC_TIMEOUT seconds.
 - devices: CPU tensors move through mlfabric's host paths, CUDA tensors over NCCL (every rank's
   tensor of a call on the same kind of device: the descriptor carries it). A call on CUDA
