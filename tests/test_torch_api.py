@@ -31,3 +31,27 @@ def test_horovod_style_script_trains(n, extra):
     assert losses[-1] < losses[0] - 0.05, f"test loss did not go down: {losses}\n{proc.stdout}"
     # Every rank trained: each prints its own progress lines.
     assert proc.stdout.count("Train Epoch: 1 [0/") == n, proc.stdout
+
+
+def test_timeline_from_the_environment(tmp_path):
+    """MLFABRIC_TIMELINE=path at init: each rank's file is written, complete at shutdown, and
+    `python -m mlfabric.torch.merge_timeline` merges them."""
+    import json
+    import subprocess
+    import sys
+    code = ("import torch, mlfabric.torch as hvd; hvd.init(); "
+            "hvd.allreduce(torch.ones(3), name='env'); hvd.shutdown()")
+    proc = run_mpi(3, ["-c", code], timeout=120,
+                   env={"MLFABRIC_TIMELINE": str(tmp_path / "t.json")})
+    assert proc.returncode == 0, proc.stdout
+    files = [str(tmp_path / f"t.{r}.json") for r in range(3)]
+    for r, path in enumerate(files):
+        with open(path) as f:
+            events = json.load(f)
+        assert [e["pid"] for e in events if e["name"] == "allreduce 'env'"] == [r], events
+    out = subprocess.run([sys.executable, "-m", "mlfabric.torch.merge_timeline",
+                          str(tmp_path / "all.json"), *files], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    with open(tmp_path / "all.json") as f:
+        assert {e["pid"] for e in json.load(f)} == {0, 1, 2}

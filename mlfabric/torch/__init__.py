@@ -19,11 +19,13 @@ torch.distributed backend (backend.py): importing mlfabric.torch registers "mlfa
 torch.distributed.init_process_group("mlfabric") and DistributedDataParallel run on mlfabric.
 
 This module owns the process-level calls (init, shutdown, the queries); ops.py the tensor
-collectives, optimizer.py DistributedOptimizer, functions.py the whole-model helpers,
-compression.py the compressors. Differences from Horovod: collectives are matched by the order
-ranks issue them, not by name (names, when every rank gives one, are checked to agree); Adasum,
-process sets, grouped allgather / reducescatter and the timeline are not provided.
+collectives, grouped_ops.py grouped allgather / reducescatter, optimizer.py
+DistributedOptimizer, functions.py the whole-model helpers, compression.py the compressors. Differences from Horovod: collectives are matched by the order
+ranks issue them, not by name (names, when every rank gives one, are checked to agree); the
+timeline (timeline.py) is a file per rank; Adasum and process sets are not provided.
 """
+import os as _os
+
 from mpi4py import MPI as _MPI
 
 import mlfabric as _mf
@@ -38,10 +40,13 @@ from .ops import (Average, Max, Min, Product, Sum, allgather, allgather_async, a
                   grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
                   grouped_allreduce_async_, join, poll, reducescatter, reducescatter_async,
                   synchronize)
+from .grouped_ops import (grouped_allgather, grouped_allgather_async, grouped_reducescatter,
+                          grouped_reducescatter_async)
 from .optimizer import DistributedOptimizer
 from .ps_optimizer import PSOptimizer, ps_init, serve_model
 from . import backend as _backend  # noqa: F401  (registers the "mlfabric" process-group backend)
 from . import ops as _ops
+from . import timeline as _timeline
 
 
 def init(comm=None):
@@ -57,12 +62,31 @@ def init(comm=None):
         comm = world.Create_group(world.Get_group().Incl(ranks))
     _mf.init(comm)
     _ops._state()
+    if _os.environ.get("MLFABRIC_TIMELINE"):
+        start_timeline(_os.environ["MLFABRIC_TIMELINE"])
 
 
 def shutdown():
     """Finish queued calls and release mlfabric (collective). init() may be called again."""
     _ops._drain()
+    _timeline.stop()
     _mf.finalize()
+
+
+def start_timeline(file_path, mark_cycles=False):
+    """Record every call this rank makes from now on to a Chrome trace file (Horovod's
+    timeline; see mlfabric/torch/timeline.py for what it shows): file_path itself with one rank,
+    else file_path with this rank before the extension (t.json -> t.0.json, t.1.json, ...), or
+    in place of "{rank}". Returns the file's path. Starting again closes the last file first.
+    mark_cycles is accepted for Horovod's signature: mlfabric has no background cycles to mark.
+    MLFABRIC_TIMELINE=path starts one at init()."""
+    del mark_cycles
+    return _timeline.start(file_path, _mf.rank(), _mf.size())
+
+
+def stop_timeline():
+    """Stop recording and complete the file (also done at shutdown and exit)."""
+    _timeline.stop()
 
 
 def is_initialized():
@@ -155,10 +179,12 @@ def __getattr__(name):
 
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
-           "cross_rank", "cross_size", "is_homogeneous", "reducescatter", "reducescatter_async",
+           "cross_rank", "cross_size", "is_homogeneous", "start_timeline", "stop_timeline",
+           "reducescatter", "reducescatter_async",
            "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
            "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
-           "grouped_allreduce_async_", "allgather", "allgather_async", "broadcast",
+           "grouped_allreduce_async_", "grouped_allgather", "grouped_allgather_async",
+           "grouped_reducescatter", "grouped_reducescatter_async", "allgather", "allgather_async", "broadcast",
            "broadcast_", "broadcast_async", "broadcast_async_", "alltoall", "alltoall_async",
            "synchronize", "poll", "join", "barrier", "Average", "Sum", "Min", "Max", "Product",
            "Compression", "DistributedOptimizer", "broadcast_parameters",

@@ -53,6 +53,7 @@ from .. import shared as _shared
 from ..comm import nccl as _nccl
 from ..comm.executor import Executor
 from ..errors import MismatchError, MlfabricError
+from . import timeline as _timeline
 from .compression import Compression, check as _check_compression
 
 # --- reduction ops --------------------------------------------------------------------------------
@@ -289,8 +290,11 @@ atexit.register(_drain)
 
 
 def _control(st, desc):
+    timing = _timeline.negotiating()
     table = _coll.allgather(desc).reshape(st.ctx.size, _W)
     st.rounds += 1
+    if timing is not None:
+        timing[1].append((timing[0], _timeline._now_us()))
     return table
 
 
@@ -325,6 +329,8 @@ def _issue(what, plan, job, async_, tensor=None, group=None):
     except (TypeError, ValueError, MlfabricError) as exc:
         _reject(st, what, async_)
         raise exc
+    if _timeline._ACTIVE is not None:
+        job = _timeline._ACTIVE.wrap(what, job)
     gpu = tensor is not None and tensor.is_cuda
     if gpu:
         job = _on_side_stream(st, job, tensor.device, group or (tensor,))
@@ -866,26 +872,36 @@ def _allgather_call(tensor, name, async_, with_rows=False):
         return _desc(_ALLGATHER, code, shape=tensor.shape, name=name, tensor=tensor)
 
     def job(st, desc):
-        rows, max_rows, row_len = _gather_plan(_agree(st, desc, what))
+        table = _agree(st, desc, what)
         src = tensor.detach()
         shape = tuple(src.shape) or (1,)
-        wire, total = _wire(src.dtype), int(rows.sum())
-        out = torch.empty((total, *shape[1:]), dtype=wire, device=src.device)
-        if max_rows and row_len:
-            mine = src.reshape(shape[0], row_len).to(wire).contiguous()
-            out2 = out.view(total, row_len)
-            if (rows == max_rows).all():
-                _coll.allgather(mine, out=out2)
-            else:
-                block = torch.zeros((max_rows, row_len), dtype=wire, device=src.device)
-                block[:shape[0]] = mine
-                got = _coll.allgather(block)
-                torch.cat([got[r * max_rows:r * max_rows + int(k)] for r, k in enumerate(rows)],
-                          out=out2)
+        wire = _wire(src.dtype)
+        out, rows = _gather(table, src.reshape(shape[0], math.prod(shape[1:])).to(wire))
+        out = out.view(out.shape[0], *shape[1:])
         out = out if wire == src.dtype else out.to(src.dtype)
         return (out, rows) if with_rows else out
 
     return _issue(what, plan, job, async_, tensor)
+
+
+def _gather(table, mine):
+    """(every active rank's rows of mine, a (rows, row length) tensor of the wire dtype, in rank
+    order; the rows of each rank), after the control round that gave table. Joined ranks give
+    no rows (_take_part pads for them as for anyone: every rank sends max_rows rows)."""
+    rows, max_rows, row_len = _gather_plan(table)
+    total = int(rows.sum())
+    out = torch.empty((total, row_len), dtype=mine.dtype, device=mine.device)
+    if max_rows and row_len:
+        mine = mine.contiguous()
+        if (rows == max_rows).all():
+            _coll.allgather(mine, out=out)
+        else:
+            block = torch.zeros((max_rows, row_len), dtype=mine.dtype, device=mine.device)
+            block[:mine.shape[0]] = mine
+            got = _coll.allgather(block)
+            torch.cat([got[r * max_rows:r * max_rows + int(k)] for r, k in enumerate(rows)],
+                      out=out)
+    return out, rows
 
 
 class _AllgatherFn(torch.autograd.Function):

@@ -254,6 +254,18 @@ def case_horovod_api_on_cuda_tensors():
         check(hvd.reducescatter(x, op=op), want, dtype, f"reducescatter {dtype}")
         check(hvd.synchronize(hvd.reducescatter_async(x, op=op)), want, dtype,
               f"reducescatter async {dtype}")
+        # grouped: the same tensor twice in one list, with another of a different dtype
+        grouped = hvd.grouped_reducescatter([x, on_gpu(stack[r], "float32"), x], op=op)
+        assert all(t.is_cuda for t in grouped)
+        check(grouped[0], want, dtype, f"grouped_reducescatter {dtype}")
+        check(grouped[2], want, dtype, f"grouped_reducescatter {dtype} again")
+    # grouped allgather: uneven first dimensions, two dtypes, a tensor with no rows on rank 0
+    want = np.concatenate([np.full((q + 1, 2), float(q)) for q in range(n)])
+    ga, gb = hvd.grouped_allgather([torch.full((r + 1, 2), float(r), device=GPU),
+                                    torch.full((r,), r, dtype=torch.int8, device=GPU)])
+    assert ga.is_cuda and gb.is_cuda
+    check(ga, want, "float32", "grouped_allgather")
+    check(gb, np.concatenate([np.full(q, q) for q in range(n)]), "int8", "grouped_allgather int8")
     # autograd: the gradient of an allreduce is the allreduce of the gradient
     w = torch.ones(3, device=GPU, requires_grad=True)
     (hvd.allreduce(w * (r + 1), op=hvd.Sum) * (r + 1)).sum().backward()

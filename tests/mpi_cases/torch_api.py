@@ -80,6 +80,9 @@ def case_calls_before_init_raise():
     assert not hvd.is_initialized()
     for call in (hvd.rank, hvd.size, hvd.cross_rank, lambda: hvd.allreduce(torch.ones(3)),
                  lambda: hvd.reducescatter(torch.ones(3)),
+                 lambda: hvd.grouped_allgather([torch.ones(3)]),
+                 lambda: hvd.grouped_reducescatter([torch.ones(3)]),
+                 lambda: hvd.start_timeline("/tmp/never.json"),
                  lambda: hvd.broadcast_parameters({}, 0), lambda: hvd.join(),
                  lambda: hvd.synchronize(0)):
         with pytest.raises(hvd.NotInitializedError):
@@ -552,6 +555,189 @@ def case_reducescatter_bad_input_fails_on_every_rank():
     assert hvd.reducescatter(torch.ones(3), op=hvd.Sum).tolist() == [float(n)] * k
 
 
+# --- grouped allgather / reducescatter -----------------------------------------------------------
+
+_GROUP_DTYPES = ("float32", "float64", "int32", "int8", "bfloat16", "float32")
+
+
+def _gather_list(r, salt=0):
+    """Rank r's list for a grouped allgather, as float64 arrays and dtypes: rows differing by
+    rank and by tensor (none at all on some), row shapes () to (2, 3), a 0-d tensor."""
+    tails = [(3,), (), (2, 3), (1,), (4,), ()]
+    arrays = []
+    for i, (dtype, tail) in enumerate(zip(_GROUP_DTYPES, tails)):
+        rows = (r + i) % 3 if i != 5 else None
+        count = (1 if rows is None else rows) * int(np.prod(tail, dtype=np.int64))
+        v = inputs(r, count, dtype, "sum", salt=salt + i)
+        arrays.append(v.reshape(() if rows is None else (rows, *tail)))
+    return arrays
+
+
+def case_grouped_allgather_matches_allgather():
+    """Each tensor of the list gathered as allgather gathers it (float64 reference and the
+    single call, exactly), mixed dtypes in one list, the async form, autograd."""
+    n, r = hvd.size(), hvd.rank()
+    lists = [_gather_list(q) for q in range(n)]
+    xs = [as_tensor(v, d, v.shape) for v, d in zip(lists[r], _GROUP_DTYPES)]
+    for form, got in (("sync", hvd.grouped_allgather(xs, name="g")),
+                      ("async", hvd.synchronize(hvd.grouped_allgather_async(xs)))):
+        assert isinstance(got, list) and len(got) == len(xs), form
+        for i, (g, dtype) in enumerate(zip(got, _GROUP_DTYPES)):
+            want = np.concatenate([np.reshape(lists[q][i], (-1, *lists[q][i].shape[1:]))
+                                   for q in range(n)])
+            check(g, want, dtype, f"grouped_allgather {form} tensors[{i}]")
+            assert torch.equal(g, hvd.allgather(xs[i])), f"{form} tensors[{i}] != allgather"
+    # autograd: each input's gradient is its rows of the averaged output gradient, as allgather
+    ws = [torch.arange(1.0, 5.0, dtype=torch.float64).reshape(2, 2) + r,
+          torch.full((r % 2 + 1, 2), float(r + 1), dtype=torch.float64)]
+    for w in ws:
+        w.requires_grad_(True)
+    outs = hvd.grouped_allgather(ws)
+    sum((o * (k + 1) * torch.arange(o.numel(), dtype=torch.float64).reshape(o.shape)).sum()
+        for k, o in enumerate(outs)).backward()
+    for k, w in enumerate(ws):
+        twin = w.detach().clone().requires_grad_(True)
+        o = hvd.allgather(twin)
+        ((k + 1) * o * torch.arange(o.numel(), dtype=torch.float64).reshape(o.shape)).sum() \
+            .backward()
+        assert torch.allclose(w.grad, twin.grad, rtol=0, atol=1e-12), f"grad of tensors[{k}]"
+
+
+def case_grouped_reducescatter_matches_reducescatter():
+    """Each tensor of the list reduced and split as reducescatter does (float64 reference and
+    the single call), every op, mixed dtypes, rows that do not divide by size(), the async
+    form, scale factors, compression, autograd."""
+    n, r = hvd.size(), hvd.rank()
+    shapes = [(2 * n + 1, 3), (max(n - 1, 1),), (n, 2, 2), (1, 5), (3 * n + 2,)]
+    dtypes = ("float32", "float64", "int32", "float64", "bfloat16")
+    for op, core in OPS.items():
+        kinds = [(s, d) for s, d in zip(shapes, dtypes)
+                 if not (core == "avg" and d not in FLOATS) and not (core == "prod" and
+                                                                     d == "bfloat16")]
+        stacks = [np.stack([inputs(q, int(np.prod(s)), d, core, salt=7 * i) for q in range(n)])
+                  for i, (s, d) in enumerate(kinds)]
+        xs = [as_tensor(st_[r], d, s) for st_, (s, d) in zip(stacks, kinds)]
+        got = hvd.grouped_reducescatter(xs, op=op)
+        got_async = hvd.synchronize(hvd.grouped_reducescatter_async(xs, op=op))
+        for i, (s, d) in enumerate(kinds):
+            lo, k = _rows_of(s[0], n, r)
+            want = reference(core, stacks[i]).reshape(s)[lo:lo + k]
+            mag = np.abs(stacks[i]).sum(0).reshape(s)[lo:lo + k]
+            what = f"grouped_reducescatter {core} tensors[{i}] {d} {s}"
+            check(got[i], want, d, what, mag)
+            check(got_async[i], want, d, what + " async", mag)
+            assert torch.equal(got[i], hvd.reducescatter(xs[i], op=op)), what + " != single"
+    # scale factors and compression, against the single call
+    x = [torch.from_numpy(values(r, 12, "float64", "sum")).reshape(6, 2),
+         torch.from_numpy(values(r, 5, "float64", "sum", salt=1))]
+    for a, b in zip(hvd.grouped_reducescatter(x, prescale_factor=0.5, postscale_factor=2.5),
+                    [hvd.reducescatter(t, prescale_factor=0.5, postscale_factor=2.5) for t in x]):
+        assert torch.allclose(a, b, rtol=1e-15, atol=0), "scale factors"
+    xf = [t.float() for t in x]
+    for a, b in zip(hvd.grouped_reducescatter(xf, op=hvd.Sum, compression=hvd.Compression.fp16),
+                    [hvd.reducescatter(t, op=hvd.Sum, compression=hvd.Compression.fp16)
+                     for t in xf]):
+        assert a.dtype == torch.float32 and torch.equal(a, b), "fp16 compression"
+    # autograd: as reducescatter's
+    ws = [t.clone().requires_grad_(True) for t in x]
+    twins = [t.clone().requires_grad_(True) for t in x]
+    for o in (hvd.grouped_reducescatter(ws, op=hvd.Sum, prescale_factor=2.0),
+              [hvd.reducescatter(t, op=hvd.Sum, prescale_factor=2.0) for t in twins]):
+        sum(((k + 1) * v * (r + 1)).sum() for k, v in enumerate(o)).backward()
+    for w, t in zip(ws, twins):
+        assert torch.allclose(w.grad, t.grad, rtol=0, atol=1e-12), "reducescatter grads"
+
+
+def case_grouped_gather_scatter_bad_lists_fail_on_every_rank():
+    """Lists that differ between ranks (length, dtype, shape) are a MismatchError on every rank
+    saying so; a bad list on one rank is its own error there and a MismatchError naming it on
+    the others; then the next call works."""
+    n, r = hvd.size(), hvd.rank()
+    bad = n - 1
+    with pytest.raises(ValueError, match="at least one tensor"):
+        hvd.grouped_allgather([])  # the same on every rank: nothing to match
+    if n > 1:
+        lists = {"length": ([torch.ones(2)] * (3 if r == bad else 2)),
+                 "dtype": [torch.ones(2, dtype=torch.float64 if r == bad else torch.float32)],
+                 "row shape": [torch.ones(2, 3 if r == bad else 2)]}
+        for why, xs in lists.items():
+            for fn in (hvd.grouped_allgather, hvd.grouped_reducescatter):
+                with pytest.raises(hvd.MismatchError, match=r"the ranks' lists differ.*"
+                                   rf"\[{bad}\]"):
+                    fn(xs)
+        # reducescatter: first dimensions must agree too (allgather's may differ)
+        with pytest.raises(hvd.MismatchError, match="lists differ"):
+            hvd.grouped_reducescatter([torch.ones(3 if r == bad else 2, 2)])
+        assert hvd.grouped_allgather([torch.ones(3 if r == bad else 2, 2)])[0].shape[0] == \
+            2 * n + 1
+    if r == bad:
+        with pytest.raises(TypeError, match=r"tensors\[1\] must be a torch.Tensor"):
+            hvd.grouped_allgather([torch.ones(2), "x"])
+        with pytest.raises(ValueError, match=r"tensors\[0\] has no dimension"):
+            hvd.grouped_reducescatter([torch.tensor(1.0)])
+        with pytest.raises(TypeError, match="must be a list"):
+            hvd.grouped_reducescatter(torch.ones(2))
+    elif n > 1:
+        for fn in (hvd.grouped_allgather, hvd.grouped_reducescatter, hvd.grouped_reducescatter):
+            with pytest.raises(hvd.MismatchError, match=rf"rank\(s\) \[{bad}\] rejected"):
+                fn([torch.ones(2)])
+    _still_works()
+
+
+# --- timeline -------------------------------------------------------------------------------------
+
+def case_timeline_records_each_call():
+    """start_timeline .. stop_timeline: each rank's file is complete JSON holding every call it
+    made in between (its queue wait, the call, each control round inside it), none after;
+    the files merge into one trace with a row per rank."""
+    import json
+    import tempfile
+
+    from mlfabric.torch import timeline
+
+    n, r = hvd.size(), hvd.rank()
+    folder = hvd.broadcast_object(tempfile.mkdtemp(prefix="mlfabric-tl-") if r == 0 else None)
+    mine = hvd.start_timeline(os.path.join(folder, "trace.json"))
+    assert mine == os.path.join(folder, "trace.json" if n == 1 else f"trace.{r}.json"), mine
+    hvd.allreduce(torch.ones(4), name="tl.a")
+    hvd.synchronize(hvd.allgather_async(torch.ones(r + 1), name="tl.b"))
+    hvd.grouped_allreduce([torch.ones(2), torch.ones(3, dtype=torch.float64)], name="tl.g")
+    hvd.barrier()
+    hvd.stop_timeline()
+    hvd.allreduce(torch.ones(4), name="tl.after")  # not recorded
+    with open(mine) as f:
+        events = json.load(f)  # complete JSON once stopped
+    spans = [e for e in events if e["ph"] == "X"]
+    assert all(e["pid"] == r for e in events), "every event on this rank's row"
+    calls = {e["name"]: e for e in spans if e["name"] not in ("QUEUE", "NEGOTIATE")}
+    assert set(calls) == {"allreduce 'tl.a'", "allgather 'tl.b'", "grouped_allreduce 'tl.g'",
+                          "barrier"}, sorted(calls)
+    queued = [e["args"]["call"] for e in spans if e["name"] == "QUEUE"]
+    assert sorted(queued) == sorted(calls), queued
+    for what, call in calls.items():
+        rounds = [e for e in spans if e["name"] == "NEGOTIATE" and e["args"]["call"] == what]
+        # a control round per call; the grouped allreduce of two dtypes: one per dtype
+        assert len(rounds) == (2 if what.startswith("grouped") else 1), (what, rounds)
+        for e in rounds:
+            assert call["ts"] - 1 <= e["ts"] and e["ts"] + e["dur"] <= call["ts"] + \
+                call["dur"] + 1, f"{what}: a control round outside its call"
+    hvd.barrier()
+    if r == 0:
+        files = [timeline.rank_path(os.path.join(folder, "trace.json"), q, n) for q in range(n)]
+        out = os.path.join(folder, "all.json")
+        timeline.merge(out, files)
+        with open(out) as f:
+            assert {e["pid"] for e in json.load(f)} == set(range(n))
+        # a file cut short (a crash) still loads
+        with open(files[0]) as f:
+            text = f.read()
+        cut = os.path.join(folder, "cut.json")
+        with open(cut, "w") as f:
+            f.write(text[:text.rindex("},") + 2])
+        assert 0 < len(timeline.load(cut)) < len(events)
+    hvd.barrier()
+
+
 # --- join -----------------------------------------------------------------------------------------
 
 def case_join_uneven_batches():
@@ -581,6 +767,15 @@ def case_join_uneven_batches():
         check(hvd.reducescatter(torch.from_numpy(zs[r]), op=hvd.Max),
               np.max([zs[q] for q in active], 0)[lo:lo + k], "float64",
               f"join reducescatter max step {s}")
+        # grouped: standard calls on the wire, so a joined rank takes part unaware
+        ga, gb = hvd.grouped_allgather([torch.full((r % 2 + 1, 2), float(r)),
+                                        torch.full((r,), r, dtype=torch.int8)])
+        check(ga, want, "float32", f"join grouped_allgather step {s}")
+        check(gb, np.concatenate([np.full(q, q) for q in active]), "int8",
+              f"join grouped_allgather int8 step {s}")
+        (gz,) = hvd.grouped_reducescatter([torch.from_numpy(zs[r])], op=hvd.Max)
+        check(gz, np.max([zs[q] for q in active], 0)[lo:lo + k], "float64",
+              f"join grouped_reducescatter max step {s}")
         assert q_rows
     assert hvd.join() == last
     # Everyone joins at once: the highest rank is reported; then all works as before.

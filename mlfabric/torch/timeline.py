@@ -1,0 +1,150 @@
+"""The timeline (Horovod's HOROVOD_TIMELINE / start_timeline): every mlfabric.torch call a rank
+makes, written as it finishes to a Chrome trace file (open it in https://ui.perfetto.dev or
+chrome://tracing), so a slow or stuck step shows which call waited, and for what.
+
+Owns the trace file of this rank and what goes in it. Per call, on this rank's row (pid = rank):
+- QUEUE: from the call (issue) to when mlfabric's queue starts it: behind earlier calls;
+- the call itself (named as errors name it: its kind and tensor name, e.g. "allreduce 'fc1'"),
+  and inside it
+  - NEGOTIATE: each control round (every rank's descriptor of the call gathered: the time
+    here is mostly waiting for the slowest rank to make the same call),
+  - the rest of the call is the data: staging copies and the collective. For CUDA tensors it is
+    the host's side (NCCL work launched, then waited for by the caller).
+
+Each rank writes its own file (a collective-free design: a rank that stops early, crashes or
+hangs still leaves its trace): the path as given with one rank, else with the rank before the
+extension (timeline.json -> timeline.0.json, timeline.1.json, ...), or where the path holds
+"{rank}", there. `python -m mlfabric.torch.merge_timeline OUT IN...` merges them into one file. Events
+are written as calls finish and flushed at least once a second and at stop_timeline()/shutdown;
+a file cut short by a crash lacks its closing bracket, which the viewers (and merge) accept.
+"""
+import atexit
+import json
+import os
+import threading
+import time
+
+_ACTIVE = None  # the _Timeline being written, or None: the one check a call pays when off
+_LOCK = threading.Lock()
+_FLUSH_EVERY = 1.0  # seconds
+
+
+def _now_us():
+    return time.time() * 1e6  # wall clock: rank files from one job line up when merged
+
+
+class _Timeline:
+    def __init__(self, path, rank):
+        self.path, self.rank = path, rank
+        self.file = open(path, "w")
+        self.first, self.flushed = True, time.monotonic()
+        self.lock = threading.Lock()  # calls finish on the caller's and the queue's threads
+        self.current = None  # the call running now (the queue runs one at a time): its rounds
+        self._write({"name": "process_name", "ph": "M", "pid": rank,
+                     "args": {"name": f"rank {rank}"}})
+        for tid, name in ((0, "calls"), (1, "queue")):
+            self._write({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid,
+                         "args": {"name": name}})
+
+    def _write(self, event):
+        with self.lock:
+            if self.file is None:
+                return
+            self.file.write(("[\n" if self.first else ",\n") + json.dumps(event))
+            self.first = False
+            if time.monotonic() - self.flushed > _FLUSH_EVERY:
+                self.file.flush()
+                self.flushed = time.monotonic()
+
+    def span(self, name, cat, start, end, tid=0, args=None):
+        event = {"name": name, "cat": cat, "ph": "X", "ts": round(start, 3),
+                 "dur": round(max(end - start, 0.0), 3), "pid": self.rank, "tid": tid}
+        if args:
+            event["args"] = args
+        self._write(event)
+
+    def wrap(self, what, job):
+        """job, recording the call when it runs (its queue wait counted from now)."""
+        issued = _now_us()
+        kind = what.partition(" ")[0]
+
+        def timed(*args):
+            start = _now_us()
+            self.current = rounds = []
+            try:
+                return job(*args)
+            finally:
+                end = _now_us()
+                self.current = None
+                self.span("QUEUE", kind, issued, start, tid=1, args={"call": what})
+                self.span(what, kind, start, end)
+                for t0, t1 in rounds:
+                    self.span("NEGOTIATE", kind, t0, t1, args={"call": what})
+        return timed
+
+    def close(self):
+        with self.lock:
+            if self.file is not None:
+                self.file.write("\n]\n" if not self.first else "[]\n")
+                self.file.close()
+                self.file = None
+
+
+def negotiating():
+    """(start time, the list this call's control rounds go in) or None: timed by ops._control."""
+    tl = _ACTIVE
+    if tl is None or tl.current is None:
+        return None
+    return _now_us(), tl.current
+
+
+def rank_path(path, rank, size):
+    """The file rank writes for the timeline at path (see the module docstring)."""
+    path = os.fspath(path)
+    if "{rank}" in path:
+        return path.replace("{rank}", str(rank))
+    if size == 1:
+        return path
+    root, ext = os.path.splitext(path)
+    return f"{root}.{rank}{ext or '.json'}"
+
+
+def start(path, rank, size):
+    """Start writing this rank's timeline (a running one is closed first); returns its file."""
+    global _ACTIVE
+    target = rank_path(path, rank, size)
+    parent = os.path.dirname(os.path.abspath(target))
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(f"start_timeline: no directory {parent} for {target}")
+    with _LOCK:
+        stop()
+        _ACTIVE = _Timeline(target, rank)
+    return target
+
+
+def stop():
+    """Close the timeline, if one is being written (its file then complete JSON)."""
+    global _ACTIVE
+    tl, _ACTIVE = _ACTIVE, None
+    if tl is not None:
+        tl.close()
+
+
+atexit.register(stop)
+
+
+def load(path):
+    """The events of a timeline file, also of one cut short (no closing bracket)."""
+    with open(path) as f:
+        text = f.read().rstrip()
+    if not text.endswith("]"):
+        text = text.rstrip(",") + "\n]"
+    return json.loads(text)
+
+
+def merge(out, paths):
+    """Write the events of several ranks' files as one trace file at out."""
+    events = [e for p in paths for e in load(p)]
+    with open(out, "w") as f:
+        json.dump(events, f)
+    return len(events)
