@@ -20,7 +20,8 @@ torch.distributed.init_process_group("mlfabric") and DistributedDataParallel run
 
 This module owns the process-level calls (init, shutdown, the queries); ops.py the tensor
 collectives, grouped_ops.py grouped allgather / reducescatter, optimizer.py
-DistributedOptimizer, functions.py the whole-model helpers, compression.py the compressors. Differences from Horovod: collectives are matched by the order
+DistributedOptimizer, sync_batch_norm.py SyncBatchNorm, functions.py the whole-model helpers,
+compression.py the compressors. Differences from Horovod: collectives are matched by the order
 ranks issue them, not by name (names, when every rank gives one, are checked to agree); the
 timeline (timeline.py) is a file per rank; Adasum and process sets are not provided.
 """
@@ -44,6 +45,7 @@ from .grouped_ops import (grouped_allgather, grouped_allgather_async, grouped_re
                           grouped_reducescatter_async)
 from .optimizer import DistributedOptimizer
 from .ps_optimizer import PSOptimizer, ps_init, serve_model
+from .sync_batch_norm import SyncBatchNorm
 from . import backend as _backend  # noqa: F401  (registers the "mlfabric" process-group backend)
 from . import ops as _ops
 from . import timeline as _timeline
@@ -187,7 +189,7 @@ __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "
            "grouped_reducescatter", "grouped_reducescatter_async", "allgather", "allgather_async", "broadcast",
            "broadcast_", "broadcast_async", "broadcast_async_", "alltoall", "alltoall_async",
            "synchronize", "poll", "join", "barrier", "Average", "Sum", "Min", "Max", "Product",
-           "Compression", "DistributedOptimizer", "broadcast_parameters",
+           "Compression", "DistributedOptimizer", "SyncBatchNorm", "broadcast_parameters",
            "broadcast_optimizer_state", "broadcast_object", "allgather_object", "mpi_built",
            "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built",
            "cuda_built", "rocm_built", "ddl_built", "ccl_built", "MlfabricError",

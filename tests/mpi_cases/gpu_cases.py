@@ -277,6 +277,36 @@ def case_horovod_api_on_cuda_tensors():
           "reducescatter autograd")
 
 
+def case_sync_batch_norm_on_gpu():
+    """SyncBatchNorm on CUDA tensors (uneven batches) against torch's BatchNorm1d in float64 on
+    the concatenated batch: output, input gradient, the summed weight gradient, running stats."""
+    n, r = hvd.size(), hvd.rank()
+    batches = [torch.from_numpy(values(q, (2 + q) * 3, "float64", "sum", salt=9)).view(-1, 3)
+               for q in range(n)]
+    dys = [torch.from_numpy(values(q, (2 + q) * 3, "float64", "sum", salt=10)).view(-1, 3)
+           for q in range(n)]
+    ref = torch.nn.BatchNorm1d(3).double()
+    xs = torch.cat(batches).requires_grad_(True)
+    (ref(xs) * torch.cat(dys)).sum().backward()
+    lo = sum(b.shape[0] for b in batches[:r])
+    bn = hvd.SyncBatchNorm(3).to(GPU)
+    x = batches[r].float().to(GPU).requires_grad_(True)
+    out = bn(x)
+    (out * dys[r].float().to(GPU)).sum().backward()
+    assert out.is_cuda and x.grad.is_cuda
+    want = ref(xs.detach())[lo:lo + batches[r].shape[0]]  # ref now in train mode: same stats
+    assert torch.allclose(out.double().cpu(), want.detach(), atol=1e-5), "output"
+    assert torch.allclose(x.grad.double().cpu(), xs.grad[lo:lo + batches[r].shape[0]],
+                          atol=1e-5), "input gradient"
+    wsum = hvd.allreduce(bn.weight.grad, op=hvd.Sum)
+    assert torch.allclose(wsum.double().cpu(), ref.weight.grad, atol=1e-5), "weight gradient"
+    # ref ran forward twice; its running stats after one step are those of a fresh layer
+    once = torch.nn.BatchNorm1d(3).double()
+    once(xs.detach())
+    assert torch.allclose(bn.running_mean.double().cpu(), once.running_mean, atol=1e-6)
+    assert torch.allclose(bn.running_var.double().cpu(), once.running_var, atol=1e-6)
+
+
 def case_join_on_gpu():
     n, r = hvd.size(), hvd.rank()
     for s in range(r + 1):

@@ -1,0 +1,219 @@
+"""SyncBatchNorm: Horovod's hvd.SyncBatchNorm, batch normalisation whose training-mode statistics
+are those of every rank's batch together.
+
+Owns the synchronised batch norm: its module (a torch.nn.modules.batchnorm._BatchNorm, so its
+parameters, buffers and state_dict are those of torch.nn.BatchNorm1d/2d/3d) and its autograd
+function. In training mode with more than one rank:
+- forward: one allreduce (Sum, float64) of a (3, num_features) tensor per call: each rank's row
+  count, per-channel sum and sum of squares. Every rank normalises with the same global mean and
+  biased variance, and updates running_mean / running_var with the global mean and the unbiased
+  global variance as torch.nn.BatchNorm would on the concatenated batch (momentum=None: the
+  cumulative average). Ranks may hold different batch sizes, zero rows included (count 0; a
+  rank inside hvd.join() contributes zeros, so the same). The global count is read on the host
+  (a device sync for CUDA input), so that a global batch of one value per channel is torch's
+  ValueError on every rank alike.
+- backward: one allreduce (Sum, float64) of a (2, num_features) tensor: per-channel sum(dy) and
+  sum(dy * (x - mean)), which the input gradient needs over the global batch. The weight and
+  bias gradients stay local (this rank's rows), as in Horovod: DistributedOptimizer reduces
+  them like any other gradient (summed over ranks, they are the gradient of the sum of the
+  ranks' losses).
+- errors on every rank: an input that does not fit this rank's layer (dimensions, channels,
+  dtype) is a ValueError / TypeError there and a MismatchError naming that rank elsewhere; layers
+  that differ between ranks are a MismatchError everywhere. A failed call leaves the module's
+  buffers and counter as they were.
+In eval mode, or with one rank, it is plain batch norm (torch's own code, no communication): eval
+mode needs no init() and ranks may call it any number of times.
+
+Differences from Horovod: CPU tensors work too (Horovod's needs CUDA); momentum=None is the
+cumulative average (as torch's); with track_running_stats=False, eval mode normalises with this
+rank's batch alone (as torch.nn.SyncBatchNorm; Horovod synchronises there).
+
+Numerics: each rank's sums are accumulated in float64 (elementwise work in float32 for float16,
+bfloat16 and float32 input, float64 for float64), the squares around the rank's own mean, so
+float32 data far from 0 lose nothing to cancellation; the global variance is E[x^2] - mean^2 in
+float64, to about 1e-16 * (mean / std)^2 relative. The output and the input gradient come back
+in the input's dtype.
+"""
+import torch
+from torch.autograd.function import once_differentiable
+from torch.nn.modules.batchnorm import _BatchNorm
+
+import mlfabric as _mf
+
+from ..errors import MismatchError, NotInitializedError
+from . import ops
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Names of the two allreduces: they must agree on every rank, so a rank that issues something
+# else at this point (a different layer order, a gradient bucket) fails with a clear message.
+_FWD = "SyncBatchNorm statistics"
+_BWD = "SyncBatchNorm gradient statistics"
+
+
+def _layout(x):
+    """(dimensions reduced over, shape of a per-channel tensor broadcast against x, compute
+    dtype): channels are dimension 1."""
+    dims = [0] + list(range(2, x.dim()))
+    shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return dims, shape, acc
+
+
+def _centered(x, mean, shape, acc):
+    """x - mean in the compute dtype, mean (float64) split into its compute-dtype part and the
+    rest: x - hi is exact where x is near the mean, so float32 data far from 0 keep their
+    precision (mean rounded to float32 alone would shift every value by up to 2^-24 |mean|)."""
+    if acc == torch.float64:
+        return x - mean.view(shape)
+    hi = mean.to(acc)
+    lo = (mean - hi.to(torch.float64)).to(acc)
+    return (x - hi.view(shape)) - lo.view(shape)
+
+
+def _sum_over_ranks(t, name, what):
+    """In-place Sum allreduce of t, a MismatchError that says which layer on every rank."""
+    try:
+        return ops.allreduce_(t, op=ops.Sum, name=name)
+    except MismatchError as exc:
+        # (a rank that rejected its input has its own error; the advice is for the others)
+        hint = "" if "rejected their arguments" in str(exc) else (
+            ". Every rank must run the same SyncBatchNorm layers (same num_features) in the "
+            "same order (the statistics travel as a (3, num_features) tensor forward, "
+            "(2, num_features) backward)")
+        raise MismatchError(f"{what}: {exc}{hint}") from exc
+
+
+class _SyncBatchNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input, weight, bias, running_mean, running_var, eps, factor, what):
+        dims, shape, acc = _layout(input)
+        channels = input.shape[1]
+        rows = input.numel() // channels if channels else 0  # values per channel here
+        x = input.to(acc)
+        stats = torch.zeros(3, channels, dtype=torch.float64, device=input.device)
+        if rows:
+            s1 = x.sum(dims, dtype=torch.float64)
+            # Sum of squares around this rank's own mean c (rounded to the compute dtype), then
+            # moved to 0 exactly: sum x^2 = sum (x - c)^2 + c * (2 * sum x - rows * c). Squaring
+            # the raw values in float32 would lose their low bits where |mean| >> std.
+            c = (s1 / rows).to(acc)
+            m2c = (x - c.view(shape)).square_().sum(dims, dtype=torch.float64)
+            c = c.to(torch.float64)
+            stats[0] = rows
+            stats[1] = s1
+            stats[2] = m2c + c * (2 * s1 - rows * c)
+        _sum_over_ranks(stats, _FWD, what)
+        total = int(stats[0, 0].item()) if channels else 0  # the same on every rank
+        if total == 1:
+            # torch's error for a batch of one; raised on every rank alike (all know the total).
+            raise ValueError("Expected more than 1 value per channel when training, got 1 over "
+                             f"all ranks (this rank's input size {tuple(input.shape)})")
+        count = max(total, 1)
+        mean = stats[1] / count
+        m2 = (stats[2] - stats[1] * mean).clamp_(min=0)
+        invstd = torch.rsqrt(m2 / count + eps)
+        if running_mean is not None and total:
+            # torch's update (an empty global batch leaves the running statistics alone, as
+            # torch's does): the unbiased variance.
+            with torch.no_grad():
+                running_mean.copy_(running_mean.to(torch.float64) * (1 - factor) + mean * factor)
+                running_var.copy_(running_var.to(torch.float64) * (1 - factor)
+                                  + (m2 / (count - 1)) * factor)
+        scale = invstd if weight is None else invstd * weight.detach().to(torch.float64)
+        out = _centered(x, mean, shape, acc) * scale.to(acc).view(shape)
+        if bias is not None:
+            out += bias.detach().to(acc).view(shape)
+        ctx.save_for_backward(input, weight, mean, invstd)
+        ctx.count, ctx.what, ctx.has_bias = count, what, bias is not None
+        return out.to(input.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output):
+        input, weight, mean, invstd = ctx.saved_tensors
+        dims, shape, acc = _layout(input)
+        dy = grad_output.to(acc)
+        xmu = _centered(input.to(acc), mean, shape, acc)
+        local = torch.stack([dy.sum(dims, dtype=torch.float64),
+                             (dy * xmu).sum(dims, dtype=torch.float64)])
+        # The allreduce runs whether or not this rank needs the input gradient, so that ranks
+        # which disagree on requires_grad still issue the same calls.
+        total = _sum_over_ranks(local.clone(), _BWD, ctx.what)
+        grad_input = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            mean_dy = total[0] / ctx.count
+            mean_dy_xmu = total[1] / ctx.count
+            scale = invstd if weight is None else invstd * weight.to(torch.float64)
+            g = dy - mean_dy.to(acc).view(shape)
+            g -= xmu * (invstd * invstd * mean_dy_xmu).to(acc).view(shape)
+            g *= scale.to(acc).view(shape)
+            grad_input = g.to(input.dtype)
+        # Local, as Horovod's: this rank's rows only (DistributedOptimizer reduces them).
+        if weight is not None and ctx.needs_input_grad[1]:
+            grad_weight = (local[1] * invstd).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = local[0].to(weight.dtype if weight is not None else input.dtype)
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None
+
+
+class SyncBatchNorm(_BatchNorm):
+    """Batch normalisation over the batches of all ranks (Horovod's hvd.SyncBatchNorm).
+
+    Input (N, C, ...) with C = num_features, at least 2 dimensions (any N, 0 included). Arguments
+    as torch.nn.BatchNorm2d's: eps, momentum (None: cumulative moving average), affine,
+    track_running_stats. In training mode with size() > 1 the batch statistics are those of
+    every rank's batch together (one allreduce forward, one backward; every rank must call it,
+    in the same order as its other collectives); in eval mode, or with one rank, it is plain
+    batch norm. The weight and bias gradients are this rank's own (see the module docstring).
+    """
+
+    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True,
+                 track_running_stats=True):
+        super().__init__(num_features, eps, momentum, affine, track_running_stats)
+
+    def _check_input_dim(self, input):
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+        if input.shape[1] != self.num_features:
+            raise ValueError(f"SyncBatchNorm({self.num_features}): the input has "
+                             f"{input.shape[1]} channels (dimension 1 of shape "
+                             f"{tuple(input.shape)})")
+
+    def forward(self, input):
+        if not self.training:
+            return super().forward(input)  # plain batch norm: no communication, no init needed
+        try:
+            ranks = _mf.size()
+        except NotInitializedError as exc:
+            raise NotInitializedError(
+                "SyncBatchNorm in training mode reduces its batch statistics over the ranks: "
+                "call mlfabric.torch.init() first (eval mode needs no init)") from exc
+        if ranks == 1:
+            return super().forward(input)
+        what = f"SyncBatchNorm({self.num_features})"
+        try:
+            if not isinstance(input, torch.Tensor):
+                raise TypeError(f"{what}: input must be a torch.Tensor, got "
+                                f"{type(input).__name__}")
+            self._check_input_dim(input)
+            if input.dtype not in _FLOATS:
+                raise TypeError(f"{what}: input dtype {input.dtype} is not floating point")
+        except (TypeError, ValueError):
+            # This rank takes part in the statistics' round as 'rejected', so the others fail
+            # at once with a MismatchError naming it instead of waiting for it.
+            ops._reject(ops._state(), ops._what("allreduce", _FWD), False)
+            raise
+        factor = 0.0
+        tracked = self.track_running_stats and self.num_batches_tracked is not None
+        if tracked:
+            # torch's rule; the counter itself moves only once the call succeeded
+            factor = (1.0 / (int(self.num_batches_tracked) + 1) if self.momentum is None
+                      else self.momentum)
+        out = _SyncBatchNormFn.apply(
+            input, self.weight, self.bias,
+            self.running_mean if self.track_running_stats else None,
+            self.running_var if self.track_running_stats else None,
+            self.eps, factor, what)
+        if tracked:
+            self.num_batches_tracked.add_(1)
+        return out
