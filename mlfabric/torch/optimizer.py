@@ -106,13 +106,22 @@ class _DistributedOptimizer:
     """Mixed in front of the wrapped optimizer's class (see DistributedOptimizer())."""
 
     def _mlf_setup(self, named_parameters, compression, backward_passes_per_step, op,
-                   gradient_predivide_factor):
+                   gradient_predivide_factor, num_groups, groups, sparse_as_dense):
         # A rank whose arguments are bad still takes part in the construction round, so that its
         # peers fail at once (MismatchError naming it) instead of waiting for it.
         try:
             op, params, names = self._mlf_check(named_parameters, compression,
                                                 backward_passes_per_step, op,
                                                 gradient_predivide_factor)
+            # Buckets from the parameters in reverse order: the last layers' gradients first.
+            order = params[::-1]
+            if num_groups and groups is not None:
+                raise ValueError("pass groups or num_groups (its older name), not both")
+            groups = num_groups if groups is None else groups
+            groups = None if isinstance(groups, int) and groups == 0 else groups  # 0: none
+            threshold = ops.fusion_threshold()
+            plan = ops.fuse(order, threshold, min(FIRST_BUCKET, threshold)) if groups is None \
+                else _grouped_plan(order, groups)
         except (TypeError, ValueError, MlfabricError) as exc:
             _construction_round(0, torch.device("cpu"), exc)   # raises exc, after the round
             raise
@@ -120,15 +129,14 @@ class _DistributedOptimizer:
         self._mlf_compression = compression
         self._mlf_passes = backward_passes_per_step
         self._mlf_predivide = float(gradient_predivide_factor)
-        # Buckets from the parameters in reverse order: the last layers' gradients come first.
-        order = params[::-1]
-        threshold = ops.fusion_threshold()
+        self._mlf_sparse_as_dense = bool(sparse_as_dense)
         fp16 = compression is Compression.fp16
-        plan = ops.fuse(order, threshold, min(FIRST_BUCKET, threshold))
-        # Every bucket's allreduce carries (a hash of) the whole model's dtypes and shapes: ranks
-        # holding different models fail together at the first bucket.
+        # Every bucket's allreduce carries (a hash of) the whole model's dtypes and shapes, and
+        # of explicit groups: ranks holding different models (or grouping them differently)
+        # fail together at the first bucket.
         self._mlf_layout = zlib.crc32(repr(
-            tuple((str(p.dtype), tuple(p.shape)) for p in params)).encode())
+            (tuple((str(p.dtype), tuple(p.shape)) for p in params),
+             None if groups is None else plan)).encode())
         device = params[0].device if params else torch.device("cpu")
         shared = _construction_round(self._mlf_layout, device, None)
         flats = _bucket_buffers([[order[i] for i in m] for m in plan], shared)
@@ -211,7 +219,7 @@ class _DistributedOptimizer:
             if b.waiting and not force:
                 return
             self._mlf_next += 1
-            _gather(b)
+            _gather(b, self._mlf_sparse_as_dense)
             flat, post = b.flat, 1.0
             if self._mlf_predivide != 1.0:
                 flat.mul_(1.0 / self._mlf_predivide)
@@ -358,10 +366,11 @@ def _unshare(ref):
             b.unshare()
 
 
-def _gather(b):
+def _gather(b, sparse_as_dense):
     """Point every .grad of bucket b at its view of the bucket. Gradients made elsewhere (fresh
     from autograd after zero_grad(set_to_none=True)) are copied in with one call; parameters
-    without a gradient get zeros (Horovod's rule)."""
+    without a gradient get zeros (Horovod's rule); sparse ones are densified if sparse_as_dense,
+    else an error."""
     moved, views, grads, absent = [], [], [], []
     for p, view in zip(b.params, b.views):
         g = p.grad
@@ -369,9 +378,13 @@ def _gather(b):
             continue
         if g is None:
             absent.append(view)
-        elif g.layout != torch.strided:  # checked before anything changes
+        elif g.layout != torch.strided and not sparse_as_dense:  # before anything changes
             raise MlfabricError(f"the gradient of a parameter in {b.name} is sparse; "
-                                "DistributedOptimizer reduces dense gradients only")
+                                "DistributedOptimizer reduces dense gradients: pass "
+                                "sparse_as_dense=True to densify them (as Horovod's option)")
+        elif g.layout != torch.strided:
+            views.append(view)
+            grads.append(g.to_dense())
         else:
             views.append(view)
             grads.append(g)
@@ -408,9 +421,50 @@ def _names(named_parameters, params):
     return by_id
 
 
+def _grouped_plan(order, groups):
+    """Buckets (lists of indices into order, the parameters in reverse) from Horovod's groups:
+    an int k > 0 splits order into k runs of near-equal count; a list of lists of parameters
+    makes each list a bucket (one per dtype), and each parameter in none a bucket of its own.
+    Explicit groups ignore the fusion threshold. Buckets start in order of their first
+    member."""
+    if isinstance(groups, bool) or not isinstance(groups, (int, list, tuple)):
+        raise ValueError(f"groups must be an int >= 0 or a list of lists of parameters, got "
+                         f"{type(groups).__name__}")
+    if isinstance(groups, int):
+        if groups < 0:
+            raise ValueError(f"groups (num_groups) must be >= 0, got {groups}")
+        runs = [r.tolist() for r in np.array_split(np.arange(len(order)), groups) if r.size]
+    else:
+        where = {id(p): i for i, p in enumerate(order)}
+        runs, placed = [], set()
+        for k, group in enumerate(groups):
+            if not isinstance(group, (list, tuple)):
+                raise ValueError(f"groups[{k}] must be a list of parameters, got "
+                                 f"{type(group).__name__}")
+            run = []
+            for t in group:
+                i = where.get(id(t))
+                if i is None:
+                    raise ValueError(f"groups[{k}] holds a tensor that is not one of the "
+                                     "optimizer's parameters needing a gradient (shape "
+                                     f"{tuple(getattr(t, 'shape', ()))})")
+                if i in placed:
+                    raise ValueError(f"groups[{k}]: a parameter (shape {tuple(t.shape)}) is in "
+                                     "more than one group")
+                placed.add(i)
+                run.append(i)
+            if run:
+                runs.append(sorted(run))
+        runs += [[i] for i in range(len(order)) if i not in placed]
+    plan = [[run[j] for j in members]
+            for run in runs for members in ops.fuse([order[i] for i in run], float("inf"))]
+    return sorted(plan, key=lambda members: members[0])
+
+
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
                          backward_passes_per_step=1, op=ops.Average,
-                         gradient_predivide_factor=1.0):
+                         gradient_predivide_factor=1.0, num_groups=0, groups=None,
+                         sparse_as_dense=False):
     """Wrap optimizer so that step() first averages (op=Average) or sums (op=Sum) the
     gradients over all ranks. Returns an object of a subclass of the optimizer's class sharing
     its parameter groups and state; use it in place of the optimizer.
@@ -419,6 +473,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     compression: Compression.none or Compression.fp16 (gradients sent as float16).
     backward_passes_per_step: backward passes accumulated locally before reducing.
     gradient_predivide_factor: with op=Average, scale by 1/f before the sum and f/size after.
+    groups (or num_groups, its older name): explicit gradient buckets in place of the fusion
+    threshold's: an int k splits the parameters (in reverse order) into k buckets of about
+    equal count; a list of lists of parameters makes each list a bucket, and each parameter in
+    none a bucket of its own. Every rank must pass the same groups.
+    sparse_as_dense: densify sparse gradients (nn.Embedding(sparse=True)) before reducing;
+    without it a sparse gradient is an error.
 
     The parameters' .grad become views of the optimizer's gradient buckets (see the module
     docstring); leave them alone between backward() and step() / synchronize().
@@ -432,5 +492,5 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)  # shares param_groups, state and hooks
     wrapped._mlf_setup(named_parameters, compression, backward_passes_per_step, op,
-                       gradient_predivide_factor)
+                       gradient_predivide_factor, num_groups, groups, sparse_as_dense)
     return wrapped

@@ -949,6 +949,8 @@ def _train_distributed(make_opt, op, passes, steps, clip=None, **kw):
     n, r = hvd.size(), hvd.rank()
     model = Net(seed=5).double()
     model.bn = torch.nn.Identity()
+    if callable(kw.get("groups")):  # groups of this model's parameters
+        kw["groups"] = kw["groups"](model)
     opt = hvd.DistributedOptimizer(make_opt(model), named_parameters=model.named_parameters(),
                                    op=op, backward_passes_per_step=passes, **kw)
     x, y = _data(n, steps, passes)
@@ -1018,6 +1020,85 @@ def case_distributed_optimizer_matches_single_process():
         diff = _max_diff(got, want)
         assert diff < 1e-10, f"{cfg} threshold={threshold}: weights differ by {diff}"
         same_everywhere(torch.cat([p.detach().reshape(-1) for p in got.parameters()]), str(cfg))
+
+
+def case_distributed_optimizer_groups_and_sparse_as_dense():
+    """Horovod's groups / num_groups (explicit buckets) give the same weights as single-process
+    training, with the buckets asked for; sparse_as_dense=True reduces an embedding's sparse
+    gradient (without it: an error on every rank); bad groups fail on every rank."""
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)  # noqa: E731
+    want = _train_reference(sgd, hvd.Average, 1, steps=3)
+    # parameters in reverse: fc2.bias, fc2.weight, fc1.bias, fc1.weight (unused: no grad hook
+    # needed, it still is a parameter of the optimizer)
+    model = Net(seed=5).double()
+    model.bn = torch.nn.Identity()  # 5 parameters, as _train_distributed's
+
+    def bucket_sizes(**kw):
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), **kw)
+        return [len(b.params) for b in opt._mlf_buckets], opt
+
+    for kw, sizes in ((dict(num_groups=2), [3, 2]), (dict(groups=3), [2, 2, 1]),
+                      (dict(groups=1), [5]), (dict(groups=0), [5])):  # 0: the threshold's
+        assert bucket_sizes(**kw)[0] == sizes, (kw, bucket_sizes(**kw)[0])
+        got = _train_distributed(sgd, hvd.Average, 1, steps=3, **kw)
+        diff = _max_diff(got, want)
+        assert diff < 1e-10, f"{kw}: weights differ by {diff}"
+    for groups in ([[model.fc1.weight, model.fc2.weight]],
+                   [[model.fc1.bias], [model.fc2.bias, model.unused]]):
+        sizes, opt = bucket_sizes(groups=groups)
+        assert sorted(sizes, reverse=True) == [2, 1, 1, 1], (groups, sizes)
+        members = [{id(p) for p in b.params} for b in opt._mlf_buckets]
+        assert all({id(p) for p in g} in members for g in groups), "a group is one bucket"
+    got = _train_distributed(sgd, hvd.Average, 1, steps=3,
+                             groups=lambda m: [[m.fc1.bias], [m.fc2.bias, m.fc1.weight]])
+    assert _max_diff(got, want) < 1e-10, "explicit groups: weights differ"
+    for kw, needle in ((dict(groups=-1), "must be >= 0"), (dict(groups=[[torch.ones(2)]]),
+                                                            "not one of the optimizer"),
+                       (dict(groups=[[model.fc1.bias], [model.fc1.bias]]),
+                        "more than one group"), (dict(num_groups=2, groups=2), "not both")):
+        with pytest.raises(ValueError, match=needle):
+            hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), **kw)
+    # groups that differ between ranks (as many buckets, other members): a MismatchError on
+    # every rank (with as many buckets everywhere, the ranks stay in step after it)
+    if hvd.size() > 1:
+        pair = [model.fc1.weight, model.fc1.bias] if hvd.rank() == 0 else \
+            [model.fc2.weight, model.fc2.bias]
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       groups=[pair])
+        with pytest.raises(hvd.MismatchError):
+            _loss(model, *[t[0, 0, :B] for t in _data(1, 1, 1)]).backward()
+            opt.step()
+        _still_works()
+    # sparse gradients: an embedding, against one process on the concatenated batch
+    n, r = hvd.size(), hvd.rank()
+
+    def embedder():
+        torch.manual_seed(3)
+        return torch.nn.Sequential(torch.nn.Embedding(11, 4, sparse=True),
+                                   torch.nn.Linear(4, 1)).double()
+
+    ids = torch.randint(0, 11, (3, n, 5), generator=torch.Generator().manual_seed(1))
+    ref = embedder()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for s in range(3):
+        ref_opt.zero_grad()
+        (sum(ref(ids[s, q]).sum() for q in range(n)) / n).backward()
+        ref_opt.step()
+    mine = embedder()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(mine.parameters(), lr=0.5),
+                                   sparse_as_dense=True)
+    for s in range(3):
+        opt.zero_grad()
+        mine(ids[s, r]).sum().backward()
+        opt.step()
+    diff = max((a - b).abs().max().item() for a, b in zip(mine.parameters(), ref.parameters()))
+    assert diff < 1e-12, f"sparse_as_dense: weights differ by {diff}"
+    dense_only = hvd.DistributedOptimizer(torch.optim.SGD(embedder().parameters(), lr=0.5))
+    with pytest.raises(hvd.MlfabricError, match="sparse_as_dense=True"):
+        model_ = dense_only.param_groups[0]["params"]
+        torch.nn.functional.embedding(ids[0, r], model_[0], sparse=True).sum().backward()
+        dense_only.step()
+    _still_works()
 
 
 def case_distributed_optimizer_hooks_in_any_order():
