@@ -23,7 +23,8 @@ collectives, grouped_ops.py grouped allgather / reducescatter, optimizer.py
 DistributedOptimizer, sync_batch_norm.py SyncBatchNorm, functions.py the whole-model helpers,
 compression.py the compressors. Differences from Horovod: collectives are matched by the order
 ranks issue them, not by name (names, when every rank gives one, are checked to agree); the
-timeline (timeline.py) is a file per rank; Adasum and process sets are not provided.
+timeline (timeline.py) is a file per rank; op Adasum (adasum.py) is for allreduce only; process
+sets are not provided.
 """
 import os as _os
 
@@ -35,7 +36,7 @@ from ..errors import MismatchError, MlfabricError, NotInitializedError, PeerTime
 from .compression import Compression
 from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                         broadcast_parameters)
-from .ops import (Average, Max, Min, Product, Sum, allgather, allgather_async, allreduce,
+from .ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_async, allreduce,
                   allreduce_, allreduce_async, allreduce_async_, alltoall, alltoall_async,
                   barrier, broadcast, broadcast_, broadcast_async, broadcast_async_,
                   grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
@@ -173,25 +174,17 @@ def ccl_built():
     return False
 
 
-def __getattr__(name):
-    if name == "Adasum":
-        raise AttributeError("mlfabric.torch has no Adasum: the Adasum reduction is not "
-                             "supported; use op=Average (or Sum)")
-    raise AttributeError(f"module 'mlfabric.torch' has no attribute {name!r}")
-
-
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
            "cross_rank", "cross_size", "is_homogeneous", "start_timeline", "stop_timeline",
-           "reducescatter", "reducescatter_async",
-           "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
-           "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
-           "grouped_allreduce_async_", "grouped_allgather", "grouped_allgather_async",
-           "grouped_reducescatter", "grouped_reducescatter_async", "allgather", "allgather_async", "broadcast",
-           "broadcast_", "broadcast_async", "broadcast_async_", "alltoall", "alltoall_async",
-           "synchronize", "poll", "join", "barrier", "Average", "Sum", "Min", "Max", "Product",
-           "Compression", "DistributedOptimizer", "SyncBatchNorm", "broadcast_parameters",
+           "reducescatter", "reducescatter_async", "allreduce", "allreduce_", "allreduce_async",
+           "allreduce_async_", "grouped_allreduce", "grouped_allreduce_",
+           "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_allgather",
+           "grouped_allgather_async", "grouped_reducescatter", "grouped_reducescatter_async",
+           "allgather", "allgather_async", "broadcast", "broadcast_", "broadcast_async",
+           "broadcast_async_", "alltoall", "alltoall_async", "synchronize", "poll", "join",
+           "barrier", "Adasum", "Average", "Sum", "Min", "Max", "Product", "Compression",
+           "DistributedOptimizer", "SyncBatchNorm", "broadcast_parameters",
            "broadcast_optimizer_state", "broadcast_object", "allgather_object", "mpi_built",
            "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built",
-           "cuda_built", "rocm_built", "ddl_built", "ccl_built", "MlfabricError",
-           "MismatchError", "NotInitializedError", "PeerTimeoutError", "PSOptimizer", "ps_init",
-           "serve_model"]
+           "cuda_built", "rocm_built", "ddl_built", "ccl_built", "MlfabricError", "MismatchError",
+           "NotInitializedError", "PeerTimeoutError", "PSOptimizer", "ps_init", "serve_model"]

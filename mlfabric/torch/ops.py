@@ -53,6 +53,7 @@ from .. import shared as _shared
 from ..comm import nccl as _nccl
 from ..comm.executor import Executor
 from ..errors import MismatchError, MlfabricError
+from . import adasum as _adasum
 from . import timeline as _timeline
 from .compression import Compression, check as _check_compression
 
@@ -63,9 +64,10 @@ Sum = "sum"
 Min = "min"
 Max = "max"
 Product = "product"
+Adasum = _adasum.Adasum  # see adasum.py
 
 _OP_NAMES = {"average": Average, "avg": Average, "sum": Sum, "min": Min, "max": Max,
-             "product": Product, "prod": Product}
+             "product": Product, "prod": Product, "adasum": Adasum}
 # mlfabric's core ops, by code in the descriptor.
 _CORE_OPS = ("sum", "avg", "min", "max", "prod")
 _CORE_OF = {Sum: "sum", Min: "min", Max: "max", Product: "prod"}
@@ -78,12 +80,10 @@ def _resolve_op(op, average):
         raise ValueError("pass op or average (deprecated), not both")
     if op is None:
         return Average if average is None or average else Sum
-    if isinstance(op, str) and op.lower() == "adasum":
-        raise ValueError("op Adasum is not supported by mlfabric; use Average or Sum")
     name = _OP_NAMES.get(op.lower()) if isinstance(op, str) else None
     if name is None:
         raise ValueError(f"unknown reduction op {op!r}; expected one of Average, Sum, Min, Max, "
-                         "Product (mlfabric.torch.Average, ...)")
+                         "Product, Adasum (mlfabric.torch.Average, ...)")
     return name
 
 
@@ -477,6 +477,8 @@ class _ReducePlan:
     __slots__ = ("op", "core", "pre", "after")
 
     def __init__(self, op, dtype, pre, post, size, what):
+        if op == Adasum:
+            raise ValueError(f"{what}: op Adasum is for allreduce (and its forms) only")
         floating = dtype.is_floating_point
         if op == Average and not floating:
             raise TypeError(f"{what}: op Average needs a floating tensor, got {dtype}; use op=Sum")
@@ -517,6 +519,12 @@ def _wire_copy(t, plan):
 def _allreduce_call(tensor, op, average, name, pre, post, inplace, async_, layout=None):
     """layout: what else every rank's call must agree on (DistributedOptimizer: the model)."""
     what = _what("allreduce", name)
+    try:
+        adasum = _resolve_op(op, average) == Adasum
+    except ValueError:
+        adasum = False  # the plan below reports it, on every rank
+    if adasum:
+        return _adasum.call(tensor, name, pre, post, inplace, async_)
 
     def plan(st):
         _check_name(name)

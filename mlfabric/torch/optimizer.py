@@ -151,6 +151,10 @@ class _DistributedOptimizer:
         """(op, parameters, their names), or the error of a bad argument."""
         _check_compression(compression)
         op = ops._resolve_op(op, None)
+        if op == ops.Adasum:
+            raise ValueError("DistributedOptimizer: op Adasum (Horovod's optimizer that reduces "
+                             "parameter deltas) is not provided; use Average or Sum "
+                             "(allreduce itself takes op=Adasum)")
         if op not in (ops.Average, ops.Sum):
             raise ValueError(f"DistributedOptimizer supports op Average or Sum, got {op}")
         if gradient_predivide_factor != 1.0 and op != ops.Average:

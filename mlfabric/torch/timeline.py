@@ -14,9 +14,10 @@ Owns the trace file of this rank and what goes in it. Per call, on this rank's r
 Each rank writes its own file (a collective-free design: a rank that stops early, crashes or
 hangs still leaves its trace): the path as given with one rank, else with the rank before the
 extension (timeline.json -> timeline.0.json, timeline.1.json, ...), or where the path holds
-"{rank}", there. `python -m mlfabric.torch.merge_timeline OUT IN...` merges them into one file. Events
-are written as calls finish and flushed at least once a second and at stop_timeline()/shutdown;
-a file cut short by a crash lacks its closing bracket, which the viewers (and merge) accept.
+"{rank}", there. `python -m mlfabric.torch.merge_timeline OUT IN...` merges them into one
+file. Events are written as calls finish, flushed when a second has passed since the last flush
+and at stop_timeline() / shutdown; a file cut short by a crash lacks its closing bracket, which
+the viewers (and merge) accept.
 """
 import atexit
 import json

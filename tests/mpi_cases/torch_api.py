@@ -147,14 +147,71 @@ def case_allreduce_defaults_scaling_noncontiguous():
     check(hvd.allreduce(x, op="sum"), stack.sum(0), "float64", "op='sum'")
     with pytest.raises(ValueError, match="not both"):
         hvd.allreduce(x, op=hvd.Sum, average=True)
-    with pytest.raises(ValueError, match="Adasum"):
-        hvd.allreduce(x, op="adasum")
     with pytest.raises(TypeError, match="Average needs a floating"):
         hvd.allreduce(torch.ones(3, dtype=torch.int32))
     with pytest.raises(TypeError, match="unsupported dtype"):
         hvd.allreduce(torch.ones(3, dtype=torch.complex64))
-    with pytest.raises(AttributeError, match="Adasum"):
-        hvd.Adasum  # noqa: B018
+    assert hvd.allreduce(torch.ones(3), op=hvd.Sum).tolist() == [n] * 3
+
+
+def _adasum_reference(vectors):
+    """float64 numpy: the pairwise tree at distance 1, 2, 4, ... (adasum.py's definition)."""
+    level = [np.asarray(v, np.float64).reshape(-1) for v in vectors]
+    while len(level) > 1:
+        nxt = []
+        for i in range(0, len(level), 2):
+            if i + 1 == len(level):
+                nxt.append(level[i])
+                continue
+            a, b = level[i], level[i + 1]
+            dot, na, nb = a @ b, a @ a, b @ b
+            ca, cb = (1 - dot / (2 * na) if na else 1), (1 - dot / (2 * nb) if nb else 1)
+            nxt.append(ca * a + cb * b)
+        level = nxt
+    return level[0]
+
+
+def case_allreduce_adasum():
+    """op=Adasum against a float64 reference of the tree (odd counts too), its defining
+    properties (the same vector everywhere: that vector; orthogonal ones: their sum), every
+    form, float32 / float16, scale factors; not differentiable; refused where it is undefined,
+    on every rank."""
+    n, r = hvd.size(), hvd.rank()
+    stack = np.stack([values(q, 12, "float64", "sum", salt=3) for q in range(n)])
+    x = torch.from_numpy(stack[r].copy()).reshape(3, 4)
+    want = _adasum_reference(stack).reshape(3, 4)
+    check(hvd.allreduce(x, op=hvd.Adasum), want, "float64", "adasum")
+    check(hvd.synchronize(hvd.allreduce_async(x, op="adasum")), want, "float64", "adasum async")
+    y = x.clone()
+    hvd.allreduce_(y, op=hvd.Adasum)
+    check(y, want, "float64", "adasum in place")
+    same = torch.arange(1.0, 7.0, dtype=torch.float64)
+    check(hvd.allreduce(same, op=hvd.Adasum), same.numpy(), "float64", "parallel: averaged")
+    basis = torch.zeros(max(n, 2), dtype=torch.float64)
+    basis[r] = r + 1.0
+    check(hvd.allreduce(basis, op=hvd.Adasum), np.pad(np.arange(1.0, n + 1), (0, max(n, 2) - n)),
+          "float64", "orthogonal: summed")
+    check(hvd.allreduce(torch.zeros(3), op=hvd.Adasum), np.zeros(3), "float32", "zeros")
+    xf = x.float()
+    got = hvd.allreduce(xf, op=hvd.Adasum, prescale_factor=2.0, postscale_factor=0.5)
+    assert got.dtype == torch.float32
+    # adasum is scale-equivariant: (2x) combined, times 0.5, is x combined
+    assert np.allclose(got.double().numpy(), want, rtol=1e-5, atol=1e-5), "scale factors"
+    half = hvd.allreduce(x.half(), op=hvd.Adasum)
+    assert half.dtype == torch.float16
+    assert np.allclose(half.double().numpy(), want, rtol=5e-3, atol=5e-3), "float16"
+    w = x.clone().requires_grad_(True)
+    with pytest.raises(hvd.MlfabricError, match="gradient of allreduce with op adasum"):
+        hvd.allreduce(w, op=hvd.Adasum).sum().backward()
+    with pytest.raises(TypeError, match="needs a floating tensor"):
+        hvd.allreduce(torch.ones(3, dtype=torch.int32), op=hvd.Adasum)
+    for fn in (lambda: hvd.grouped_allreduce([x], op=hvd.Adasum),
+               lambda: hvd.reducescatter(x, op=hvd.Adasum)):
+        with pytest.raises(ValueError, match="Adasum is for allreduce"):
+            fn()
+    if n > 1:  # a shape that differs on one rank: every rank fails
+        with pytest.raises(hvd.MismatchError):
+            hvd.allreduce(torch.ones(4 if r == n - 1 else 3), op=hvd.Adasum)
     assert hvd.allreduce(torch.ones(3), op=hvd.Sum).tolist() == [n] * 3
 
 

@@ -1,0 +1,78 @@
+"""op=Adasum for allreduce (Horovod's hvd.Adasum): adaptive summation of the ranks' tensors.
+
+Two vectors a and b combine as
+    adasum(a, b) = (1 - a.b / (2 |a|^2)) a + (1 - a.b / (2 |b|^2)) b
+(a coefficient is 1 where its vector is zero): parallel vectors are averaged, orthogonal ones
+summed. The ranks' tensors (flattened) combine as a binary tree over rank order, the pairs at
+distance 1 first, then 2, 4, ...: ((t0, t1), (t2, t3)), ... as Horovod's recursive halving does
+for a power-of-two count; with other counts the last one of an odd level moves up unpaired.
+
+How it runs: one allgather of the tensors (in the tensor's dtype, on its device, CPU or GPU),
+then every rank computes the same tree in float64 (dot products and sums), so every rank gets
+the same result, rounded to the tensor's dtype. That moves size() - 1 tensors into each rank,
+where a ring allreduce moves about 2: it is meant for moderate rank counts, not for speed.
+prescale_factor multiplies each input, postscale_factor the result. A rank inside join()
+contributes nothing (the tree is over the ranks that called). Not differentiable; allreduce and
+its forms only (DistributedOptimizer's Adasum mode, which reduces parameter deltas, is not
+provided).
+"""
+import math
+
+import torch
+
+from . import ops
+
+Adasum = "adasum"
+
+
+def combine(a, b):
+    """adasum(a, b) of two float64 1-D tensors."""
+    dot = torch.dot(a, b)
+    na, nb = torch.dot(a, a), torch.dot(b, b)
+    ca = 1 - dot / (2 * na) if na > 0 else 1.0
+    cb = 1 - dot / (2 * nb) if nb > 0 else 1.0
+    return ca * a + cb * b
+
+
+def tree(vectors):
+    """The ranks' float64 vectors combined pairwise at distance 1, 2, 4, ... in rank order."""
+    level = list(vectors)
+    while len(level) > 1:
+        level = [combine(level[i], level[i + 1]) if i + 1 < len(level) else level[i]
+                 for i in range(0, len(level), 2)]
+    return level[0]
+
+
+def call(tensor, name, pre, post, inplace, async_):
+    """allreduce(tensor, op=Adasum) in its blocking, async and in-place forms."""
+    what = ops._what("allreduce", name) + " (op Adasum)"
+
+    def plan(st):
+        ops._check_name(name)
+        code = ops._check_tensor(tensor, what)
+        if not tensor.dtype.is_floating_point:
+            raise TypeError(f"{what}: needs a floating tensor, got {tensor.dtype}")
+        shape = tuple(tensor.shape)
+        # an allgather of one row per rank; the whole shape (and the op) must agree
+        desc = ops._desc(ops._ALLGATHER, code, shape=(1, math.prod(shape)), name=name,
+                         tensor=tensor)
+        desc[ops._ROW_HASH] = ops._hash(("adasum", shape))
+        return desc
+
+    def job(st, desc):
+        table = ops._agree(st, desc, what)
+        src = tensor.detach()
+        mine = src.reshape(1, src.numel())
+        if float(pre) != 1.0:
+            mine = mine * pre
+        out = tree(list(ops._gather(table, mine)[0].to(torch.float64)))
+        if float(post) != 1.0:
+            out = out * post
+        out = out.view(src.shape).to(src.dtype)
+        if inplace:
+            src.copy_(out)
+            return tensor
+        return out
+
+    return ops._issue(what, plan, job, async_, tensor if isinstance(tensor, torch.Tensor)
+                      else None)
