@@ -13,7 +13,8 @@ import mlfabric as mf
 import mlfabric.torch as hvd
 
 from .common import same_everywhere, values
-from .torch_api import B, Net, _data, _loss, _max_diff, _rows_of, _train_reference, reference
+from .torch_api import (B, Net, _adasum_reference, _data, _loss, _max_diff, _rows_of,
+                        _train_reference, reference)
 from .torch_api import check as host_check
 
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64")
@@ -259,6 +260,11 @@ def case_horovod_api_on_cuda_tensors():
         assert all(t.is_cuda for t in grouped)
         check(grouped[0], want, dtype, f"grouped_reducescatter {dtype}")
         check(grouped[2], want, dtype, f"grouped_reducescatter {dtype} again")
+    # op=Adasum: the tree computed on the GPU, against the host reference
+    stack = np.stack([values(q, 8, "float64", "sum", salt=4) for q in range(n)])
+    got = hvd.allreduce(on_gpu(stack[r], "float64"), op=hvd.Adasum)
+    assert got.is_cuda
+    check(got, _adasum_reference(stack), "float64", "adasum")
     # grouped allgather: uneven first dimensions, two dtypes, a tensor with no rows on rank 0
     want = np.concatenate([np.full((q + 1, 2), float(q)) for q in range(n)])
     ga, gb = hvd.grouped_allgather([torch.full((r + 1, 2), float(r), device=GPU),
