@@ -25,7 +25,7 @@ from .compression import Compression
 from .ops import (_ACTIVE, _ALLGATHER, _CORE_OPS, _DTYPE_CODE, _DTYPES, _REDUCESCATTER,
                   _ROW_HASH, _STATE, Average, _agree, _check_differentiable, _check_name,
                   _compression, _control, _desc, _disagreement, _gather, _groups, _hash, _issue,
-                  _layout, _ReducePlan, _resolve_op, _scan, _state, _what, _wire)
+                  _layout, _own, _ReducePlan, _resolve_op, _scan, _state, _what, _wire)
 from .ops import _grouped_call as _grouped_allreduce_call
 
 
@@ -40,10 +40,13 @@ def _check_list(tensors, what):
 
 
 def _list_desc(kind, code, op, shape, name, codes, shapes, tensor, rows=True):
-    """A descriptor whose row hash covers the whole list (dtypes, and shapes: after the first
-    dimension where rows may differ between ranks, whole where they may not)."""
-    desc = _desc(kind, code, op, shape=shape, name=name, tensor=tensor)
-    desc[_ROW_HASH] = _hash((codes, tuple(s[1:] if rows else s for s in shapes)))
+    """A descriptor whose row hash, and shape hash, cover the whole list (dtypes, and shapes:
+    after the first dimension where rows may differ between ranks, whole where they may not).
+    The shape hash is what a rank that knows nothing of lists compares (a joined rank, or one
+    making a single-tensor call): lists that differ must differ there too."""
+    sig = (codes, tuple(s[1:] if rows else s for s in shapes))
+    desc = _desc(kind, code, op, shape=shape, name=name, layout=sig, tensor=tensor)
+    desc[_ROW_HASH] = _hash(sig)
     return desc
 
 
@@ -74,16 +77,17 @@ def _grouped_allgather_call(tensors, name, async_, with_rows=False):
     def plan(st):
         _check_name(name)
         codes, shapes = _check_list(tensors, what)
+        # the rows travel through host memory whatever the device (tensor=None): no NCCL
+        # launch and device sync for 8 bytes a tensor, and its waits stay bounded
         return codes, shapes, _list_desc(_ALLGATHER, _DTYPE_CODE[torch.int64], 0,
-                                         (1, len(tensors)), name, codes, shapes, tensors[0])
+                                         (1, len(tensors)), name, codes, shapes, None)
 
     def job(st, planned):
         codes, shapes, desc = planned
-        device = tensors[0].device
         table = _agree_list(st, desc, what)
-        mine = torch.tensor([[s[0] for s in shapes]], dtype=torch.int64, device=device)
+        mine = torch.tensor([[s[0] for s in shapes]], dtype=torch.int64)
         rows = np.zeros((st.ctx.size, len(tensors)), np.int64)  # each rank's rows of each
-        rows[table[:, _STATE] == _ACTIVE] = _gather(table, mine)[0].cpu().numpy()
+        rows[table[:, _STATE] == _ACTIVE] = _gather(table, mine)[0].numpy()
         per_rank, totals = rows.tolist(), rows.sum(0).tolist()  # Python ints: cheaper in loops
         outs = [None] * len(tensors)
         for g, group in enumerate(_layout((codes, shapes))):
@@ -98,7 +102,9 @@ def _grouped_allgather_call(tensors, name, async_, with_rows=False):
             # got: each rank's members back to back, in rank order (a joined rank's are empty)
             pieces = got.split([of[i] * n for of in per_rank for i, n in zip(members, lens)])
             for j, i in enumerate(members):
-                out = torch.cat(pieces[j::len(members)]).view(totals[i], *shapes[i][1:])
+                # each output its own tensor, not a view (see ops._own)
+                out = got.new_empty((totals[i], *shapes[i][1:]))
+                torch.cat(pieces[j::len(members)], out=out.view(-1))
                 outs[i] = out if wire == dtype else out.to(dtype)
         return (outs, rows) if with_rows else outs
 
@@ -121,11 +127,16 @@ class _GroupedAllgatherFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        # as allgather's: this rank's rows of the averaged gradient
-        reduced = _grouped_allreduce_call([g.contiguous() for g in grads], Average, None, None,
-                                          1.0, 1.0, False, False)
-        return (None, *[r.narrow(0, o, n).reshape(s) for r, o, n, s in
-                        zip(reduced, ctx.offsets, ctx.rows, ctx.shapes)])
+        # as allgather's: this rank's rows of the averaged gradient (of the floating tensors:
+        # the others have none; every rank's list has the same dtypes)
+        floating = [i for i, g in enumerate(grads) if g.dtype.is_floating_point]
+        back = [None] * len(grads)
+        if floating:
+            reduced = _grouped_allreduce_call([grads[i].contiguous() for i in floating], Average,
+                                              None, None, 1.0, 1.0, False, False)
+            for i, r in zip(floating, reduced):
+                back[i] = r.narrow(0, ctx.offsets[i], ctx.rows[i]).reshape(ctx.shapes[i])
+        return (None, *back)
 
 
 def grouped_allgather(tensors, name=None):
@@ -191,10 +202,10 @@ def _grouped_reducescatter_call(tensors, op, name, pre, post, async_):
             got = _coll.reduce_scatter(buf, op=p.core).view(-1) if width else buf[me]
             if p.after != 1.0:
                 got.mul_(p.after)
-            for j, (i, piece) in enumerate(zip(members, got[:sum(blocks[me])].split(blocks[me]))):
-                out = piece.reshape(_coll.split_rows(shapes[i][0], len(blocks))[me],
-                                    *shapes[i][1:])
-                outs[i] = out if wire == dtype else out.to(dtype)
+            for i, piece in zip(members, got[:sum(blocks[me])].split(blocks[me])):
+                shape = (_coll.split_rows(shapes[i][0], len(blocks))[me], *shapes[i][1:])
+                # each output its own tensor, not a view (see ops._own)
+                outs[i] = _own(piece, shape) if wire == dtype else piece.view(shape).to(dtype)
         return outs
 
     return _issue(what, plan, job, async_, _first(tensors), tensors)

@@ -291,10 +291,12 @@ atexit.register(_drain)
 
 def _control(st, desc):
     timing = _timeline.negotiating()
-    table = _coll.allgather(desc).reshape(st.ctx.size, _W)
+    try:
+        table = _coll.allgather(desc).reshape(st.ctx.size, _W)
+    finally:
+        if timing is not None:  # a round that failed (a dead peer) is the one to see
+            timing[1].append((timing[0], _timeline._now_us()))
     st.rounds += 1
-    if timing is not None:
-        timing[1].append((timing[0], _timeline._now_us()))
     return table
 
 
@@ -329,8 +331,9 @@ def _issue(what, plan, job, async_, tensor=None, group=None):
     except (TypeError, ValueError, MlfabricError) as exc:
         _reject(st, what, async_)
         raise exc
-    if _timeline._ACTIVE is not None:
-        job = _timeline._ACTIVE.wrap(what, job)
+    recording = _timeline._ACTIVE  # once: stop_timeline() may run on another thread
+    if recording is not None:
+        job = recording.wrap(what, job)
     gpu = tensor is not None and tensor.is_cuda
     if gpu:
         job = _on_side_stream(st, job, tensor.device, group or (tensor,))
@@ -403,8 +406,9 @@ def _on_caller_stream(result, done, launched, error, device):
     if error is not None:
         raise error
     for t in result if isinstance(result, (list, tuple)) else (result,):
-        if isinstance(t, torch.Tensor) and t.is_cuda:
-            t.record_stream(stream)
+        for u in t if isinstance(t, (list, tuple)) else (t,):  # (outputs, rows): grouped
+            if isinstance(u, torch.Tensor) and u.is_cuda:
+                u.record_stream(stream)
     return result
 
 
@@ -885,11 +889,18 @@ def _allgather_call(tensor, name, async_, with_rows=False):
         shape = tuple(src.shape) or (1,)
         wire = _wire(src.dtype)
         out, rows = _gather(table, src.reshape(shape[0], math.prod(shape[1:])).to(wire))
-        out = out.view(out.shape[0], *shape[1:])
-        out = out if wire == src.dtype else out.to(src.dtype)
+        out = _own(out, (out.shape[0], *shape[1:])) if wire == src.dtype else \
+            out.view(out.shape[0], *shape[1:]).to(src.dtype)
         return (out, rows) if with_rows else out
 
     return _issue(what, plan, job, async_, tensor)
+
+
+def _own(t, shape):
+    """t's elements (a contiguous tensor no one else uses) as a tensor of shape that is not a
+    view: a caller may then modify it in place even as the output of a custom autograd
+    Function, which torch refuses for views (Horovod's outputs are fresh tensors too)."""
+    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), shape)
 
 
 def _gather(table, mine):
@@ -959,7 +970,7 @@ def _reducescatter_call(tensor, op, average, name, pre, post, async_):
         if not src.numel():
             return src.new_empty((mine, *src.shape[1:]))
         out = _coll.reduce_scatter(_wire_copy(src, p).view(rows, -1), op=p.core)
-        out = out.view(mine, *src.shape[1:])
+        out = _own(out, (mine, *src.shape[1:]))
         if p.after != 1.0:
             out.mul_(p.after)
         return out if out.dtype == src.dtype else out.to(src.dtype)

@@ -429,8 +429,8 @@ def _grouped_plan(order, groups):
     """Buckets (lists of indices into order, the parameters in reverse) from Horovod's groups:
     an int k > 0 splits order into k runs of near-equal count; a list of lists of parameters
     makes each list a bucket (one per dtype), and each parameter in none a bucket of its own.
-    Explicit groups ignore the fusion threshold. Buckets start in order of their first
-    member."""
+    Explicit groups ignore the fusion threshold. Buckets start in order of their last member
+    (the earliest layer's, whose gradient comes last): the order they become ready in."""
     if isinstance(groups, bool) or not isinstance(groups, (int, list, tuple)):
         raise ValueError(f"groups must be an int >= 0 or a list of lists of parameters, got "
                          f"{type(groups).__name__}")
@@ -462,7 +462,7 @@ def _grouped_plan(order, groups):
         runs += [[i] for i in range(len(order)) if i not in placed]
     plan = [[run[j] for j in members]
             for run in runs for members in ops.fuse([order[i] for i in run], float("inf"))]
-    return sorted(plan, key=lambda members: members[0])
+    return sorted(plan, key=lambda members: members[-1])
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,

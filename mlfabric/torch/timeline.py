@@ -3,7 +3,8 @@ makes, written as it finishes to a Chrome trace file (open it in https://ui.perf
 chrome://tracing), so a slow or stuck step shows which call waited, and for what.
 
 Owns the trace file of this rank and what goes in it. Per call, on this rank's row (pid = rank):
-- QUEUE: from the call (issue) to when mlfabric's queue starts it: behind earlier calls;
+- QUEUE (its own row): from the call (issue) to when mlfabric's queue starts it: behind earlier
+  calls;
 - the call itself (named as errors name it: its kind and tensor name, e.g. "allreduce 'fc1'"),
   and inside it
   - NEGOTIATE: each control round (every rank's descriptor of the call gathered: the time
@@ -15,9 +16,10 @@ Each rank writes its own file (a collective-free design: a rank that stops early
 hangs still leaves its trace): the path as given with one rank, else with the rank before the
 extension (timeline.json -> timeline.0.json, timeline.1.json, ...), or where the path holds
 "{rank}", there. `python -m mlfabric.torch.merge_timeline OUT IN...` merges them into one
-file. Events are written as calls finish, flushed when a second has passed since the last flush
-and at stop_timeline() / shutdown; a file cut short by a crash lacks its closing bracket, which
-the viewers (and merge) accept.
+file. A call's QUEUE span is written when the call starts (so a call that never returns still
+shows), the rest when it ends; a thread flushes the file every second, and stop_timeline() /
+shutdown complete it. A file cut short by a crash (the last second lost, no closing bracket)
+still opens in the viewers and in merge. Each start writes its file anew.
 """
 import atexit
 import json
@@ -38,14 +40,17 @@ class _Timeline:
     def __init__(self, path, rank):
         self.path, self.rank = path, rank
         self.file = open(path, "w")
-        self.first, self.flushed = True, time.monotonic()
+        self.first = True
         self.lock = threading.Lock()  # calls finish on the caller's and the queue's threads
+        self.closed = threading.Event()
         self.current = None  # the call running now (the queue runs one at a time): its rounds
         self._write({"name": "process_name", "ph": "M", "pid": rank,
                      "args": {"name": f"rank {rank}"}})
         for tid, name in ((0, "calls"), (1, "queue")):
             self._write({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid,
                          "args": {"name": name}})
+        threading.Thread(target=self._flush_every_second, name="mlfabric-timeline",
+                         daemon=True).start()
 
     def _write(self, event):
         with self.lock:
@@ -53,9 +58,14 @@ class _Timeline:
                 return
             self.file.write(("[\n" if self.first else ",\n") + json.dumps(event))
             self.first = False
-            if time.monotonic() - self.flushed > _FLUSH_EVERY:
-                self.file.flush()
-                self.flushed = time.monotonic()
+
+    def _flush_every_second(self):
+        """The flusher thread: what was written reaches the file within a second, also while
+        the caller is stuck in a call (which is when the trace is wanted)."""
+        while not self.closed.wait(_FLUSH_EVERY):
+            with self.lock:
+                if self.file is not None:
+                    self.file.flush()
 
     def span(self, name, cat, start, end, tid=0, args=None):
         event = {"name": name, "cat": cat, "ph": "X", "ts": round(start, 3),
@@ -71,19 +81,21 @@ class _Timeline:
 
         def timed(*args):
             start = _now_us()
+            # written now: a call that never returns (a hung peer) still shows it began
+            self.span("QUEUE", kind, issued, start, tid=1, args={"call": what})
             self.current = rounds = []
             try:
                 return job(*args)
             finally:
                 end = _now_us()
                 self.current = None
-                self.span("QUEUE", kind, issued, start, tid=1, args={"call": what})
                 self.span(what, kind, start, end)
                 for t0, t1 in rounds:
                     self.span("NEGOTIATE", kind, t0, t1, args={"call": what})
         return timed
 
     def close(self):
+        self.closed.set()
         with self.lock:
             if self.file is not None:
                 self.file.write("\n]\n" if not self.first else "[]\n")
@@ -135,12 +147,19 @@ atexit.register(stop)
 
 
 def load(path):
-    """The events of a timeline file, also of one cut short (no closing bracket)."""
+    """The events of a timeline file, also of one cut short by a crash (no closing bracket,
+    an event cut in two, or nothing at all written)."""
     with open(path) as f:
-        text = f.read().rstrip()
-    if not text.endswith("]"):
-        text = text.rstrip(",") + "\n]"
-    return json.loads(text)
+        text = f.read().strip()
+    if text.endswith("]"):
+        return json.loads(text)
+    events = []
+    for line in text.lstrip("[").splitlines():  # one event a line, as _write puts them
+        try:
+            events.append(json.loads(line.strip().rstrip(",")))
+        except ValueError:
+            pass  # the last one, cut in two
+    return events
 
 
 def merge(out, paths):

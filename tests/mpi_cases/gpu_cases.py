@@ -260,6 +260,7 @@ def case_horovod_api_on_cuda_tensors():
         assert all(t.is_cuda for t in grouped)
         check(grouped[0], want, dtype, f"grouped_reducescatter {dtype}")
         check(grouped[2], want, dtype, f"grouped_reducescatter {dtype} again")
+        check(grouped[1], want, "float32", f"grouped_reducescatter {dtype} as float32")
     # op=Adasum: the tree computed on the GPU, against the host reference
     stack = np.stack([values(q, 8, "float64", "sum", salt=4) for q in range(n)])
     got = hvd.allreduce(on_gpu(stack[r], "float64"), op=hvd.Adasum)

@@ -644,6 +644,22 @@ def case_grouped_allgather_matches_allgather():
                                    for q in range(n)])
             check(g, want, dtype, f"grouped_allgather {form} tensors[{i}]")
             assert torch.equal(g, hvd.allgather(xs[i])), f"{form} tensors[{i}] != allgather"
+    # outputs are tensors of their own (not views): they may be modified in place, under
+    # autograd too, as Horovod's
+    w = torch.ones(2, 3, dtype=torch.float64, requires_grad=True)
+    for outs in ([hvd.allgather(w * 1)], hvd.grouped_allgather([w * 1, w * 1]),
+                 [hvd.reducescatter(torch.ones(n, 3, dtype=torch.float64,
+                                               requires_grad=True) * 1, op=hvd.Sum)],
+                 hvd.grouped_reducescatter([w[0].expand(n, 3) * 1, w[0] * 1], op=hvd.Sum)):
+        for o in outs:
+            o.mul_(2)
+        sum(o.sum() for o in outs).backward()
+    # a list holding an integer tensor: the floating ones still get their gradients
+    a, b = hvd.grouped_allgather([w * 1, torch.arange(2)])
+    w.grad = None
+    a.sum().backward()
+    assert torch.equal(w.grad, torch.ones(2, 3, dtype=torch.float64)), w.grad
+    assert b.tolist() == [0, 1] * n
     # autograd: each input's gradient is its rows of the averaged output gradient, as allgather
     ws = [torch.arange(1.0, 5.0, dtype=torch.float64).reshape(2, 2) + r,
           torch.full((r % 2 + 1, 2), float(r + 1), dtype=torch.float64)]
@@ -725,6 +741,23 @@ def case_grouped_gather_scatter_bad_lists_fail_on_every_rank():
         # reducescatter: first dimensions must agree too (allgather's may differ)
         with pytest.raises(hvd.MismatchError, match="lists differ"):
             hvd.grouped_reducescatter([torch.ones(3 if r == bad else 2, 2)])
+        # a list against a single-tensor call that travels alike ((n, 6) either way): both fail
+        with pytest.raises(hvd.MismatchError):
+            if r == bad:
+                hvd.reducescatter(torch.ones(n, 6))
+            else:
+                hvd.grouped_reducescatter([torch.ones(2 * n, 3)])
+    if n > 2:
+        # lists that differ but travel alike ((n, 2)), a joined rank watching: it must not take
+        # part in a call the others refuse (it would be one call ahead of them)
+        # (join() returns the last to join: of the others, joining together, the highest)
+        if r == bad:
+            assert hvd.join() == n - 2
+        else:
+            with pytest.raises(hvd.MismatchError, match="lists differ"):
+                hvd.grouped_reducescatter([torch.ones(2 * n, 1) if r == 0 else
+                                           torch.ones(n, 2)])
+            assert hvd.join() == n - 2
         assert hvd.grouped_allgather([torch.ones(3 if r == bad else 2, 2)])[0].shape[0] == \
             2 * n + 1
     if r == bad:
@@ -792,6 +825,11 @@ def case_timeline_records_each_call():
         with open(cut, "w") as f:
             f.write(text[:text.rindex("},") + 2])
         assert 0 < len(timeline.load(cut)) < len(events)
+        with open(cut, "w") as f:  # an event cut in two
+            f.write(text[:text.rindex("},") - 5])
+        assert 0 < len(timeline.load(cut)) < len(events)
+        open(cut, "w").close()  # killed before anything reached the file
+        assert timeline.load(cut) == []
     hvd.barrier()
 
 
