@@ -77,3 +77,24 @@ def test_bad_command_line(args, message):
     proc = run_mpi(2, ["benchmarks/torch_optimizer.py", *args], timeout=TIMEOUT)
     assert proc.returncode == 2, proc.stdout
     assert proc.stdout.count(message) == 1, proc.stdout     # said once, by rank 0
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [2, 3])
+def test_grouped_tiny_run(n, tmp_path):
+    """benchmarks/torch_grouped.py at a tiny size: every variant of both ops timed and checked
+    against its expectation (the benchmark's own check: `wrong` all zero)."""
+    out = str(tmp_path / "grouped.json")
+    doc, _ = run_script_json(n, ["benchmarks/torch_grouped.py", "--count", "10", "--small",
+                                 "8,32", "--iters", "2", "--rounds", "2", "--out", out], out,
+                             TIMEOUT)
+    assert doc["meta"]["command"].startswith(f"mpirun -n {n} python benchmarks/torch_grouped.py")
+    assert doc["wrong"] is False
+    assert [(r["op"], r["elements"]) for r in doc["results"]] == [
+        ("allgather", 8), ("allgather", 32), ("reducescatter", 8), ("reducescatter", 32)]
+    for r in doc["results"]:
+        assert set(r["variants"]) == {"one", "grouped", "unfused"}
+        assert all(len(v["per_round_us"]) == 2 and v["median_us"] > 0
+                   for v in r["variants"].values())
+        assert r["wrong"] == {"one": 0, "grouped": 0, "unfused": 0}
+        assert r["ratios"]["grouped / one"] > 0

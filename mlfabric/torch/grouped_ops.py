@@ -19,24 +19,27 @@ import math
 import numpy as np
 import torch
 
+from .. import _C
 from .. import collectives as _coll
 from ..errors import MismatchError
 from .compression import Compression
 from .ops import (_ACTIVE, _ALLGATHER, _CORE_OPS, _DTYPE_CODE, _DTYPES, _REDUCESCATTER,
                   _ROW_HASH, _STATE, Average, _agree, _check_differentiable, _check_name,
-                  _compression, _control, _desc, _disagreement, _gather, _groups, _hash, _issue,
-                  _layout, _own, _ReducePlan, _resolve_op, _scan, _state, _what, _wire)
+                  _compression, _control, _desc, _disagreement, _gather, _groups, _issue,
+                  _LAYOUTS_KEPT, _clone_all, _layout, _ReducePlan, _resolve_op, _scan,
+                  _state, _what, _wire)
 from .ops import _grouped_call as _grouped_allreduce_call
 
 
 def _check_list(tensors, what):
-    """(dtype codes, shapes with 0-d as (1,)) of a grouped call's list, after checking it."""
+    """(dtype codes, shapes with 0-d as (1,), data addresses as ops._scan gives them) of a
+    grouped call's list, after checking it."""
     if not isinstance(tensors, (list, tuple)):
         raise TypeError(f"{what}: tensors must be a list of tensors, got {type(tensors).__name__}")
     if not tensors:
         raise ValueError(f"{what}: needs at least one tensor")
-    (codes, shapes), _ = _scan(tensors, what)
-    return codes, tuple(tuple(int(d) for d in s) or (1,) for s in shapes)
+    (codes, shapes), ptrs = _scan(tensors, what)
+    return codes, tuple(tuple(s) or (1,) for s in shapes), ptrs
 
 
 def _list_desc(kind, code, op, shape, name, codes, shapes, tensor, rows=True):
@@ -44,9 +47,11 @@ def _list_desc(kind, code, op, shape, name, codes, shapes, tensor, rows=True):
     after the first dimension where rows may differ between ranks, whole where they may not).
     The shape hash is what a rank that knows nothing of lists compares (a joined rank, or one
     making a single-tensor call): lists that differ must differ there too."""
-    sig = (codes, tuple(s[1:] if rows else s for s in shapes))
+    # Python's hash of a tuple of ints is the same in every process (and cheaper than
+    # ops._hash's crc32 of its repr, which a list of 100 shapes makes long)
+    sig = hash((codes, tuple(s[1:] if rows else s for s in shapes)))
     desc = _desc(kind, code, op, shape=shape, name=name, layout=sig, tensor=tensor)
-    desc[_ROW_HASH] = _hash(sig)
+    desc[_ROW_HASH] = sig
     return desc
 
 
@@ -76,7 +81,7 @@ def _grouped_allgather_call(tensors, name, async_, with_rows=False):
 
     def plan(st):
         _check_name(name)
-        codes, shapes = _check_list(tensors, what)
+        codes, shapes, _ = _check_list(tensors, what)
         # the rows travel through host memory whatever the device (tensor=None): no NCCL
         # launch and device sync for 8 bytes a tensor, and its waits stay bounded
         return codes, shapes, _list_desc(_ALLGATHER, _DTYPE_CODE[torch.int64], 0,
@@ -160,55 +165,115 @@ def _grouped_reducescatter_call(tensors, op, name, pre, post, async_):
 
     def plan(st):
         _check_name(name)
-        codes, shapes = _check_list(tensors, what)
+        codes, shapes, ptrs = _check_list(tensors, what)
         for i, t in enumerate(tensors):
             if t.dim() == 0:
                 raise ValueError(f"{what}: tensors[{i}] has no dimension to split; each needs "
                                  "at least one")
-        n, resolved = st.ctx.size, _resolve_op(op, None)
-        planned = []
-        for g, group in enumerate(_layout((codes, shapes))):
-            members = list(group.members or range(len(tensors)))
-            p = _ReducePlan(resolved, _DTYPES[group.code], pre, post, n, what)
-            # blocks[r][j]: elements of member j that go to rank r
-            blocks = [[k * math.prod(shapes[i][1:]) for i in members
-                       for k in [_coll.split_rows(shapes[i][0], n)[r]]] for r in range(n)]
-            width = max(sum(b) for b in blocks)
-            planned.append((members, p, blocks, width, _list_desc(
-                _REDUCESCATTER, group.code, _CORE_OPS.index(p.core), (n, width),
-                None if name is None else f"{name}.{g}", codes, shapes, tensors[0], rows=False)))
-        return shapes, planned
+        resolved = _resolve_op(op, None)
+        # kept per list of dtypes and shapes (a training loop scatters the same list each step)
+        key = (codes, shapes, tensors[0].device)
+        known = st.grouped_layouts.get(key)
+        if known is None:
+            if len(st.grouped_layouts) >= _LAYOUTS_KEPT:
+                st.grouped_layouts.clear()
+            known = st.grouped_layouts[key] = [
+                _ScatterGroup(group, shapes, st.ctx.size, st.ctx.rank, tensors[0].device)
+                for group in _layout((codes, shapes))]
+        return ptrs, [(group, p, _list_desc(
+            _REDUCESCATTER, group.code, _CORE_OPS.index(p.core), (st.ctx.size, group.width),
+            None if name is None else f"{name}.{g}", codes, shapes, tensors[0], rows=False))
+            for g, group in enumerate(known)
+            for p in [_ReducePlan(resolved, _DTYPES[group.code], pre, post, st.ctx.size, what)]]
 
     def job(st, planned):
-        shapes, groups = planned
-        me = st.ctx.rank
+        ptrs, groups = planned
         outs = [None] * len(tensors)
-        for members, p, blocks, width, desc in groups:
+        for group, p, desc in groups:
             _agree_list(st, desc, what, rows=False)
-            dtype = tensors[members[0]].dtype
+            dtype = _DTYPES[group.code]
             wire = _wire(dtype)
-            flats = [tensors[i].detach().reshape(-1).to(wire) for i in members]
-            # rank-major: rank r's rows of every member, then zeros up to width; one cat
-            parts, starts = [], [0] * len(members)
-            pad = flats[0].new_zeros(width)
-            for b in blocks:
-                for j, k in enumerate(b):
-                    parts.append(flats[j][starts[j]:starts[j] + k])
-                    starts[j] += k
-                parts.append(pad[:width - sum(b)])
-            buf = torch.cat(parts).view(len(blocks), width)
+            mine = None if ptrs is None or wire != dtype else [ptrs[i] for i in group.members]
+            if mine is not None and None not in mine:
+                # CPU, contiguous, not widened: C++ copies each rank's rows of each member (and
+                # the padding, from zeros) straight into the rank-major buffer, from their
+                # addresses: no Python tensor a member (at 100 small tensors those cost more than
+                # the copies, the garbage collector's visits included)
+                buf = torch.empty((st.ctx.size, group.width), dtype=wire)
+                pad = group.zeros(wire)
+                _C.gather(buf.data_ptr(), [pad if j < 0 else mine[j] + at
+                                           for j, at in group.pieces], group.piece_bytes)
+            else:
+                # the members back to back and one zero (the padding's source), gathered
+                # rank-major in one index_select
+                flat = torch.cat([tensors[i].detach().reshape(-1).to(wire)
+                                  for i in group.members]
+                                 + [torch.zeros(1, dtype=wire, device=tensors[0].device)])
+                buf = flat[group.order()].view(st.ctx.size, group.width)
             if p.pre != 1.0:
                 buf.mul_(p.pre)
-            got = _coll.reduce_scatter(buf, op=p.core).view(-1) if width else buf[me]
+            got = _coll.reduce_scatter(buf, op=p.core).view(-1) if group.width \
+                else buf[st.ctx.rank]
             if p.after != 1.0:
                 got.mul_(p.after)
-            for i, piece in zip(members, got[:sum(blocks[me])].split(blocks[me])):
-                shape = (_coll.split_rows(shapes[i][0], len(blocks))[me], *shapes[i][1:])
-                # each output its own tensor, not a view (see ops._own)
-                outs[i] = _own(piece, shape) if wire == dtype else piece.view(shape).to(dtype)
+            views = [piece.view(shape) for piece, shape in
+                     zip(got[:sum(group.mine_lens)].split(group.mine_lens), group.mine)]
+            # each output its own tensor, not a view of got (see ops._own): one call
+            for i, out in zip(group.members, _clone_all(views) if wire == dtype else
+                              [v.to(dtype) for v in views]):
+                outs[i] = out
         return outs
 
     return _issue(what, plan, job, async_, _first(tensors), tensors)
+
+
+class _ScatterGroup:
+    """The tensors of one dtype in a grouped reducescatter's list and how they travel: each
+    member's rows split as reducescatter splits them, rank r's rows of every member in row r of
+    a (size, width) buffer, zero-padded. pieces / piece_bytes: that buffer's contents in order,
+    as (member j, byte offset in it) or (-1, 0) for padding, and their lengths (for the C++
+    gather); order(): for each place in the buffer, the index of its element in the members
+    laid back to back, the index one past them a zero (for torch's index_select)."""
+    __slots__ = ("code", "members", "width", "mine", "mine_lens", "pieces", "piece_bytes",
+                 "blocks", "starts", "device", "_order", "_zeros")
+
+    def __init__(self, group, shapes, n, me, device):
+        self.code, self.device = group.code, device
+        self.members = list(group.members or range(len(shapes)))
+        rows = [_coll.split_rows(shapes[i][0], n) for i in self.members]
+        lens = [math.prod(shapes[i][1:]) for i in self.members]
+        self.blocks = [[rs[r] * k for rs, k in zip(rows, lens)] for r in range(n)]  # elements
+        self.width = max(sum(b) for b in self.blocks)
+        self.starts = np.cumsum([0] + [shapes[i][0] * k for i, k in zip(self.members, lens)])
+        size = _DTYPES[group.code].itemsize
+        self.pieces, self.piece_bytes, done = [], [], [0] * len(self.members)
+        for b in self.blocks:
+            for j, k in enumerate(b):
+                self.pieces.append((j, done[j] * size))
+                self.piece_bytes.append(k * size)
+                done[j] += k
+            self.pieces.append((-1, 0))
+            self.piece_bytes.append((self.width - sum(b)) * size)
+        self.mine = [(rs[me], *shapes[i][1:]) for rs, i in zip(rows, self.members)]
+        self.mine_lens = self.blocks[me]
+        self._order = self._zeros = None
+
+    def zeros(self, wire):
+        """The address of width zeros (the padding's source), kept."""
+        if self._zeros is None:
+            self._zeros = torch.zeros(max(self.width, 1), dtype=wire)
+        return self._zeros.data_ptr()
+
+    def order(self):
+        if self._order is None:
+            pad, order, done = int(self.starts[-1]), [], [0] * len(self.members)
+            for b in self.blocks:
+                for j, k in enumerate(b):
+                    order.append(torch.arange(k) + int(self.starts[j]) + done[j])
+                    done[j] += k
+                order.append(torch.full((self.width - sum(b),), pad))
+            self._order = torch.cat(order).to(self.device)
+        return self._order
 
 
 class _GroupedReducescatterFn(torch.autograd.Function):

@@ -256,6 +256,7 @@ class _State:
         self.staging = {}  # wire dtype (and GPU) -> the grouped allreduces' staging buffer
         self.shared_staging = {}  # the same in shared memory (see _staged)
         self.layouts = {}  # signature of a grouped allreduce's list -> (its _Groups, hash)
+        self.grouped_layouts = {}  # the same for grouped_reducescatter (grouped_ops.py)
         self.streams = {}  # GPU -> mlfabric's stream there for calls on CUDA tensors
 
 

@@ -700,6 +700,12 @@ def case_grouped_reducescatter_matches_reducescatter():
             check(got[i], want, d, what, mag)
             check(got_async[i], want, d, what + " async", mag)
             assert torch.equal(got[i], hvd.reducescatter(xs[i], op=op)), what + " != single"
+    # the other packing path (a widened dtype, a non-contiguous tensor), against single calls
+    odd = [torch.arange(3 * n + 1, dtype=torch.int8) * (r + 1),
+           torch.arange(4.0 * (n + 1)).reshape(4, n + 1).t() + r]  # (n + 1, 4), transposed
+    for a, b in zip(hvd.grouped_reducescatter(odd, op=hvd.Sum),
+                    [hvd.reducescatter(t, op=hvd.Sum) for t in odd]):
+        assert a.dtype == b.dtype and torch.equal(a, b), (a, b)
     # scale factors and compression, against the single call
     x = [torch.from_numpy(values(r, 12, "float64", "sum")).reshape(6, 2),
          torch.from_numpy(values(r, 5, "float64", "sum", salt=1))]
