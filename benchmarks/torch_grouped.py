@@ -28,12 +28,13 @@ import torch
 from mpi4py import MPI
 
 import mlfabric.torch as hvd
+from mlfabric.collectives import split_rows
 from mlfabric.bench.kernels import cpu_name
 from mlfabric.bench.report import host_info
 from mlfabric.bench.script import int_list, parser
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torch_optimizer import alternating, git_state, median_rounds  # noqa: E402
+from torch_optimizer import git_state, median_rounds, time_rounds  # noqa: E402
 
 VARIANTS = ("one", "grouped", "unfused")
 ROW = 4  # elements per row
@@ -92,7 +93,7 @@ def work(op, comm, count, small):
                 bad = int((got.double() - want[:, :, None, None]).abs().gt(TOL).sum())
             elif name == "one":
                 # this rank's block of rows of the sum: rows of tensors in order
-                first = sum(hvd_split(count * rows, size)[:rank])
+                first = sum(split_rows(count * rows, size)[:rank])
                 idx = (torch.arange(outs[0].shape[0]) + first) // rows
                 want = size * (size + 1) / 2 + size * idx.double() / count
                 bad = int((outs[0].double() - want[:, None]).abs().gt(TOL).sum())
@@ -110,23 +111,9 @@ def work(op, comm, count, small):
     return calls, check
 
 
-def hvd_split(rows, n):
-    return [rows // n + (1 if r < rows % n else 0) for r in range(n)]
-
-
 def measure(comm, args, op, small):
     calls, check = work(op, comm, args.count, small)
-    for fn in calls.values():  # warm-up
-        comm.Barrier()
-        fn()
-    times = {name: [] for name in VARIANTS}
-    for order in alternating(VARIANTS, args.rounds):
-        for name in order:
-            comm.Barrier()
-            t0 = time.perf_counter()
-            for _ in range(args.iters):
-                calls[name]()
-            times[name].append((time.perf_counter() - t0) / args.iters)
+    times = time_rounds(comm, calls, VARIANTS, args.rounds, args.iters)
     wrong = comm.gather(check(), root=0)
     all_times = comm.gather(times, root=0)
     if comm.rank != 0:

@@ -147,6 +147,23 @@ def alternating(names, rounds):
         yield list(names) if r % 2 == 0 else list(reversed(names))
 
 
+def time_rounds(comm, work, names, rounds, iters):
+    """{name: seconds per call of work[name]() in each round}: one warm-up call each, then
+    rounds of iters calls per variant, the order alternating, a barrier before each."""
+    for fn in work.values():  # warm-up
+        comm.Barrier()
+        fn()
+    times = {name: [] for name in names}
+    for order in alternating(names, rounds):
+        for name in order:
+            comm.Barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                work[name]()
+            times[name].append((time.perf_counter() - t0) / iters)
+    return times
+
+
 # --- step experiment ------------------------------------------------------------------------------
 
 def mlp(args):
@@ -342,17 +359,7 @@ def exp_fusion(comm, args, small):
         "opt-1": lambda: backward(*opt_1, True),
         "local-1": lambda: backward(*local_1, False),
     }
-    for fn in work.values():  # warm-up
-        comm.Barrier()
-        fn()
-    times = {name: [] for name in work}
-    for order in alternating(FUSION_VARIANTS, args.rounds):
-        for name in order:
-            comm.Barrier()
-            t0 = time.perf_counter()
-            for _ in range(args.iters):
-                work[name]()
-            times[name].append((time.perf_counter() - t0) / args.iters)
+    times = time_rounds(comm, work, FUSION_VARIANTS, args.rounds, args.iters)
     # Averages of averages keep the mean: every copy must hold the float64 mean over ranks.
     wrong = {}
     for name, got in [("one", one)] + [(n, torch.cat(ts)) for n, ts in pieces.items()]:
