@@ -525,16 +525,17 @@ def _allreduce_call(tensor, op, average, name, pre, post, inplace, async_, layou
     """layout: what else every rank's call must agree on (DistributedOptimizer: the model)."""
     what = _what("allreduce", name)
     try:
-        adasum = _resolve_op(op, average) == Adasum
+        resolved = _resolve_op(op, average)
     except ValueError:
-        adasum = False  # the plan below reports it, on every rank
-    if adasum:
+        resolved = None  # the plan below reports it, on every rank
+    if resolved == Adasum:
         return _adasum.call(tensor, name, pre, post, inplace, async_)
 
     def plan(st):
         _check_name(name)
         code = _check_tensor(tensor, what)
-        p = _ReducePlan(_resolve_op(op, average), tensor.dtype, pre, post, st.ctx.size, what)
+        p = _ReducePlan(resolved or _resolve_op(op, average), tensor.dtype, pre, post,
+                        st.ctx.size, what)
         return p, _desc(_ALLREDUCE, code, _CORE_OPS.index(p.core), shape=tensor.shape, name=name,
                         layout=layout, tensor=tensor)
 
