@@ -1,7 +1,12 @@
 """Process-wide state between init() and finalize(): the communicator mlfabric works on, the
 host-local communicator, the shared-memory transport (when all ranks share one host) and the
-executor that orders blocking and non-blocking calls. Owns init/finalize and nothing else."""
+executor that orders blocking and non-blocking calls. Owns init/finalize, and which context a
+thread works in: the process-wide one, or for the duration of using(ctx) another one made on a
+sub-communicator (mlfabric.torch's process sets), so that every collective called inside runs
+on that communicator without each taking a context argument."""
 import atexit
+import contextlib
+import functools
 import threading
 
 from mpi4py import MPI
@@ -12,6 +17,7 @@ from .errors import MlfabricError, NotInitializedError
 
 _ctx = None
 _lock = threading.Lock()
+_local = threading.local()  # .ctx: the context using() put in force on this thread, or absent
 
 
 class Context:
@@ -40,7 +46,8 @@ class Context:
         if self.single_host and _config.shm_enabled():
             from .comm.shm import ShmTransport
             self.shm = ShmTransport(self.node_comm)
-        self.executor = Executor()
+        # its thread works in this context (not the process-wide one: see using())
+        self.executor = Executor(thread_init=functools.partial(setattr, _local, "ctx", self))
         self.plain_plans = {}  # (dtype, shape, op) -> plan of allreduce's direct path
         self.nccl = None  # comm/nccl.py's Communicator, made at the first GPU collective
         # called before the shared memory goes: owners of long-lived shared buffers that users
@@ -116,10 +123,24 @@ def initialized():
 
 
 def get():
-    """The context, or NotInitializedError."""
+    """The context in force on this thread (see using()), or NotInitializedError."""
+    ctx = getattr(_local, "ctx", None)
+    if ctx is not None:
+        return ctx
     if _ctx is None:
         raise NotInitializedError("mlfabric is not initialised: call mlfabric.init() first")
     return _ctx
+
+
+@contextlib.contextmanager
+def using(ctx):
+    """Run the body with get() returning ctx on this thread (nested uses restore the outer)."""
+    outer = getattr(_local, "ctx", None)
+    _local.ctx = ctx
+    try:
+        yield ctx
+    finally:
+        _local.ctx = outer
 
 
 atexit.register(finalize)

@@ -38,7 +38,8 @@ class Handle:
 
 
 class Executor:
-    def __init__(self):
+    def __init__(self, thread_init=None):
+        self._thread_init = thread_init  # run first on the background thread
         self._cv = threading.Condition()
         self._queue = collections.deque()
         self._thread = None
@@ -69,6 +70,8 @@ class Executor:
         return self.submit(what, fn).wait()
 
     def _loop(self):
+        if self._thread_init is not None:
+            self._thread_init()
         while True:
             with self._cv:
                 while not self._queue and not self._closed:

@@ -11,7 +11,10 @@ Horovod runs on mlfabric:
     (+ _async), hvd.synchronize, hvd.poll,
     hvd.join, hvd.barrier, hvd.Average / Sum / Min / Max / Product, hvd.Compression,
     hvd.DistributedOptimizer, hvd.broadcast_parameters, hvd.broadcast_optimizer_state,
-    hvd.broadcast_object, hvd.allgather_object
+    hvd.broadcast_object, hvd.allgather_object, hvd.grouped_allgather / grouped_reducescatter,
+    hvd.SyncBatchNorm, hvd.start_timeline / stop_timeline,
+    hvd.ProcessSet, hvd.global_process_set, hvd.add_process_set, hvd.remove_process_set
+    (process_set= on every collective and DistributedOptimizer)
 
 Parameter-server training (ps_optimizer.py): ps_init(mode, ...), serve_model(model) on the
 scheduler/server/replica ranks, PSOptimizer(optimizer, params, tau_max=...) on the workers.
@@ -21,10 +24,11 @@ torch.distributed.init_process_group("mlfabric") and DistributedDataParallel run
 This module owns the process-level calls (init, shutdown, the queries); ops.py the tensor
 collectives, grouped_ops.py grouped allgather / reducescatter, optimizer.py
 DistributedOptimizer, sync_batch_norm.py SyncBatchNorm, functions.py the whole-model helpers,
-compression.py the compressors. Differences from Horovod: collectives are matched by the order
-ranks issue them, not by name (names, when every rank gives one, are checked to agree); the
-timeline (timeline.py) is a file per rank; op Adasum (adasum.py) is for allreduce only; process
-sets are not provided.
+compression.py the compressors, process_sets.py the process sets. Differences from Horovod:
+collectives are matched by the order ranks issue them, not by name (names, when every rank
+gives one, are checked to agree); the timeline (timeline.py) is a file per rank; op Adasum
+(adasum.py) is for allreduce only; process sets are built from lists of ranks (not from
+communicators) and may always be added after init.
 """
 import os as _os
 
@@ -45,6 +49,9 @@ from .ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_
 from .grouped_ops import (grouped_allgather, grouped_allgather_async, grouped_reducescatter,
                           grouped_reducescatter_async)
 from .optimizer import DistributedOptimizer
+from .process_sets import (ProcessSet, add_process_set, global_process_set,
+                           remove_process_set)
+from .process_sets import _on_init as _init_process_sets
 from .ps_optimizer import PSOptimizer, ps_init, serve_model
 from .sync_batch_norm import SyncBatchNorm
 from . import backend as _backend  # noqa: F401  (registers the "mlfabric" process-group backend)
@@ -52,10 +59,12 @@ from . import ops as _ops
 from . import timeline as _timeline
 
 
-def init(comm=None):
+def init(comm=None, process_sets=None):
     """Initialise on comm: None (MPI.COMM_WORLD), an mpi4py communicator, or a list of ranks of
     MPI.COMM_WORLD (every listed rank calls init with the same list). Collective. Calling it
-    again with the same communicator does nothing."""
+    again with the same communicator does nothing. process_sets: a list of ProcessSet (or of
+    rank lists) to register now, or "dynamic" (accepted for Horovod's sake: sets may always be
+    added later with add_process_set)."""
     if isinstance(comm, (list, tuple)):
         world = _MPI.COMM_WORLD
         ranks = [int(r) for r in comm]
@@ -64,7 +73,7 @@ def init(comm=None):
                              "not in the list; only the listed ranks call init")
         comm = world.Create_group(world.Get_group().Incl(ranks))
     _mf.init(comm)
-    _ops._state()
+    _init_process_sets(process_sets)
     if _os.environ.get("MLFABRIC_TIMELINE"):
         start_timeline(_os.environ["MLFABRIC_TIMELINE"])
 
@@ -187,4 +196,5 @@ __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "
            "broadcast_optimizer_state", "broadcast_object", "allgather_object", "mpi_built",
            "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built",
            "cuda_built", "rocm_built", "ddl_built", "ccl_built", "MlfabricError", "MismatchError",
-           "NotInitializedError", "PeerTimeoutError", "PSOptimizer", "ps_init", "serve_model"]
+           "NotInitializedError", "PeerTimeoutError", "PSOptimizer", "ps_init", "serve_model",
+           "ProcessSet", "global_process_set", "add_process_set", "remove_process_set"]

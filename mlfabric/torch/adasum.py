@@ -43,7 +43,7 @@ def tree(vectors):
     return level[0]
 
 
-def call(tensor, name, pre, post, inplace, async_):
+def call(tensor, name, pre, post, inplace, async_, process_set=None):
     """allreduce(tensor, op=Adasum) in its blocking, async and in-place forms."""
     what = ops._what("allreduce", name) + " (op Adasum)"
 
@@ -75,4 +75,4 @@ def call(tensor, name, pre, post, inplace, async_):
         return out
 
     return ops._issue(what, plan, job, async_, tensor if isinstance(tensor, torch.Tensor)
-                      else None)
+                      else None, process_set=process_set)

@@ -38,27 +38,30 @@ def _from_words(words, nbytes):
     return pickle.loads(words.numpy().tobytes()[:nbytes])
 
 
-def broadcast_object(obj, root_rank=0, name=None):
-    """root_rank's obj on every rank (pickled; the root gets its own obj back)."""
+def broadcast_object(obj, root_rank=0, name=None, process_set=None):
+    """root_rank's obj on every rank (pickled; the root gets its own obj back). root_rank is a
+    global rank, also with a process_set."""
     name = name or "broadcast_object"
     if ops._state().ctx.rank == root_rank:
         words, nbytes = _to_words(obj)
     else:
         words, nbytes = None, 0
-    size = ops.broadcast_(torch.tensor([nbytes], dtype=torch.int64), root_rank, f"{name}.size")
+    size = ops.broadcast_(torch.tensor([nbytes], dtype=torch.int64), root_rank, f"{name}.size",
+                          process_set)
     nbytes = int(size[0])
     if words is None:
         words = torch.empty((nbytes + 7) // 8, dtype=torch.int64)
-    ops.broadcast_(words, root_rank, f"{name}.data")
+    ops.broadcast_(words, root_rank, f"{name}.data", process_set)
     return obj if ops._state().ctx.rank == root_rank else _from_words(words, nbytes)
 
 
-def allgather_object(obj, name=None):
-    """Every rank's obj, as a list in rank order (pickled)."""
+def allgather_object(obj, name=None, process_set=None):
+    """Every rank's obj (of process_set), as a list in rank order (pickled)."""
     name = name or "allgather_object"
     words, nbytes = _to_words(obj)
-    sizes = ops.allgather(torch.tensor([nbytes], dtype=torch.int64), f"{name}.sizes")
-    gathered = ops.allgather(words, f"{name}.data")
+    sizes = ops.allgather(torch.tensor([nbytes], dtype=torch.int64), f"{name}.sizes",
+                          process_set)
+    gathered = ops.allgather(words, f"{name}.data", process_set)
     out, off = [], 0
     for n in sizes.tolist():
         k = (n + 7) // 8

@@ -76,7 +76,7 @@ def _agree_list(st, desc, what, rows=True):
 
 # --- grouped allgather ----------------------------------------------------------------------------
 
-def _grouped_allgather_call(tensors, name, async_, with_rows=False):
+def _grouped_allgather_call(tensors, name, async_, with_rows=False, process_set=None):
     what = _what("grouped_allgather", name)
 
     def plan(st):
@@ -113,7 +113,7 @@ def _grouped_allgather_call(tensors, name, async_, with_rows=False):
                 outs[i] = out if wire == dtype else out.to(dtype)
         return (outs, rows) if with_rows else outs
 
-    return _issue(what, plan, job, async_, _first(tensors), tensors)
+    return _issue(what, plan, job, async_, _first(tensors), tensors, process_set)
 
 
 def _first(tensors):
@@ -123,11 +123,11 @@ def _first(tensors):
 
 class _GroupedAllgatherFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, name, *tensors):
-        outs, rows = _grouped_allgather_call(list(tensors), name, False, with_rows=True)
-        me = _state().ctx.rank
+    def forward(ctx, name, process_set, *tensors):
+        outs, rows = _grouped_allgather_call(list(tensors), name, False, True, process_set)
+        me = _state(process_set).ctx.rank
         ctx.offsets, ctx.rows = rows[:me].sum(0).tolist(), rows[me].tolist()
-        ctx.shapes = [t.shape for t in tensors]
+        ctx.shapes, ctx.process_set = [t.shape for t in tensors], process_set
         return tuple(outs)
 
     @staticmethod
@@ -138,29 +138,31 @@ class _GroupedAllgatherFn(torch.autograd.Function):
         back = [None] * len(grads)
         if floating:
             reduced = _grouped_allreduce_call([grads[i].contiguous() for i in floating], Average,
-                                              None, None, 1.0, 1.0, False, False)
+                                              None, None, 1.0, 1.0, False, False,
+                                              ctx.process_set)
             for i, r in zip(floating, reduced):
                 back[i] = r.narrow(0, ctx.offsets[i], ctx.rows[i]).reshape(ctx.shapes[i])
-        return (None, *back)
+        return (None, None, *back)
 
 
-def grouped_allgather(tensors, name=None):
+def grouped_allgather(tensors, name=None, process_set=None):
     """allgather of each tensor of a list (a list back), fused into one allgather per dtype.
     Ranks pass lists of the same length, dtypes and shapes after the first dimension; the first
     may differ by rank and by tensor. Differentiable."""
     if _first(tensors) is None or not all(isinstance(t, torch.Tensor) for t in tensors):
-        return _grouped_allgather_call(tensors, name, False)  # the error, on every rank
-    return list(_GroupedAllgatherFn.apply(name, *tensors))
+        # the error, on every rank
+        return _grouped_allgather_call(tensors, name, False, process_set=process_set)
+    return list(_GroupedAllgatherFn.apply(name, process_set, *tensors))
 
 
-def grouped_allgather_async(tensors, name=None):
+def grouped_allgather_async(tensors, name=None, process_set=None):
     """Non-blocking grouped_allgather: synchronize(handle) returns the list."""
-    return _grouped_allgather_call(tensors, name, True)
+    return _grouped_allgather_call(tensors, name, True, process_set=process_set)
 
 
 # --- grouped reducescatter ------------------------------------------------------------------------
 
-def _grouped_reducescatter_call(tensors, op, name, pre, post, async_):
+def _grouped_reducescatter_call(tensors, op, name, pre, post, async_, process_set=None):
     what = _what("grouped_reducescatter", name)
 
     def plan(st):
@@ -224,7 +226,7 @@ def _grouped_reducescatter_call(tensors, op, name, pre, post, async_):
                 outs[i] = out
         return outs
 
-    return _issue(what, plan, job, async_, _first(tensors), tensors)
+    return _issue(what, plan, job, async_, _first(tensors), tensors, process_set)
 
 
 class _ScatterGroup:
@@ -278,39 +280,42 @@ class _ScatterGroup:
 
 class _GroupedReducescatterFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, op, name, pre, post, *tensors):
-        outs = _grouped_reducescatter_call(list(tensors), op, name, pre, post, False)
-        ctx.op = _resolve_op(op, None)
-        ctx.scale = float(pre) * float(post) / (_state().ctx.size if ctx.op == Average else 1)
+    def forward(ctx, op, name, pre, post, process_set, *tensors):
+        outs = _grouped_reducescatter_call(list(tensors), op, name, pre, post, False,
+                                           process_set)
+        ctx.op, ctx.process_set = _resolve_op(op, None), process_set
+        ctx.scale = float(pre) * float(post) / (_state(process_set).ctx.size
+                                                if ctx.op == Average else 1)
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads):
         # as reducescatter's: the allgather of the outputs' gradients, scaled as the forward
         _check_differentiable(ctx.op, "grouped_reducescatter")
-        back = _grouped_allgather_call([g.contiguous() for g in grads], None, False)
+        back = _grouped_allgather_call([g.contiguous() for g in grads], None, False,
+                                       process_set=ctx.process_set)
         if ctx.scale != 1.0:
             back = [b.mul_(ctx.scale) for b in back]
-        return (None, None, None, None, *back)
+        return (None, None, None, None, None, *back)
 
 
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
-                          prescale_factor=1.0, postscale_factor=1.0):
+                          prescale_factor=1.0, postscale_factor=1.0, process_set=None):
     """reducescatter of each tensor of a list (a list back: this rank's block of rows of each
     reduction), fused into one reduce_scatter per dtype. Every rank passes the same list of
     dtypes and shapes. Differentiable (Average, Sum); factors and compression as reducescatter."""
     what = _what("grouped_reducescatter", name)
-    compression = _compression(what, compression)
+    compression = _compression(what, compression, process_set)
     if _first(tensors) is None or not all(isinstance(t, torch.Tensor) for t in tensors):
-        return _grouped_reducescatter_call(tensors, op, name, 1.0, 1.0, False)
+        return _grouped_reducescatter_call(tensors, op, name, 1.0, 1.0, False, process_set)
     pairs = [compression.compress(t) for t in tensors]
     outs = _GroupedReducescatterFn.apply(op, name, prescale_factor, postscale_factor,
-                                         *[c for c, _ in pairs])
+                                         process_set, *[c for c, _ in pairs])
     return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs)]
 
 
 def grouped_reducescatter_async(tensors, name=None, op=Average, prescale_factor=1.0,
-                                postscale_factor=1.0):
+                                postscale_factor=1.0, process_set=None):
     """Non-blocking grouped_reducescatter: synchronize(handle) returns the list."""
     return _grouped_reducescatter_call(tensors, op, name, prescale_factor, postscale_factor,
-                                       True)
+                                       True, process_set)

@@ -4,8 +4,9 @@ grouped_allreduce, allgather, broadcast, alltoall, reducescatter (and their in-p
 collectives.
 
 Owns:
-- issue order. Every call goes through one queue per process, in the order it was issued (as on
-  every rank: mlfabric matches collectives by order, not by name). A blocking call runs on the
+- issue order. Every call goes through one queue per process (and one more per process set it
+  belongs to: process_sets.py), in the order it was issued (as on every rank: mlfabric matches
+  collectives by order, not by name). A blocking call runs on the
   caller's thread when nothing is queued; *_async calls run on the queue's thread, so
   communication overlaps the caller's work (the engine releases the GIL).
 - the control round. In front of every call each rank contributes a small descriptor of it (kind,
@@ -153,8 +154,10 @@ _DEVICE = 20  # 0: the tensors are on the CPU, 1: on a GPU (they move over NCCL)
 # equal when all agree
 _SAME = [_KIND, _DTYPE, _OP, _ROOT, _ROW_LEN, _ROW_HASH, _NAME_HASH, _DEVICE]
 _ACTIVE, _JOINED, _REJECTED = 1, 0, -1
-_KINDS = ("barrier", "allreduce", "allgather", "broadcast", "alltoall", "reducescatter")
-_BARRIER, _ALLREDUCE, _ALLGATHER, _BROADCAST, _ALLTOALL, _REDUCESCATTER = range(6)
+_KINDS = ("barrier", "allreduce", "allgather", "broadcast", "alltoall", "reducescatter",
+          "process set")
+_BARRIER, _ALLREDUCE, _ALLGATHER, _BROADCAST, _ALLTOALL, _REDUCESCATTER, _PROCESS_SET = range(7)
+_SET_CALLS = ("add_process_set", "remove_process_set")  # op of a _PROCESS_SET descriptor
 
 
 def _hash(value):
@@ -223,6 +226,14 @@ def _disagreement(table, what):
               ("device", lambda d: int(d[_DEVICE]), lambda d: ("cpu", "cuda")[int(d[_DEVICE])]),
               ("dtype", lambda d: int(d[_DTYPE]), lambda d: _dtype_name(int(d[_DTYPE])))]
     kind = int(table[active[0], _KIND])
+    if kind == _PROCESS_SET:
+        joined = np.flatnonzero(states == _JOINED)
+        if joined.size:
+            return (f"{what}: rank(s) {joined.tolist()} are inside join(); every rank adds or "
+                    "removes a process set, outside join()")
+        checks.append(("call", lambda d: int(d[_OP]), lambda d: _SET_CALLS[int(d[_OP])]))
+        checks.append(("the process set's ranks", lambda d: int(d[_SHAPE_HASH]),
+                       lambda d: str(list(_shape_of(d)))))
     if kind in (_ALLREDUCE, _REDUCESCATTER):
         checks.append(("op", lambda d: int(d[_OP]), lambda d: _CORE_OPS[int(d[_OP])]))
     if kind == _BROADCAST:
@@ -245,44 +256,120 @@ def _disagreement(table, what):
 
 
 class _State:
-    """Per-initialisation state: the queue, the handles, the count of control rounds."""
+    """Per-initialisation state of one set of ranks: the queue, the count of control rounds,
+    the staging buffers. The global state (every rank of mlfabric's communicator) also holds
+    the process sets registered since init() (process_sets.py); a process set's own state
+    (ranks: their global ranks) runs its calls in its own context (context.using), so its
+    collectives and control rounds stay among its ranks, on their own queue. Handles are one
+    namespace: synchronize() finds a process set's calls too."""
 
-    def __init__(self, ctx):
+    def __init__(self, ctx, parent=None, ranks=None):
         self.ctx = ctx
+        self.ranks = ranks  # None: the global set
         self.queue = Executor()
-        self.handles = {}
-        self.ids = itertools.count()
+        self.handles = parent.handles if parent is not None else {}
+        self.ids = parent.ids if parent is not None else itertools.count()
         self.rounds = 0  # control rounds so far: the same on every rank (all take part in each)
         self.staging = {}  # wire dtype (and GPU) -> the grouped allreduces' staging buffer
         self.shared_staging = {}  # the same in shared memory (see _staged)
         self.layouts = {}  # signature of a grouped allreduce's list -> (its _Groups, hash)
         self.grouped_layouts = {}  # the same for grouped_reducescatter (grouped_ops.py)
         self.streams = {}  # GPU -> mlfabric's stream there for calls on CUDA tensors
+        self.sets = {}  # global state only: process set id -> (ranks, its _State or None)
+        self.set_ids = itertools.count(1)  # the next process set's id (0: the global set)
+
+    def _within(self, fn):
+        """fn, run in this state's context (a process set's) wherever the queue runs it."""
+        if self.ranks is None:
+            return fn
+        ctx = self.ctx
+
+        def within():
+            with _context.using(ctx):
+                return fn()
+        return within
+
+    def run(self, what, fn):
+        """fn() in issue order on this state's queue (on the calling thread when it is idle)."""
+        return self.queue.run(what, self._within(fn))
+
+    def submit(self, what, fn):
+        """fn() in issue order on the queue's thread: its Handle."""
+        return self.queue.submit(what, self._within(fn))
+
+    def root(self, root_rank, what):
+        """root_rank (a global rank, as in Horovod, also in a process set) as a rank of this
+        state's communicator, or ValueError."""
+        n = self.ctx.size if self.ranks is None else None
+        if isinstance(root_rank, bool) or not isinstance(root_rank, (int, np.integer)):
+            raise ValueError(f"{what}: root_rank must be an integer rank, got {root_rank!r}")
+        if self.ranks is None:
+            if not 0 <= root_rank < n:
+                raise ValueError(f"{what}: root_rank must be a rank in [0, {n}), got "
+                                 f"{root_rank!r}")
+            return int(root_rank)
+        if int(root_rank) not in self.ranks:
+            raise ValueError(f"{what}: root_rank {root_rank} is not in the process set "
+                             f"{list(self.ranks)} (root_rank is a global rank, as in Horovod)")
+        return self.ranks.index(int(root_rank))
+
+    def close(self):
+        """A process set's: finish its queued calls, free its context (collective over it)."""
+        self.queue.shutdown()
+        broken = self.ctx.broken()
+        self.ctx.close()
+        if not broken:  # freeing is collective: a dead member would hold it up
+            self.ctx.user_comm.Free()
 
 
 _S = None
 _S_LOCK = threading.Lock()
 
 
-def _state():
-    """The state of the current mlfabric initialisation; NotInitializedError before init()."""
+def _state(process_set=None):
+    """The state of the current mlfabric initialisation (NotInitializedError before init()), or
+    of process_set's ranks (ValueError when this rank is not one of them)."""
     global _S
-    ctx = _context.get()
+    ctx = _context._ctx
+    if ctx is None:
+        _context.get()  # raises NotInitializedError
     s = _S
     if s is None or s.ctx is not ctx:
         with _S_LOCK:
             if _S is None or _S.ctx is not ctx:
                 _S = _State(ctx)
             s = _S
-    return s
+    return s if process_set is None else _set_state(s, process_set)
+
+
+def _set_state(s, ps):
+    """The state of process set ps (see process_sets.py) in the global state s."""
+    ps_id = getattr(ps, "process_set_id", False)
+    if ps_id is False:
+        raise TypeError(f"process_set must be a ProcessSet, got {type(ps).__name__}")
+    if ps_id == 0:
+        return s
+    entry = s.sets.get(ps_id)
+    if ps_id is None or entry is None or entry[0] != tuple(ps.ranks or ()):
+        raise ValueError(f"process set {ps.ranks} is not registered in this initialisation: "
+                         "pass it to init(process_sets=[...]) or add_process_set() first")
+    if entry[1] is None:
+        raise ValueError(f"this rank ({s.ctx.rank}) is not in the process set {list(entry[0])}; "
+                         "only its ranks call collectives on it")
+    return entry[1]
 
 
 def _drain():
-    """Let queued calls finish and forget the state (before finalize)."""
+    """Let queued calls finish, free the process sets' contexts, forget the state (before
+    finalize)."""
     global _S
     with _S_LOCK:
         s, _S = _S, None
     if s is not None:
+        for _, sub in s.sets.values():
+            if sub is not None:
+                sub.close()
+        s.sets.clear()
         s.queue.shutdown()
 
 
@@ -319,14 +406,14 @@ def _check_name(name):
         raise TypeError(f"name must be a string or None, got {type(name).__name__}")
 
 
-def _issue(what, plan, job, async_, tensor=None, group=None):
+def _issue(what, plan, job, async_, tensor=None, group=None, process_set=None):
     """Validate (plan() -> its result, or raise) and run job(st, planned) in order. tensor: one
     of the call's tensors; for a CUDA one, job runs on mlfabric's stream (see _on_side_stream);
-    group: all of them, where there are several.
+    group: all of them, where there are several; process_set: the ranks taking part (None: all).
 
     A rank whose arguments are bad still takes part in the control round, as 'rejected', so its
     peers fail at once with a MismatchError naming it; then it raises its own error."""
-    st = _state()
+    st = _state(process_set)
     try:
         planned = plan(st)
     except (TypeError, ValueError, MlfabricError) as exc:
@@ -339,11 +426,11 @@ def _issue(what, plan, job, async_, tensor=None, group=None):
     if gpu:
         job = _on_side_stream(st, job, tensor.device, group or (tensor,))
     if async_:
-        handle = st.queue.submit(what, lambda: job(st, planned))
+        handle = st.submit(what, lambda: job(st, planned))
         hid = next(st.ids)
         st.handles[hid] = _GpuCall(handle, tensor.device, job) if gpu else handle
         return hid
-    result = st.queue.run(what, lambda: job(st, planned))
+    result = st.run(what, lambda: job(st, planned))
     return _on_caller_stream(*result, tensor.device) if gpu else result
 
 
@@ -447,9 +534,9 @@ def _reject(st, what, async_):
             pass  # the peers' view of this call; this rank's own error is the one to raise
 
     if async_:
-        st.queue.submit(what, job)
+        st.submit(what, job)
     else:
-        st.queue.run(what, job)
+        st.run(what, job)
 
 
 # --- handles --------------------------------------------------------------------------------------
@@ -521,7 +608,8 @@ def _wire_copy(t, plan):
     return buf
 
 
-def _allreduce_call(tensor, op, average, name, pre, post, inplace, async_, layout=None):
+def _allreduce_call(tensor, op, average, name, pre, post, inplace, async_, layout=None,
+                    process_set=None):
     """layout: what else every rank's call must agree on (DistributedOptimizer: the model)."""
     what = _what("allreduce", name)
     try:
@@ -529,7 +617,7 @@ def _allreduce_call(tensor, op, average, name, pre, post, inplace, async_, layou
     except ValueError:
         resolved = None  # the plan below reports it, on every rank
     if resolved == Adasum:
-        return _adasum.call(tensor, name, pre, post, inplace, async_)
+        return _adasum.call(tensor, name, pre, post, inplace, async_, process_set)
 
     def plan(st):
         _check_name(name)
@@ -552,7 +640,7 @@ def _allreduce_call(tensor, op, average, name, pre, post, inplace, async_, layou
             return tensor
         return buf if buf.dtype == src.dtype else buf.to(src.dtype)
 
-    return _issue(what, plan, job, async_, tensor)
+    return _issue(what, plan, job, async_, tensor, process_set=process_set)
 
 
 def _check_differentiable(op, what):
@@ -563,64 +651,70 @@ def _check_differentiable(op, what):
 
 class _AllreduceFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, op, average, name, pre, post):
-        out = _allreduce_call(tensor, op, average, name, pre, post, False, False)
+    def forward(ctx, tensor, op, average, name, pre, post, process_set):
+        out = _allreduce_call(tensor, op, average, name, pre, post, False, False,
+                              process_set=process_set)
         ctx.op, ctx.pre, ctx.post = _resolve_op(op, average), pre, post
+        ctx.process_set = process_set
         return out
 
     @staticmethod
     def backward(ctx, grad):
         _check_differentiable(ctx.op, "allreduce")
-        grad = _allreduce_call(grad, ctx.op, None, None, ctx.pre, ctx.post, False, False)
-        return grad, None, None, None, None, None
+        grad = _allreduce_call(grad, ctx.op, None, None, ctx.pre, ctx.post, False, False,
+                               process_set=ctx.process_set)
+        return grad, None, None, None, None, None, None
 
 
-def _compression(what, compression):
+def _compression(what, compression, process_set=None):
     """compression, or its TypeError raised on every rank (through a rejected call)."""
     try:
         return _check_compression(compression)
     except TypeError as exc:
-        _reject(_state(), what, False)
+        _reject(_state(process_set), what, False)
         raise exc
 
 
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
-              prescale_factor=1.0, postscale_factor=1.0):
+              prescale_factor=1.0, postscale_factor=1.0, process_set=None):
     """Reduce tensor over all ranks (default: Average) and return the result; tensor is left
     as it is. Differentiable. op: Average, Sum, Min, Max, Product (average=True/False is the
     deprecated spelling of Average/Sum). prescale_factor multiplies the input and
     postscale_factor the result (floating tensors). compression: Compression.none or
     Compression.fp16 (see mlfabric.torch.compression for its tolerance). name: an optional
     label; when every rank gives one they must match (a check that ranks issue calls in the
-    same order)."""
-    compression = _compression(_what("allreduce", name), compression)
+    same order). process_set: the ranks taking part (default every rank; process_sets.py);
+    every collective of mlfabric.torch takes it."""
+    compression = _compression(_what("allreduce", name), compression, process_set)
     if not isinstance(tensor, torch.Tensor):  # reported on every rank
-        return _allreduce_call(tensor, op, average, name, 1.0, 1.0, False, False)
+        return _allreduce_call(tensor, op, average, name, 1.0, 1.0, False, False,
+                               process_set=process_set)
     compressed, cctx = compression.compress(tensor)
-    out = _AllreduceFn.apply(compressed, op, average, name, prescale_factor, postscale_factor)
+    out = _AllreduceFn.apply(compressed, op, average, name, prescale_factor, postscale_factor,
+                             process_set)
     return compression.decompress(out, cctx)
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-                    postscale_factor=1.0):
+                    postscale_factor=1.0, process_set=None):
     """Non-blocking allreduce: returns a handle; synchronize(handle) returns the result."""
     return _allreduce_call(tensor, op, average, name, prescale_factor, postscale_factor, False,
-                           True)
+                           True, process_set=process_set)
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-               postscale_factor=1.0):
+               postscale_factor=1.0, process_set=None):
     """In-place allreduce: tensor receives the result; returns tensor. Not differentiable."""
     return _allreduce_call(tensor, op, average, name, prescale_factor, postscale_factor, True,
-                           False)
+                           False, process_set=process_set)
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-                     postscale_factor=1.0):
+                     postscale_factor=1.0, process_set=None):
     """Non-blocking in-place allreduce: returns a handle; leave tensor alone until
     synchronize(handle), which returns it."""
     return _allreduce_call(tensor, op, average, name, prescale_factor, postscale_factor, True,
-                           True)
+                           True, process_set=process_set)
 
 
 # --- grouped allreduce ----------------------------------------------------------------------------
@@ -737,7 +831,7 @@ def _scan(tensors, what):
     return (tuple(_DTYPE_CODE[t.dtype] for t in tensors), tuple(t.shape for t in tensors)), None
 
 
-def _grouped_call(tensors, op, average, name, pre, post, inplace, async_):
+def _grouped_call(tensors, op, average, name, pre, post, inplace, async_, process_set=None):
     """One fused allreduce per dtype (in order of first appearance), each its own call. The
     tensors are copied into a staging buffer with one torch._foreach_copy_ (widened there if
     need be), reduced in place, and copied back with one more (in place forms) or cloned out."""
@@ -814,56 +908,59 @@ def _grouped_call(tensors, op, average, name, pre, post, inplace, async_):
         return outs
 
     return _issue(what, plan, job, async_, tensors[0] if isinstance(tensors, (list, tuple))
-                  and tensors else None, tensors)
+                  and tensors else None, tensors, process_set)
 
 
 class _GroupedAllreduceFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, op, average, name, pre, post, *tensors):
-        outs = _grouped_call(list(tensors), op, average, name, pre, post, False, False)
+    def forward(ctx, op, average, name, pre, post, process_set, *tensors):
+        outs = _grouped_call(list(tensors), op, average, name, pre, post, False, False,
+                             process_set)
         ctx.op, ctx.pre, ctx.post = _resolve_op(op, average), pre, post
+        ctx.process_set = process_set
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads):
         _check_differentiable(ctx.op, "grouped_allreduce")
-        reduced = _grouped_call(list(grads), ctx.op, None, None, ctx.pre, ctx.post, False, False)
-        return (None, None, None, None, None, *reduced)
+        reduced = _grouped_call(list(grads), ctx.op, None, None, ctx.pre, ctx.post, False, False,
+                                ctx.process_set)
+        return (None, None, None, None, None, None, *reduced)
 
 
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
-                      prescale_factor=1.0, postscale_factor=1.0):
+                      prescale_factor=1.0, postscale_factor=1.0, process_set=None):
     """allreduce of a list of tensors, fused into one buffer per dtype; returns a list.
     Differentiable."""
-    compression = _compression(_what("grouped_allreduce", name), compression)
+    compression = _compression(_what("grouped_allreduce", name), compression, process_set)
     if not (isinstance(tensors, (list, tuple)) and tensors
             and all(isinstance(t, torch.Tensor) for t in tensors)):  # reported on every rank
-        return _grouped_call(tensors, op, average, name, 1.0, 1.0, False, False)
+        return _grouped_call(tensors, op, average, name, 1.0, 1.0, False, False, process_set)
     if compression is Compression.none:
         return list(_GroupedAllreduceFn.apply(op, average, name, prescale_factor,
-                                              postscale_factor, *tensors))
+                                              postscale_factor, process_set, *tensors))
     pairs = [compression.compress(t) for t in tensors]
     outs = _GroupedAllreduceFn.apply(op, average, name, prescale_factor, postscale_factor,
-                                     *[c for c, _ in pairs])
+                                     process_set, *[c for c, _ in pairs])
     return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs)]
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                            postscale_factor=1.0):
+                            postscale_factor=1.0, process_set=None):
     return _grouped_call(tensors, op, average, name, prescale_factor, postscale_factor, False,
-                         True)
+                         True, process_set)
 
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                       postscale_factor=1.0):
+                       postscale_factor=1.0, process_set=None):
     return _grouped_call(tensors, op, average, name, prescale_factor, postscale_factor, True,
-                         False)
+                         False, process_set)
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                             postscale_factor=1.0):
+                             postscale_factor=1.0, process_set=None):
     return _grouped_call(tensors, op, average, name, prescale_factor, postscale_factor, True,
-                         True)
+                         True, process_set)
 
 
 # --- allgather ------------------------------------------------------------------------------------
@@ -877,7 +974,7 @@ def _gather_plan(table):
     return rows, int(rows.max()), int(table[active[0], _ROW_LEN])
 
 
-def _allgather_call(tensor, name, async_, with_rows=False):
+def _allgather_call(tensor, name, async_, with_rows=False, process_set=None):
     what = _what("allgather", name)
 
     def plan(st):
@@ -895,7 +992,7 @@ def _allgather_call(tensor, name, async_, with_rows=False):
             out.view(out.shape[0], *shape[1:]).to(src.dtype)
         return (out, rows) if with_rows else out
 
-    return _issue(what, plan, job, async_, tensor)
+    return _issue(what, plan, job, async_, tensor, process_set=process_set)
 
 
 def _own(t, shape):
@@ -927,34 +1024,36 @@ def _gather(table, mine):
 
 class _AllgatherFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, name):
-        out, rows = _allgather_call(tensor, name, False, with_rows=True)
-        me = _state().ctx.rank
+    def forward(ctx, tensor, name, process_set):
+        out, rows = _allgather_call(tensor, name, False, True, process_set)
+        me = _state(process_set).ctx.rank
         ctx.offset, ctx.rows, ctx.shape = int(rows[:me].sum()), int(rows[me]), tensor.shape
+        ctx.process_set = process_set
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        reduced = _allreduce_call(grad, Average, None, None, 1.0, 1.0, False, False)
-        return reduced.narrow(0, ctx.offset, ctx.rows).reshape(ctx.shape), None
+        reduced = _allreduce_call(grad, Average, None, None, 1.0, 1.0, False, False,
+                                  process_set=ctx.process_set)
+        return reduced.narrow(0, ctx.offset, ctx.rows).reshape(ctx.shape), None, None
 
 
-def allgather(tensor, name=None):
+def allgather(tensor, name=None, process_set=None):
     """Concatenate every rank's tensor along dimension 0, in rank order; the first dimension may
     differ between ranks, the others must agree (a 0-d tensor counts as shape (1,)).
     Differentiable."""
     if not isinstance(tensor, torch.Tensor):  # reported on every rank
-        return _allgather_call(tensor, name, False)
-    return _AllgatherFn.apply(tensor, name)
+        return _allgather_call(tensor, name, False, process_set=process_set)
+    return _AllgatherFn.apply(tensor, name, process_set)
 
 
-def allgather_async(tensor, name=None):
-    return _allgather_call(tensor, name, True)
+def allgather_async(tensor, name=None, process_set=None):
+    return _allgather_call(tensor, name, True, process_set=process_set)
 
 
 # --- reducescatter --------------------------------------------------------------------------------
 
-def _reducescatter_call(tensor, op, average, name, pre, post, async_):
+def _reducescatter_call(tensor, op, average, name, pre, post, async_, process_set=None):
     what = _what("reducescatter", name)
 
     def plan(st):
@@ -977,15 +1076,17 @@ def _reducescatter_call(tensor, op, average, name, pre, post, async_):
             out.mul_(p.after)
         return out if out.dtype == src.dtype else out.to(src.dtype)
 
-    return _issue(what, plan, job, async_, tensor)
+    return _issue(what, plan, job, async_, tensor, process_set=process_set)
 
 
 class _ReducescatterFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, op, average, name, pre, post):
-        out = _reducescatter_call(tensor, op, average, name, pre, post, False)  # checks first
-        ctx.op = _resolve_op(op, average)
-        ctx.scale = float(pre) * float(post) / (_state().ctx.size if ctx.op == Average else 1)
+    def forward(ctx, tensor, op, average, name, pre, post, process_set):
+        out = _reducescatter_call(tensor, op, average, name, pre, post, False,
+                                  process_set)  # checks first
+        ctx.op, ctx.process_set = _resolve_op(op, average), process_set
+        ctx.scale = float(pre) * float(post) / (_state(process_set).ctx.size
+                                                if ctx.op == Average else 1)
         return out
 
     @staticmethod
@@ -993,44 +1094,43 @@ class _ReducescatterFn(torch.autograd.Function):
         # Every rank's input rows r went, scaled, into rank r's output: the gradient of an input
         # is the allgather of the outputs' gradients, scaled the same way.
         _check_differentiable(ctx.op, "reducescatter")
-        back = _allgather_call(grad.contiguous(), None, False)
-        return (back.mul_(ctx.scale) if ctx.scale != 1.0 else back), None, None, None, None, None
+        back = _allgather_call(grad.contiguous(), None, False, process_set=ctx.process_set)
+        return ((back.mul_(ctx.scale) if ctx.scale != 1.0 else back), None, None, None, None,
+                None, None)
 
 
 def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
-                  prescale_factor=1.0, postscale_factor=1.0):
+                  prescale_factor=1.0, postscale_factor=1.0, process_set=None):
     """Reduce tensor over all ranks (default: Average) and return this rank's block of rows of
     the result: dimension 0 split in rank order, the first shape[0] % size() ranks one row more
     (as Horovod, whose argument order this keeps). Every rank passes the same shape.
     Differentiable (Average, Sum); the factors and compression as in allreduce."""
-    compression = _compression(_what("reducescatter", name), compression)
+    compression = _compression(_what("reducescatter", name), compression, process_set)
     if not isinstance(tensor, torch.Tensor):  # reported on every rank
-        return _reducescatter_call(tensor, op, None, name, 1.0, 1.0, False)
+        return _reducescatter_call(tensor, op, None, name, 1.0, 1.0, False, process_set)
     compressed, cctx = compression.compress(tensor)
-    out = _ReducescatterFn.apply(compressed, op, None, name, prescale_factor, postscale_factor)
+    out = _ReducescatterFn.apply(compressed, op, None, name, prescale_factor, postscale_factor,
+                                 process_set)
     return compression.decompress(out, cctx)
 
 
 def reducescatter_async(tensor, name=None, op=Average, prescale_factor=1.0,
-                        postscale_factor=1.0):
+                        postscale_factor=1.0, process_set=None):
     """Non-blocking reducescatter: synchronize(handle) returns this rank's rows."""
-    return _reducescatter_call(tensor, op, None, name, prescale_factor, postscale_factor, True)
+    return _reducescatter_call(tensor, op, None, name, prescale_factor, postscale_factor, True,
+                               process_set)
 
 
 # --- broadcast ------------------------------------------------------------------------------------
 
-def _broadcast_call(tensor, root_rank, name, inplace, async_):
+def _broadcast_call(tensor, root_rank, name, inplace, async_, process_set=None):
     what = _what("broadcast", name)
 
     def plan(st):
         _check_name(name)
         code = _check_tensor(tensor, what)
-        n = st.ctx.size
-        if isinstance(root_rank, bool) or not isinstance(root_rank, (int, np.integer)) or \
-                not 0 <= root_rank < n:
-            raise ValueError(f"{what}: root_rank must be a rank in [0, {n}), got {root_rank!r}")
-        return _desc(_BROADCAST, code, root=int(root_rank), shape=tensor.shape, name=name,
-                     tensor=tensor)
+        return _desc(_BROADCAST, code, root=st.root(root_rank, what), shape=tensor.shape,
+                     name=name, tensor=tensor)
 
     def job(st, desc):
         _agree(st, desc, what)
@@ -1048,41 +1148,43 @@ def _broadcast_call(tensor, root_rank, name, inplace, async_):
             return tensor
         return buf if buf.dtype == src.dtype else buf.to(src.dtype)
 
-    return _issue(what, plan, job, async_, tensor)
+    return _issue(what, plan, job, async_, tensor, process_set=process_set)
 
 
 class _BroadcastFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, root_rank, name):
-        ctx.root_rank = root_rank
-        return _broadcast_call(tensor, root_rank, name, False, False)
+    def forward(ctx, tensor, root_rank, name, process_set):
+        ctx.root_rank, ctx.process_set = root_rank, process_set
+        return _broadcast_call(tensor, root_rank, name, False, False, process_set)
 
     @staticmethod
     def backward(ctx, grad):
-        reduced = _allreduce_call(grad, Average, None, None, 1.0, 1.0, False, False)
-        if _state().ctx.rank != ctx.root_rank:
+        reduced = _allreduce_call(grad, Average, None, None, 1.0, 1.0, False, False,
+                                  process_set=ctx.process_set)
+        if _state().ctx.rank != ctx.root_rank:  # both global ranks
             reduced = torch.zeros_like(reduced)
-        return reduced, None, None
+        return reduced, None, None, None
 
 
-def broadcast(tensor, root_rank, name=None):
-    """root_rank's tensor, on every rank (tensor itself is left as it is). Differentiable."""
+def broadcast(tensor, root_rank, name=None, process_set=None):
+    """root_rank's tensor, on every rank (tensor itself is left as it is). Differentiable.
+    root_rank is a global rank, also with a process_set (as in Horovod)."""
     if not isinstance(tensor, torch.Tensor):  # reported on every rank
-        return _broadcast_call(tensor, root_rank, name, False, False)
-    return _BroadcastFn.apply(tensor, root_rank, name)
+        return _broadcast_call(tensor, root_rank, name, False, False, process_set)
+    return _BroadcastFn.apply(tensor, root_rank, name, process_set)
 
 
-def broadcast_async(tensor, root_rank, name=None):
-    return _broadcast_call(tensor, root_rank, name, False, True)
+def broadcast_async(tensor, root_rank, name=None, process_set=None):
+    return _broadcast_call(tensor, root_rank, name, False, True, process_set)
 
 
-def broadcast_(tensor, root_rank, name=None):
+def broadcast_(tensor, root_rank, name=None, process_set=None):
     """In-place broadcast: tensor receives root_rank's values; returns tensor."""
-    return _broadcast_call(tensor, root_rank, name, True, False)
+    return _broadcast_call(tensor, root_rank, name, True, False, process_set)
 
 
-def broadcast_async_(tensor, root_rank, name=None):
-    return _broadcast_call(tensor, root_rank, name, True, True)
+def broadcast_async_(tensor, root_rank, name=None, process_set=None):
+    return _broadcast_call(tensor, root_rank, name, True, True, process_set)
 
 
 def fusion_threshold():
@@ -1126,16 +1228,13 @@ def fuse(tensors, threshold, first=None):
     return buckets
 
 
-def _grouped_broadcast_call(tensors, root_rank, name):
+def _grouped_broadcast_call(tensors, root_rank, name, process_set=None):
     """In-place broadcast of a list of tensors, fused into buffers of MLFABRIC_FUSION_THRESHOLD
     bytes (one call each)."""
     what = _what("broadcast", name)
 
     def plan(st):
-        n = st.ctx.size
-        if isinstance(root_rank, bool) or not isinstance(root_rank, (int, np.integer)) or \
-                not 0 <= root_rank < n:
-            raise ValueError(f"{what}: root_rank must be a rank in [0, {n}), got {root_rank!r}")
+        root = st.root(root_rank, what)
         for i, t in enumerate(tensors):
             _check_tensor(t, what, f"tensors[{i}]")
         signature = tuple((str(t.dtype), tuple(t.shape)) for t in tensors)  # as grouped
@@ -1143,7 +1242,7 @@ def _grouped_broadcast_call(tensors, root_rank, name):
         for b, members in enumerate(fuse(tensors, fusion_threshold())):
             dtype = tensors[members[0]].dtype
             total = sum(tensors[i].numel() for i in members)
-            planned.append((members, _desc(_BROADCAST, _DTYPE_CODE[dtype], root=int(root_rank),
+            planned.append((members, _desc(_BROADCAST, _DTYPE_CODE[dtype], root=root,
                                            shape=(total,), name=f"{name}.{b}",
                                            layout=(b, signature), tensor=tensors[members[0]])))
         return planned
@@ -1153,9 +1252,10 @@ def _grouped_broadcast_call(tensors, root_rank, name):
             _agree(st, desc, what)
             srcs = [tensors[i].detach() for i in members]
             flat = torch.cat([s.reshape(-1).to(_wire(s.dtype)) for s in srcs])
+            root = int(desc[_ROOT])
             if flat.numel():
-                _coll.broadcast(flat, root=int(root_rank))
-            if st.ctx.rank != root_rank:
+                _coll.broadcast(flat, root=root)
+            if st.ctx.rank != root:
                 off = 0
                 for s in srcs:
                     s.copy_(flat[off:off + s.numel()].view(s.shape))
@@ -1163,7 +1263,7 @@ def _grouped_broadcast_call(tensors, root_rank, name):
         return tensors
 
     cuda = next((t for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda), None)
-    return _issue(what, plan, job, False, cuda, tensors)
+    return _issue(what, plan, job, False, cuda, tensors, process_set)
 
 
 # --- alltoall -------------------------------------------------------------------------------------
@@ -1177,7 +1277,7 @@ def _row_shape(d):
     return (int(d[_ROW_LEN]),)
 
 
-def _alltoall_call(tensor, splits, name, async_):
+def _alltoall_call(tensor, splits, name, async_, process_set=None):
     what = _what("alltoall", name)
 
     def plan(st):
@@ -1196,48 +1296,49 @@ def _alltoall_call(tensor, splits, name, async_):
         out = out if out.dtype == src.dtype else out.to(src.dtype)
         return out, torch.from_numpy(received.astype(np.int32))
 
-    return _issue(what, plan, job, async_, tensor)
+    return _issue(what, plan, job, async_, tensor, process_set=process_set)
 
 
 class _AlltoallFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, splits, name):
-        out, received = _alltoall_call(tensor, splits, name, False)
-        ctx.received = received
+    def forward(ctx, tensor, splits, name, process_set):
+        out, received = _alltoall_call(tensor, splits, name, False, process_set)
+        ctx.received, ctx.process_set = received, process_set
         ctx.mark_non_differentiable(received)
         return out, received
 
     @staticmethod
     def backward(ctx, grad, _):
-        back, _ = _alltoall_call(grad, ctx.received, None, False)
-        return back, None, None
+        back, _ = _alltoall_call(grad, ctx.received, None, False, ctx.process_set)
+        return back, None, None, None
 
 
-def alltoall(tensor, splits=None, name=None):
+def alltoall(tensor, splits=None, name=None, process_set=None):
     """Send splits[j] rows of tensor (dimension 0, in order) to rank j and receive every rank's
     rows for this one, concatenated in rank order. splits: None (shape[0] / size rows to each
     rank) or size integers (a list or tensor). Returns the received tensor and, when splits was
     given, also the rows received from each rank (int32 tensor), like Horovod. Differentiable."""
     if not isinstance(tensor, torch.Tensor):  # reported on every rank
-        return _alltoall_call(tensor, splits, name, False)
-    out, received = _AlltoallFn.apply(tensor, splits, name)
+        return _alltoall_call(tensor, splits, name, False, process_set)
+    out, received = _AlltoallFn.apply(tensor, splits, name, process_set)
     return out if splits is None else (out, received)
 
 
-def alltoall_async(tensor, splits=None, name=None):
+def alltoall_async(tensor, splits=None, name=None, process_set=None):
     """Non-blocking alltoall: synchronize(handle) returns (output, received_splits)."""
-    return _alltoall_call(tensor, splits, name, True)
+    return _alltoall_call(tensor, splits, name, True, process_set)
 
 
 # --- barrier and join -----------------------------------------------------------------------------
 
-def barrier():
-    """Return once every rank has called barrier() (joined ranks take part on their own)."""
+def barrier(process_set=None):
+    """Return once every rank (of process_set) has called barrier() (joined ranks take part on
+    their own)."""
     def job(st, desc):
         _agree(st, desc, "barrier")
         _coll.barrier()
 
-    return _issue("barrier", lambda st: _desc(_BARRIER), job, False)
+    return _issue("barrier", lambda st: _desc(_BARRIER), job, False, process_set=process_set)
 
 
 def join(device=-1):

@@ -37,7 +37,8 @@ How it works:
 Gradients of the backward_passes_per_step passes add up locally (no division), then op Average
 divides by size() (gradient_predivide_factor f: multiplied by 1/f before the sum and f/size
 after), op Sum does not. Compression.fp16 sends each bucket through a float16 buffer of its own,
-also kept for the optimizer's lifetime.
+also kept for the optimizer's lifetime. With process_set= (process_sets.py) everything above
+happens among that set's ranks only (its size divides, its shared memory holds the buckets).
 """
 import contextlib
 import functools
@@ -106,9 +107,11 @@ class _DistributedOptimizer:
     """Mixed in front of the wrapped optimizer's class (see DistributedOptimizer())."""
 
     def _mlf_setup(self, named_parameters, compression, backward_passes_per_step, op,
-                   gradient_predivide_factor, num_groups, groups, sparse_as_dense):
+                   gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set):
         # A rank whose arguments are bad still takes part in the construction round, so that its
         # peers fail at once (MismatchError naming it) instead of waiting for it.
+        self._mlf_process_set = process_set
+        st = ops._state(process_set) if _context.initialized() else None  # not in it: raises
         try:
             op, params, names = self._mlf_check(named_parameters, compression,
                                                 backward_passes_per_step, op,
@@ -123,7 +126,7 @@ class _DistributedOptimizer:
             plan = ops.fuse(order, threshold, min(FIRST_BUCKET, threshold)) if groups is None \
                 else _grouped_plan(order, groups)
         except (TypeError, ValueError, MlfabricError) as exc:
-            _construction_round(0, torch.device("cpu"), exc)   # raises exc, after the round
+            _construction_round(st, 0, torch.device("cpu"), exc)  # raises exc, after the round
             raise
         self._mlf_op = op
         self._mlf_compression = compression
@@ -138,13 +141,13 @@ class _DistributedOptimizer:
             (tuple((str(p.dtype), tuple(p.shape)) for p in params),
              None if groups is None else plan)).encode())
         device = params[0].device if params else torch.device("cpu")
-        shared = _construction_round(self._mlf_layout, device, None)
-        flats = _bucket_buffers([[order[i] for i in m] for m in plan], shared)
+        shared = _construction_round(st, self._mlf_layout, device, None)
+        flats = _bucket_buffers(st, [[order[i] for i in m] for m in plan], shared)
         self._mlf_buckets = [
             _Bucket(b, [order[i] for i in members], [names[id(order[i])] for i in members], fp16,
                     flat)
             for (b, members), flat in zip(enumerate(plan), flats)]
-        self._mlf_finish_setup(flats)
+        self._mlf_finish_setup(st, flats)
 
     def _mlf_check(self, named_parameters, compression, backward_passes_per_step, op,
                    gradient_predivide_factor):
@@ -177,9 +180,9 @@ class _DistributedOptimizer:
                                  "the parameters must share one device")
         return op, params, names
 
-    def _mlf_finish_setup(self, flats):
+    def _mlf_finish_setup(self, st, flats):
         if flats and _shared.is_shared(flats[0]):
-            hooks = _context.get().on_close
+            hooks = st.ctx.on_close
             # drop the hooks of optimizers gone since (a process may build thousands)
             hooks[:] = [f for f in hooks if not (getattr(f, "func", None) is _unshare
                                                  and f.args[0]() is None)]
@@ -237,7 +240,8 @@ class _DistributedOptimizer:
             else:
                 sent, cctx = self._mlf_compression.compress(flat)
             handle = ops._allreduce_call(sent, self._mlf_op, None, b.name, 1.0, post, True, True,
-                                         layout=(b.index, self._mlf_layout))
+                                         layout=(b.index, self._mlf_layout),
+                                         process_set=self._mlf_process_set)
             b.pending = (handle, sent, cctx)
 
     def synchronize(self):
@@ -313,7 +317,7 @@ class _DistributedOptimizer:
         return super().zero_grad(set_to_none)
 
 
-def _construction_round(layout, device, problem):
+def _construction_round(st, layout, device, problem):
     """Every rank's construction, compared: one allgather of (the model's hash, whether it is on
     a GPU, whether this rank's arguments were fine), in the calls' queue, in order with them.
     Raises this rank's `problem` after it, or a MismatchError naming the ranks that had one;
@@ -322,24 +326,24 @@ def _construction_round(layout, device, problem):
     peers' buckets in place (zero-copy: 3-6x faster for 16 MB here) instead of copying through
     the engine's segment. Ranks with different models get private buckets, and the first
     bucket's allreduce reports the mismatch on every rank, naming the ranks."""
-    if not _context.initialized():
+    if st is None:  # not initialised
         if problem is not None:
             raise problem
         return False
     mine = np.array([layout, device.type != "cpu", problem is None], np.int64)
-    every = ops._state().queue.run("DistributedOptimizer (construction)",
-                                   lambda: _coll.allgather(mine)).reshape(-1, 3)
+    every = st.run("DistributedOptimizer (construction)",
+                   lambda: _coll.allgather(mine)).reshape(-1, 3)
     if problem is not None:
         raise problem
     bad = np.flatnonzero(every[:, 2] == 0)
     if bad.size:
         raise MismatchError(f"DistributedOptimizer: rank(s) {bad.tolist()} refused their "
                             "arguments (see the error on those ranks); nothing was set up")
-    return bool(_context.get().shm is not None and device.type == "cpu"
+    return bool(st.ctx.shm is not None and device.type == "cpu"
                 and (every[:, :2] == every[0, :2]).all())
 
 
-def _bucket_buffers(buckets, shared):
+def _bucket_buffers(st, buckets, shared):
     """A zeroed flat buffer per bucket (a list of parameters), on the parameters' device; cut
     from one shared buffer per dtype when `shared` (every rank decided the same: the
     allocation is collective, so it runs in the calls' queue; one window per dtype, as a window
@@ -360,7 +364,7 @@ def _bucket_buffers(buckets, shared):
             at[dt] += n
         return flats
 
-    return ops._state().queue.run("DistributedOptimizer (gradient buckets)", job)
+    return st.run("DistributedOptimizer (gradient buckets)", job)
 
 
 def _unshare(ref):
@@ -468,7 +472,7 @@ def _grouped_plan(order, groups):
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
                          backward_passes_per_step=1, op=ops.Average,
                          gradient_predivide_factor=1.0, num_groups=0, groups=None,
-                         sparse_as_dense=False):
+                         sparse_as_dense=False, process_set=None):
     """Wrap optimizer so that step() first averages (op=Average) or sums (op=Sum) the
     gradients over all ranks. Returns an object of a subclass of the optimizer's class sharing
     its parameter groups and state; use it in place of the optimizer.
@@ -483,6 +487,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     none a bucket of its own. Every rank must pass the same groups.
     sparse_as_dense: densify sparse gradients (nn.Embedding(sparse=True)) before reducing;
     without it a sparse gradient is an error.
+    process_set: reduce among that set's ranks only (process_sets.py); default every rank.
 
     The parameters' .grad become views of the optimizer's gradient buckets (see the module
     docstring); leave them alone between backward() and step() / synchronize().
@@ -496,5 +501,6 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)  # shares param_groups, state and hooks
     wrapped._mlf_setup(named_parameters, compression, backward_passes_per_step, op,
-                       gradient_predivide_factor, num_groups, groups, sparse_as_dense)
+                       gradient_predivide_factor, num_groups, groups, sparse_as_dense,
+                       process_set)
     return wrapped

@@ -314,6 +314,31 @@ def case_sync_batch_norm_on_gpu():
     assert torch.allclose(bn.running_var.double().cpu(), once.running_var, atol=1e-6)
 
 
+def case_process_sets_on_gpu():
+    """Collectives among the even and the odd ranks on CUDA tensors (each set gets an NCCL
+    communicator of its own), interleaved with a global one, against float64 references."""
+    n, r = hvd.size(), hvd.rank()
+    even = hvd.add_process_set(list(range(0, n, 2)))
+    odd = hvd.add_process_set(list(range(1, n, 2))) if n > 1 else None
+    mine = even if r % 2 == 0 else odd
+    x = torch.from_numpy(values(r, 1000, "float64", "sum", salt=11))
+    h = hvd.allreduce_async(x.to(GPU), op=hvd.Sum, process_set=mine)
+    total = hvd.allreduce(x.to(GPU), op=hvd.Sum)
+    got = hvd.synchronize(h)
+    want = sum(torch.from_numpy(values(q, 1000, "float64", "sum", salt=11)) for q in mine.ranks)
+    assert got.is_cuda and torch.allclose(got.cpu(), want, rtol=1e-12), "set allreduce"
+    every = sum(torch.from_numpy(values(q, 1000, "float64", "sum", salt=11)) for q in range(n))
+    assert torch.allclose(total.cpu(), every, rtol=1e-12), "global allreduce"
+    gathered = hvd.allgather(torch.full((2,), float(r), device=GPU), process_set=mine)
+    assert gathered.cpu().tolist() == [float(q) for q in mine.ranks for _ in range(2)]
+    root = mine.ranks[-1]
+    b = hvd.broadcast(torch.full((3,), float(r), device=GPU), root, process_set=mine)
+    assert b.cpu().tolist() == [float(root)] * 3
+    for ps in (even, odd):
+        if ps is not None:
+            hvd.remove_process_set(ps)
+
+
 def case_join_on_gpu():
     n, r = hvd.size(), hvd.rank()
     for s in range(r + 1):
