@@ -1,5 +1,5 @@
 """The torch.distributed backend "mlfabric" (mlfabric/torch/backend.py) under real mpirun at 2 and
-3 ranks: every collective through torch.distributed against a float64 reference, errors on every
+3 ranks (its subgroups also at 4): every collective through torch.distributed against a float64 reference, errors on every
 rank, DDP over mlfabric against DDP over gloo in the same job (tests/mpi_cases/torch_backend.py)."""
 import pytest
 
@@ -13,3 +13,8 @@ torch = pytest.importorskip("torch")
 @pytest.mark.parametrize("n", [2, 3])
 def test_torch_backend(n):
     run_cases("torch_backend", n, timeout=240)
+
+
+def test_torch_backend_subgroups_of_two_ranks():
+    """At 4 ranks the even and odd groups have two ranks each (at 2 and 3, one or two)."""
+    run_cases("torch_backend", 4, pattern="subgroups", timeout=180)

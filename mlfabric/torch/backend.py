@@ -15,8 +15,12 @@ way every rank gets a real TCPStore (rank 0 serves it on a free port, MPI tells 
 so torch code that needs a store (gloo groups beside this one, TORCH_DIST_INIT_BARRIER=1) works.
 A rank or world size passed to init_process_group must agree with MPI's, else an error.
 
-Groups: every mlfabric group spans all ranks of mlfabric's communicator (a new_group of every
-rank is fine); a proper subset is refused. CUDA tensors move over NCCL (mlfabric's GPU path);
+Groups: new_group(ranks, backend="mlfabric") of any ranks (every rank calls new_group, as torch
+requires; only the members reach the backend). A group of fewer than every rank gets a context
+of its own (mlfabric.context.Context on a communicator made among its members alone,
+MPI_Comm_create_group: its own shared memory, queue, NCCL communicator), and each of its calls
+runs in that context (context.using), so groups run independently; it is freed at mlfabric's
+finalize (destroy_process_group does not free it sooner). CUDA tensors move over NCCL (mlfabric's GPU path);
 results that need a copy back (lists of several tensors, widened dtypes) are copied on the
 stream that was current when the call was made. torch's timeout argument is not used:
 mlfabric's own bound (MLFABRIC_TIMEOUT) applies.
@@ -163,13 +167,15 @@ def _refuse(exc):
 
 
 def _checked(fn):
-    """For a collective: turn the _Refused raised by fn's argument checks into _refuse(error)."""
+    """For a collective: turn the _Refused raised by fn's argument checks into _refuse(error).
+    The call (and the refusal) runs in the group's context."""
     @functools.wraps(fn)
     def call(self, *args, **kwargs):
-        try:
-            return fn(self, *args, **kwargs)
-        except _Refused as r:
-            _refuse(r.exc)
+        with self._in_group():
+            try:
+                return fn(self, *args, **kwargs)
+            except _Refused as r:
+                _refuse(r.exc)
     return call
 
 
@@ -178,10 +184,11 @@ def _checked_p2p(fn):
     the peer's matching call ends by mlfabric's timeout, as with mlfabric.send / recv)."""
     @functools.wraps(fn)
     def call(self, *args, **kwargs):
-        try:
-            return fn(self, *args, **kwargs)
-        except _Refused as r:
-            raise r.exc from None
+        with self._in_group():
+            try:
+                return fn(self, *args, **kwargs)
+            except _Refused as r:
+                raise r.exc from None
     return call
 
 
@@ -277,11 +284,16 @@ class MlfabricProcessGroup(dist.ProcessGroup):
     """A torch.distributed ProcessGroup whose collectives are mlfabric's (CPU tensors).
 
     Created by init_process_group("mlfabric") / new_group(backend="mlfabric"); its rank and size
-    are mlfabric's. Each method takes torch's usual (tensors, options) and returns a Work."""
+    are mlfabric's, or those of its own context (ctx) for a group of fewer ranks. Each method
+    takes torch's usual (tensors, options; roots and peers as group ranks) and returns a Work."""
 
-    def __init__(self, rank, size):
+    def __init__(self, rank, size, ctx=None):
         super().__init__(rank, size)
-        self._rank, self._size = rank, size
+        self._rank, self._size, self._ctx = rank, size, ctx
+
+    def _in_group(self):
+        """The context this group's calls run in (mlfabric's own for a group of every rank)."""
+        return _context.using(self._ctx) if self._ctx is not None else contextlib.nullcontext()
 
     def getBackendName(self):
         return BACKEND
@@ -576,7 +588,8 @@ class MlfabricProcessGroup(dist.ProcessGroup):
 
     def barrier(self, opts=None):
         """Return once every rank has called barrier (complete on return)."""
-        mf.barrier()
+        with self._in_group():
+            mf.barrier()
         return _completed([])
 
     @_checked_p2p
@@ -630,16 +643,47 @@ def _check_agrees(rank, size, where):
     return my_rank, my_size
 
 
-def _create(store, rank, size, timeout):
-    """Backend creator torch calls for init_process_group / new_group. The store is not needed
-    (MPI connects the ranks); timeout is mlfabric's own (MLFABRIC_TIMEOUT)."""
+# Tag of MPI_Comm_create_group's own messages on mlfabric's communicator: unlike MPI_Comm_split
+# it involves the members alone (torch calls the backend on them only), and its messages must
+# not match mlfabric's traffic there (p2p.TAG; user sends at collectives._SEND_TAG_BASE + tag).
+_GROUP_TAG = 0x6D67
+
+
+def _create(opts, backend_options=None):
+    """Backend creator torch calls for init_process_group / new_group (its extended form, which
+    names the group's global ranks: [] for the default group). The store is not needed (MPI
+    connects the ranks); the timeout is mlfabric's own (MLFABRIC_TIMEOUT)."""
     my_rank, my_size = _ensure_mlfabric()
-    if dist.is_initialized() and size != my_size:
-        raise NotImplementedError(
-            f"the mlfabric backend runs on groups of every rank ({my_size}); a group of {size} "
-            "ranks is not supported (use gloo for it)")
-    _check_agrees(rank, size, "mlfabric process group")
-    return MlfabricProcessGroup(my_rank, my_size)
+    ranks = [int(q) for q in opts.global_ranks_in_group]
+    if not ranks or ranks == list(range(my_size)):
+        _check_agrees(opts.group_rank, opts.group_size, "mlfabric process group")
+        return MlfabricProcessGroup(my_rank, my_size)
+    ctx = _group_context(ranks)
+    if (ctx.rank, ctx.size) != (opts.group_rank, opts.group_size):  # torch's numbering is ours
+        raise MlfabricError(f"mlfabric process group of ranks {ranks}: torch numbers this rank "
+                            f"{opts.group_rank} of {opts.group_size}, MPI {ctx.rank} of "
+                            f"{ctx.size}")
+    return MlfabricProcessGroup(ctx.rank, ctx.size, ctx)
+
+
+def _group_context(ranks):
+    """A context among the global ranks `ranks` (in that order), made by its members alone and
+    freed at mlfabric's finalize, before the global context."""
+    world = _context.get()
+    comm = world.comm.Create_group(world.comm.group.Incl(ranks), _GROUP_TAG)
+    try:
+        ctx = _context.Context(comm)
+    except BaseException:
+        comm.Free()
+        raise
+
+    def close():
+        broken = ctx.broken()
+        ctx.close()
+        if not broken:  # freeing is collective over the members
+            comm.Free()
+    world.on_close.append(close)
+    return ctx
 
 
 def _shared_store(rank, size, timeout):
@@ -685,7 +729,7 @@ def _env_or_mpi(env_handler):
 
 def _register():
     if BACKEND.upper() not in dist.Backend._plugins:
-        dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
     handlers = _rdzv._rendezvous_handlers
     if "mlfabric" not in handlers:
         _rdzv.register_rendezvous_handler("mlfabric", _mpi_rendezvous)

@@ -342,10 +342,58 @@ def case_unsupported_ops_and_devices_are_errors():
         _expect_everywhere(NotImplementedError,
                            lambda: dist.all_to_all_single(torch.empty(n + 1), torch.ones(n + 1),
                                                           splits, splits), "equal splits")
-        if r == 0:  # ranks outside a group never call the backend
-            _expect_everywhere(NotImplementedError, lambda: dist.new_group([0]), "every rank")
+    _still_works()
+
+
+def case_subgroups_run_among_their_ranks():
+    """new_group of the even and of the odd ranks (and of the last and first rank): collectives
+    among the members only, against float64 references, roots and peers named by global rank as
+    torch does; each group independent of the world group; DDP in each group ends at the
+    weights of DDP over a gloo group of the same ranks."""
+    n, r = _n_r()
+    even, odd = list(range(0, n, 2)), list(range(1, n, 2))
+    groups = {tuple(even): dist.new_group(even)}
+    if odd:
+        groups[tuple(odd)] = dist.new_group(odd)
+    ends = sorted({0, n - 1})
+    ends_group = dist.new_group(ends)
+    twins = {ranks: dist.new_group(list(ranks), backend="gloo") for ranks in groups}
+    ranks = tuple(even) if r % 2 == 0 else tuple(odd)
+    g, k, me = groups[ranks], len(ranks), ranks.index(r)
+    assert dist.get_world_size(g) == k and dist.get_rank(g) == me
+    t, _ = _input(r, 50, "float64", "sum", salt=3)
+    dist.all_reduce(t, group=g)
+    want = sum(values(q, 50, "float64", "sum", 3) for q in ranks)
+    np.testing.assert_allclose(t.numpy(), want, rtol=1e-13)
+    h = dist.all_reduce(torch.ones(4, dtype=torch.float64), group=g, async_op=True)
+    _still_works()  # the world group between a group call and its wait
+    h.wait()
+    b = torch.full((3,), float(r), dtype=torch.float64)
+    dist.broadcast(b, src=ranks[-1], group=g)
+    assert b.tolist() == [float(ranks[-1])] * 3
+    outs = [torch.empty(2, dtype=torch.float64) for _ in ranks]
+    dist.all_gather(outs, torch.full((2,), float(r), dtype=torch.float64), group=g)
+    assert [o.tolist() for o in outs] == [[float(q)] * 2 for q in ranks]
+    out = torch.empty(2, dtype=torch.float64)
+    dist.reduce_scatter_single(out, torch.arange(2.0 * k, dtype=torch.float64), group=g)
+    assert out.tolist() == [float(k * (2 * me)), float(k * (2 * me + 1))]
+    if k > 1:  # a ring of sends inside the group, by global rank
+        nxt, prv = ranks[(me + 1) % k], ranks[(me - 1) % k]
+        got = torch.empty(1, dtype=torch.float64)
+        if me % 2 == 0:
+            dist.send(torch.tensor([float(r)], dtype=torch.float64), nxt, group=g)
+            dist.recv(got, prv, group=g)
         else:
-            dist.new_group([0])
+            dist.recv(got, prv, group=g)
+            dist.send(torch.tensor([float(r)], dtype=torch.float64), nxt, group=g)
+        assert got.item() == float(prv)
+    dist.barrier(group=g)
+    if r in ends:
+        e = torch.full((2,), float(r + 1), dtype=torch.float64)
+        dist.all_reduce(e, group=ends_group)
+        assert e.tolist() == [float(sum(q + 1 for q in ends))] * 2
+    ours, theirs = _train(g), _train(twins[ranks])
+    assert _max_diff(ours, theirs) <= 1e-10, _max_diff(ours, theirs)
     _still_works()
 
 
