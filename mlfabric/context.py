@@ -53,6 +53,7 @@ class Context:
         # called before the shared memory goes: owners of long-lived shared buffers that users
         # can still reach (DistributedOptimizer's gradient buckets) move them to private memory
         self.on_close = []
+        self.abandoned = False  # set when peers are known dead (elastic reset): see broken()
 
     def close(self):
         self.executor.shutdown()
@@ -70,7 +71,8 @@ class Context:
     def broken(self):
         """True after a timeout or engine failure: peers may be gone, so nothing collective."""
         from .comm import p2p
-        return bool((self.shm is not None and self.shm.engine.any_failed) or p2p.abandoned()
+        return bool(self.abandoned or (self.shm is not None and self.shm.engine.any_failed)
+                    or p2p.abandoned()
                     or (self.nccl is not None and self.nccl.failed not in (None, "closed")))
 
 

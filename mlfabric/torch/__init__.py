@@ -14,7 +14,8 @@ Horovod runs on mlfabric:
     hvd.broadcast_object, hvd.allgather_object, hvd.grouped_allgather / grouped_reducescatter,
     hvd.SyncBatchNorm, hvd.start_timeline / stop_timeline,
     hvd.ProcessSet, hvd.global_process_set, hvd.add_process_set, hvd.remove_process_set
-    (process_set= on every collective and DistributedOptimizer)
+    (process_set= on every collective and DistributedOptimizer),
+    hvd.elastic.run / hvd.elastic.TorchState (elastic.py: training goes on when ranks die)
 
 Parameter-server training (ps_optimizer.py): ps_init(mode, ...), serve_model(model) on the
 scheduler/server/replica ranks, PSOptimizer(optimizer, params, tau_max=...) on the workers.
@@ -55,6 +56,7 @@ from .process_sets import _on_init as _init_process_sets
 from .ps_optimizer import PSOptimizer, ps_init, serve_model
 from .sync_batch_norm import SyncBatchNorm
 from . import backend as _backend  # noqa: F401  (registers the "mlfabric" process-group backend)
+from . import elastic  # noqa: F401  (hvd.elastic.run, hvd.elastic.TorchState)
 from . import ops as _ops
 from . import timeline as _timeline
 

@@ -1,0 +1,202 @@
+"""Elastic training, as horovod.torch.elastic, for ranks that die: training goes on with the
+survivors.
+
+    state = hvd.elastic.TorchState(model, optimizer, epoch=0, batch=0)
+
+    @hvd.elastic.run
+    def train(state):
+        for state.epoch in range(state.epoch, epochs):
+            for state.batch in range(state.batch, batches):
+                step(...)            # collectives as usual, on hvd.rank() / hvd.size()
+                state.commit()       # a copy of the model, optimizer and attributes in memory
+            state.batch = 0
+
+    train(state)
+
+Run it under ULFM: `mpirun --with-ft ulfm --mca mpi_ft_detector true -n 4 python train.py`. When
+a rank dies, the survivors' next collective fails (at once over MPI, within MLFABRIC_TIMEOUT
+seconds through shared memory); run() then rolls every survivor back to its last commit(),
+revokes and shrinks the communicator mlfabric was initialised on to the survivors (ULFM's
+MPI_Comm_revoke / MPI_Comm_shrink), re-initialises mlfabric on it (hvd.rank() and hvd.size()
+change), calls the reset callbacks, makes every rank hold the new rank 0's committed state
+(sync()), and calls the function again. Process sets do not survive a reset (add them again in
+a reset callback).
+
+Owns State / ObjectState / TorchState and run(). Differences from Horovod: ranks are only lost,
+never added (mpirun fixes a job's processes), so there are no host updates to check; the
+failure that triggers a reset is mlfabric's (PeerTimeoutError, or an error caused by a failed
+or revoked MPI process), and without ULFM a reset is refused with an error saying so (Open MPI
+ends the whole job when a rank dies, unless run with --with-ft ulfm).
+"""
+import copy
+import functools
+import os
+
+from mpi4py import MPI
+
+from .. import context as _context
+from ..errors import MlfabricError, PeerTimeoutError
+
+_FAILED = {MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED}
+
+
+def is_failure(exc):
+    """True when exc (or an error it was raised from) says a peer died or the communicator was
+    revoked: what run() recovers from. Mismatches and bad arguments are not failures."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, PeerTimeoutError):
+            return True
+        if isinstance(exc, MPI.Exception) and exc.Get_error_class() in _FAILED:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+class State:
+    """What run() rolls back, shares and resets. Subclasses define save / restore / sync."""
+
+    def __init__(self):
+        self._reset_callbacks = []
+
+    def register_reset_callbacks(self, callbacks):
+        """Functions (no arguments) run after every reset, before sync(): e.g. to scale the
+        learning rate to the new hvd.size()."""
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self):
+        for callback in self._reset_callbacks:
+            callback()
+
+    def commit(self):
+        """Keep a copy of the state (in memory) to roll back to if a rank dies."""
+        self.save()
+        self.check_host_updates()
+
+    def check_host_updates(self):
+        """Horovod's hook for added hosts: none can be added here."""
+
+    def save(self):
+        raise NotImplementedError
+
+    def restore(self):
+        raise NotImplementedError
+
+    def sync(self):
+        raise NotImplementedError
+
+
+class ObjectState(State):
+    """Attributes given as keyword arguments (state.epoch, state.batch, ...): committed as deep
+    copies, synced from rank 0 by broadcast_object."""
+
+    def __init__(self, **kwargs):
+        super().__init__()
+        self._names = list(kwargs)
+        for name, value in kwargs.items():
+            setattr(self, name, value)
+        self._saved = None
+        ObjectState.save(self)
+
+    def save(self):
+        self._saved = {name: copy.deepcopy(getattr(self, name)) for name in self._names}
+
+    def restore(self):
+        for name, value in self._saved.items():
+            setattr(self, name, copy.deepcopy(value))
+
+    def sync(self):
+        from .functions import broadcast_object
+        self._saved = broadcast_object(self._saved, root_rank=0, name="elastic.state")
+        ObjectState.restore(self)
+
+
+class TorchState(ObjectState):
+    """A model's and an optimizer's state (each optional) and any attributes: committed as deep
+    copies of their state_dict()s, synced by broadcast_parameters / broadcast_optimizer_state
+    from rank 0."""
+
+    def __init__(self, model=None, optimizer=None, **kwargs):
+        self.model, self.optimizer = model, optimizer
+        self._model_saved = self._optimizer_saved = None
+        super().__init__(**kwargs)
+        self._save_torch()
+
+    def _save_torch(self):
+        if self.model is not None:
+            self._model_saved = copy.deepcopy(self.model.state_dict())
+        if self.optimizer is not None:
+            self._optimizer_saved = copy.deepcopy(self.optimizer.state_dict())
+
+    def save(self):
+        self._save_torch()
+        super().save()
+
+    def restore(self):
+        if self.model is not None:
+            self.model.load_state_dict(self._model_saved)
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(self._optimizer_saved)
+        super().restore()
+
+    def sync(self):
+        from .functions import broadcast_optimizer_state, broadcast_parameters
+        if self.model is not None:
+            broadcast_parameters(self.model.state_dict(), root_rank=0)
+        if self.optimizer is not None:
+            broadcast_optimizer_state(self.optimizer, root_rank=0)
+        super().sync()
+        self._save_torch()  # what every rank now holds is the commit to roll back to
+
+
+def run(func):
+    """Decorate a training function func(state, ...): it runs after state.sync(); when a rank
+    dies inside it, the survivors restore the last commit, shrink to themselves, re-initialise,
+    run the reset callbacks, sync, and call func again. Returns func's result."""
+    @functools.wraps(func)
+    def wrapper(state, *args, **kwargs):
+        while True:
+            try:
+                state.sync()
+                return func(state, *args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - only failures are handled, see below
+                if not is_failure(exc):
+                    raise
+                state.restore()
+                _shrink_and_reinit(exc)
+                state.on_reset()
+    return wrapper
+
+
+def _ulfm_enabled():
+    """Whether this job can revoke and shrink communicators: under Open MPI, when mpirun was
+    given --with-ft ulfm (it sets OMPI_MCA_mpi_ft_enable); other MPIs are trusted to."""
+    if "Open MPI" not in MPI.Get_library_version():
+        return True
+    return os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() in ("1", "true", "yes", "on")
+
+
+def _shrink_and_reinit(cause):
+    """Revoke mlfabric's communicator and the user's, shrink the latter to the ranks alive,
+    and initialise mlfabric on that. Collective over the survivors (each gets here when its own
+    call fails: ULFM's shrink waits for all of them)."""
+    from . import init, shutdown
+    ctx = _context.get()
+    user = ctx.user_comm
+    if not _ulfm_enabled():  # Open MPI's shrink would wait forever without it
+        raise MlfabricError(
+            "elastic: a peer failed, and recovering needs ULFM, which this job was not started "
+            "with: run it as mpirun --with-ft ulfm --mca mpi_ft_detector true ...") from cause
+    try:
+        ctx.comm.Revoke()  # a survivor still inside a call on it leaves it at once
+        user.Revoke()
+        survivors = user.Shrink()
+    except (MPI.Exception, NotImplementedError, AttributeError) as exc:
+        raise MlfabricError(
+            "elastic: a peer failed and the survivors cannot shrink the communicator to "
+            f"themselves ({exc}); run under ULFM: mpirun --with-ft ulfm --mca mpi_ft_detector "
+            "true ...") from cause
+    ctx.abandoned = True  # so its close frees nothing collectively: the dead would not join
+    shutdown()
+    init(survivors)

@@ -1,0 +1,29 @@
+"""mlfabric.torch.elastic (Horovod's hvd.elastic) under real mpirun: its state and run() without
+failures at 1 to 3 ranks, and ranks SIGKILLed mid-training under ULFM (mpirun --with-ft ulfm):
+the survivors roll back to their last commit, shrink, and finish with the weights of one process
+training on the same batches (tests/mpi_cases/torch_elastic.py)."""
+import pytest
+
+from tests.mpi_util import run_cases, run_mpi
+
+pytestmark = pytest.mark.mpi
+
+ULFM = ("--with-ft", "ulfm", "--mca", "mpi_ft_detector", "true")
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_elastic_state_and_run(n):
+    run_cases("torch_elastic", n, timeout=120)
+
+
+# (ranks, the rank killed, steps, the step it dies at, commit every): a rank in the middle with a
+# rollback of one step, the root of every sync (rank 0), and one survivor left alone.
+@pytest.mark.parametrize("n, victim, steps, kill_at, every",
+                         [(3, 1, 6, 3, 2), (4, 0, 5, 2, 1), (2, 1, 4, 3, 3)])
+def test_a_rank_killed_mid_training(n, victim, steps, kill_at, every):
+    proc = run_mpi(n, ["-m", "tests.mpi_cases.torch_elastic", str(victim), str(steps),
+                       str(kill_at), str(every)],
+                   timeout=150, env={"MLFABRIC_TIMEOUT": "5"}, mpirun_args=ULFM)
+    out = proc.stdout
+    assert "RESULT FAIL" not in out, out
+    assert out.count("RESULT ok") == n - 1, out  # every survivor, and only survivors
