@@ -48,7 +48,7 @@ def _loss(model, x, y):
 # --- without failures -------------------------------------------------------------------------
 
 def case_torch_state_commit_restore_sync():
-    n, r = hvd.size(), hvd.rank()
+    r = hvd.rank()
     model = _model(seed=r)  # different on every rank until sync
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     state = elastic.TorchState(model, opt, epoch=r, seen=[r])
@@ -76,7 +76,7 @@ def case_torch_state_commit_restore_sync():
 
 
 def case_run_without_failure_syncs_then_runs_once():
-    n, r = hvd.size(), hvd.rank()
+    r = hvd.rank()
     state = elastic.ObjectState(value=r * 10)
     calls = []
     state.register_reset_callbacks([lambda: calls.append("reset")])

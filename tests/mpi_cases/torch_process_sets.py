@@ -69,7 +69,7 @@ def case_queries_and_registration():
 
 
 def case_allreduce_in_sets_against_float64():
-    n, r = hvd.size(), hvd.rank()
+    r = hvd.rank()
     even, odd, mine = _halves()
     k = len(mine.ranks)
     for op, ref in ((hvd.Sum, np.sum), (hvd.Average, np.mean), (hvd.Min, np.min),
@@ -102,7 +102,7 @@ def case_allreduce_in_sets_against_float64():
 
 
 def case_gather_scatter_broadcast_in_sets():
-    n, r = hvd.size(), hvd.rank()
+    r = hvd.rank()
     even, odd, mine = _halves()
     k, me = len(mine.ranks), mine.rank()
     # allgather, uneven rows: the set's rank order
@@ -190,7 +190,7 @@ def case_sets_interleave_with_global_and_async_calls():
 def case_autograd_in_a_set():
     """The gradients of allreduce, allgather and broadcast stay in the set: d/dx of
     sum(w * allreduce_avg(x)) is the set's mean of w (every rank's w differs)."""
-    n, r = hvd.size(), hvd.rank()
+    r = hvd.rank()
     even, odd, mine = _halves()
     k, me = len(mine.ranks), mine.rank()
     w = {q: _inputs(q, (4,), 50) for q in mine.ranks}
@@ -213,7 +213,7 @@ def case_autograd_in_a_set():
 def case_distributed_optimizer_per_set():
     """Two sets train two models at once; each ends with the weights of one process training on
     its set's concatenated batches (float64, 1e-10)."""
-    n, r = hvd.size(), hvd.rank()
+    r = hvd.rank()
     even, odd, mine = _halves()
     torch.manual_seed(100 + (r % 2))  # one model per set, the same on its ranks
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(),
@@ -314,7 +314,7 @@ def case_add_while_a_rank_is_joined():
 def case_init_with_process_sets():
     """shutdown() frees the sets (a set object from before is then unregistered); init() takes
     process_sets=[...] and registers them, in the order given."""
-    n, r = hvd.size(), hvd.rank()
+    n = hvd.size()
     early = hvd.add_process_set([0])
     hvd.shutdown()
     assert early.size() is None
