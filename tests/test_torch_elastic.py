@@ -27,3 +27,13 @@ def test_a_rank_killed_mid_training(n, victim, steps, kill_at, every):
     out = proc.stdout
     assert "RESULT FAIL" not in out, out
     assert out.count("RESULT ok") == n - 1, out  # every survivor, and only survivors
+
+
+@pytest.mark.parametrize("n, victim, kill_at, every", [(3, 2, 3, 2), (4, 1, 2, 1)])
+def test_elastic_sampler_covers_the_epoch_after_a_death(n, victim, kill_at, every):
+    proc = run_mpi(n, ["-m", "tests.mpi_cases.torch_elastic", "sampler", str(victim),
+                       str(kill_at), str(every)],
+                   timeout=150, env={"MLFABRIC_TIMEOUT": "5"}, mpirun_args=ULFM)
+    out = proc.stdout
+    assert "RESULT FAIL" not in out, out
+    assert out.count("RESULT ok") == n - 1, out

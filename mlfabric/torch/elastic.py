@@ -22,7 +22,7 @@ change), calls the reset callbacks, makes every rank hold the new rank 0's commi
 (sync()), and calls the function again. Process sets do not survive a reset (add them again in
 a reset callback).
 
-Owns State / ObjectState / TorchState and run(). Differences from Horovod: ranks are only lost,
+Owns State / ObjectState / TorchState, ElasticSampler and run(). Differences from Horovod: ranks are only lost,
 never added (mpirun fixes a job's processes), so there are no host updates to check; the
 failure that triggers a reset is mlfabric's (PeerTimeoutError, or an error caused by a failed
 or revoked MPI process), and without ULFM a reset is refused with an error saying so (Open MPI
@@ -32,6 +32,7 @@ import copy
 import functools
 import os
 
+import torch
 from mpi4py import MPI
 
 from .. import context as _context
@@ -113,41 +114,120 @@ class ObjectState(State):
 
 
 class TorchState(ObjectState):
-    """A model's and an optimizer's state (each optional) and any attributes: committed as deep
-    copies of their state_dict()s, synced by broadcast_parameters / broadcast_optimizer_state
-    from rank 0."""
+    """A model's and an optimizer's state (each optional), ElasticSamplers and any other
+    attributes, all passed by keyword: the model and optimizer committed as deep copies of their
+    state_dict()s and synced by broadcast_parameters / broadcast_optimizer_state from rank 0; a
+    sampler committed as its state_dict() and synced to the union of every rank's processed
+    samples (see ElasticSampler); the others as ObjectState's."""
 
     def __init__(self, model=None, optimizer=None, **kwargs):
         self.model, self.optimizer = model, optimizer
-        self._model_saved = self._optimizer_saved = None
-        super().__init__(**kwargs)
+        self._samplers = {k: v for k, v in kwargs.items() if isinstance(v, ElasticSampler)}
+        for name, sampler in self._samplers.items():
+            setattr(self, name, sampler)
+        self._torch_saved = {}
+        super().__init__(**{k: v for k, v in kwargs.items() if k not in self._samplers})
         self._save_torch()
 
     def _save_torch(self):
-        if self.model is not None:
-            self._model_saved = copy.deepcopy(self.model.state_dict())
-        if self.optimizer is not None:
-            self._optimizer_saved = copy.deepcopy(self.optimizer.state_dict())
+        held = {"model": self.model, "optimizer": self.optimizer, **self._samplers}
+        self._torch_saved = {name: copy.deepcopy(obj.state_dict())
+                             for name, obj in held.items() if obj is not None}
 
     def save(self):
         self._save_torch()
         super().save()
 
     def restore(self):
-        if self.model is not None:
-            self.model.load_state_dict(self._model_saved)
-        if self.optimizer is not None:
-            self.optimizer.load_state_dict(self._optimizer_saved)
+        for name, saved in self._torch_saved.items():
+            getattr(self, name).load_state_dict(copy.deepcopy(saved))
         super().restore()
 
     def sync(self):
-        from .functions import broadcast_optimizer_state, broadcast_parameters
+        from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
+                                broadcast_parameters)
         if self.model is not None:
             broadcast_parameters(self.model.state_dict(), root_rank=0)
         if self.optimizer is not None:
             broadcast_optimizer_state(self.optimizer, root_rank=0)
+        for name, sampler in self._samplers.items():
+            done = set().union(*allgather_object(sampler.processed_indices,
+                                                 name=f"elastic.{name}"))
+            mine = broadcast_object(dict(sampler.state_dict(), processed_indices=done),
+                                    root_rank=0, name=f"elastic.{name}")
+            sampler.load_state_dict(mine)
         super().sync()
         self._save_torch()  # what every rank now holds is the commit to roll back to
+
+
+class ElasticSampler(torch.utils.data.Sampler):
+    """A sampler splitting a dataset's indices over the ranks that are there now: Horovod's
+    hvd.elastic.ElasticSampler. Each epoch it takes the indices not yet processed in it
+    (shuffled by seed + epoch when shuffle), pads them by repeating the first few to a multiple
+    of size(), and gives this rank every size()-th one from its rank on. record_batch(i, n)
+    marks the i-th batch of n of this rank's indices processed; in a TorchState a reset then
+    re-splits what no rank had processed at the last commit over the survivors. Call
+    set_epoch(e + 1) at the end of epoch e (it forgets the processed indices)."""
+
+    def __init__(self, dataset, shuffle=True, seed=0):
+        self.dataset, self.shuffle, self.seed = dataset, shuffle, seed
+        self.epoch = 0
+        self.processed_indices = set()
+        self.indices = []
+        self.reset()
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+        self.processed_indices = set()
+        self.reset()
+
+    def record_batch(self, batch_idx, batch_size):
+        """Mark this rank's batch_idx-th batch of batch_size indices processed."""
+        self.record_indices(self.get_indices(batch_idx, batch_size))
+
+    def record_indices(self, indices):
+        self.processed_indices.update(int(i) for i in indices)
+
+    def get_indices(self, batch_idx, batch_size):
+        """This rank's indices of its batch_idx-th batch of batch_size (since the last reset)."""
+        start = batch_idx * batch_size
+        return self.indices[start:min(start + batch_size, len(self.indices))]
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "processed_indices": set(self.processed_indices)}
+
+    def load_state_dict(self, state):
+        self.epoch = state["epoch"]
+        self.processed_indices = set(state["processed_indices"])
+        self.reset()
+
+    def reset(self):
+        """Re-split the indices not yet processed over the ranks there now."""
+        from . import rank, size
+        self.rank, self.num_replicas = rank(), size()
+        self.remaining_indices = [i for i in range(len(self.dataset))
+                                  if i not in self.processed_indices]
+        self.num_samples = -(-len(self.remaining_indices) // self.num_replicas)
+        self.total_size = self.num_samples * self.num_replicas
+        self.indices = self._mine()
+
+    def _mine(self):
+        order = list(self.remaining_indices)
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            order = [order[i] for i in torch.randperm(len(order), generator=g).tolist()]
+        if order:
+            while len(order) < self.total_size:  # pad, as torch's DistributedSampler
+                order += order[:self.total_size - len(order)]
+        return order[self.rank:self.total_size:self.num_replicas]
+
+    def __iter__(self):
+        self.indices = self._mine()
+        return iter(self.indices)
+
+    def __len__(self):
+        return self.num_samples
 
 
 def run(func):
