@@ -13,8 +13,14 @@ the same result, rounded to the tensor's dtype. That moves size() - 1 tensors in
 where a ring allreduce moves about 2: it is meant for moderate rank counts, not for speed.
 prescale_factor multiplies each input, postscale_factor the result. A rank inside join()
 contributes nothing (the tree is over the ranks that called). Not differentiable; allreduce and
-its forms only (DistributedOptimizer's Adasum mode, which reduces parameter deltas, is not
-provided).
+its forms only, and DistributedOptimizer(op=Adasum) (optimizer_step below).
+
+DistributedOptimizer(op=Adasum), as Horovod's: gradients are not reduced; step() runs the
+wrapped optimizer on this rank's own gradients (its state, momentum say, stays this rank's),
+then each parameter's change over that step is combined over the ranks by Adasum and applied
+from where the step started, so every rank ends with the same parameters. Equal to Horovod's,
+which steps parameter by parameter from gradient hooks, for optimizers that update each
+parameter from its own gradient and state (SGD, Adam, ...: all of torch's but LBFGS).
 """
 import math
 
@@ -76,3 +82,26 @@ def call(tensor, name, pre, post, inplace, async_, process_set=None):
 
     return ops._issue(what, plan, job, async_, tensor if isinstance(tensor, torch.Tensor)
                       else None, process_set=process_set)
+
+
+def optimizer_step(params, inner_step, compression, process_set):
+    """DistributedOptimizer(op=Adasum).step(): params, (parameter, name) pairs in the same order
+    on every rank; inner_step(), the wrapped optimizer's step; returns its result. The deltas
+    travel as `compression` makes them (Compression.fp16: float16)."""
+    starts = [p.detach().clone() for p, _ in params]
+    loss = inner_step()
+    with torch.no_grad():
+        pending = []
+        for (p, name), start in zip(params, starts):
+            sent, cctx = compression.compress(p.detach() - start)
+            pending.append((call(sent, f"DistributedOptimizer.{name}", 1.0, 1.0, False, True,
+                                 process_set), cctx))
+        error = None
+        for (p, _), start, (handle, cctx) in zip(params, starts, pending):
+            try:
+                p.copy_(start + compression.decompress(ops.synchronize(handle), cctx))
+            except Exception as exc:  # noqa: BLE001 - wait for every handle, then raise
+                error = error or exc
+        if error is not None:
+            raise error
+    return loss

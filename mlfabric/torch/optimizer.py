@@ -52,6 +52,7 @@ from .. import collectives as _coll
 from .. import context as _context
 from .. import shared as _shared
 from ..errors import MismatchError, MlfabricError
+from . import adasum as _adasum
 from . import ops
 from .compression import Compression, check as _check_compression
 
@@ -120,6 +121,10 @@ class _DistributedOptimizer:
             order = params[::-1]
             if num_groups and groups is not None:
                 raise ValueError("pass groups or num_groups (its older name), not both")
+            if op == ops.Adasum and (num_groups or groups is not None or sparse_as_dense):
+                raise ValueError("DistributedOptimizer(op=Adasum) reduces each parameter's "
+                                 "step on its own: groups, num_groups and sparse_as_dense do "
+                                 "not apply")
             groups = num_groups if groups is None else groups
             groups = None if isinstance(groups, int) and groups == 0 else groups  # 0: none
             threshold = ops.fusion_threshold()
@@ -142,6 +147,9 @@ class _DistributedOptimizer:
              None if groups is None else plan)).encode())
         device = params[0].device if params else torch.device("cpu")
         shared = _construction_round(st, self._mlf_layout, device, None)
+        if op == ops.Adasum:  # no buckets, no hooks: step() reduces the parameters' deltas
+            self._mlf_adasum = [(p, names[id(p)]) for p in params]
+            plan = []
         flats = _bucket_buffers(st, [[order[i] for i in m] for m in plan], shared)
         self._mlf_buckets = [
             _Bucket(b, [order[i] for i in members], [names[id(order[i])] for i in members], fp16,
@@ -154,12 +162,8 @@ class _DistributedOptimizer:
         """(op, parameters, their names), or the error of a bad argument."""
         _check_compression(compression)
         op = ops._resolve_op(op, None)
-        if op == ops.Adasum:
-            raise ValueError("DistributedOptimizer: op Adasum (Horovod's optimizer that reduces "
-                             "parameter deltas) is not provided; use Average or Sum "
-                             "(allreduce itself takes op=Adasum)")
-        if op not in (ops.Average, ops.Sum):
-            raise ValueError(f"DistributedOptimizer supports op Average or Sum, got {op}")
+        if op not in (ops.Average, ops.Sum, ops.Adasum):
+            raise ValueError(f"DistributedOptimizer supports op Average, Sum or Adasum, got {op}")
         if gradient_predivide_factor != 1.0 and op != ops.Average:
             raise ValueError("gradient_predivide_factor needs op=Average")
         if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
@@ -246,8 +250,10 @@ class _DistributedOptimizer:
 
     def synchronize(self):
         """Finish reducing the gradients (they are then in .grad). Called by step() unless
-        inside skip_synchronize(); calling it again before the next backward pass does nothing."""
-        if self._mlf_synchronized:
+        inside skip_synchronize(); calling it again before the next backward pass does nothing.
+        With op=Adasum gradients stay local (step() reduces the parameters' deltas): nothing to
+        do."""
+        if self._mlf_synchronized or self._mlf_op == ops.Adasum:
             return
         self._mlf_start(force=True)
         error = None
@@ -298,6 +304,10 @@ class _DistributedOptimizer:
     # --- the wrapped optimizer's methods --------------------------------------------------------
 
     def step(self, closure=None):
+        if self._mlf_op == ops.Adasum:
+            return _adasum.optimizer_step(self._mlf_adasum, lambda: super(
+                _DistributedOptimizer, self).step(closure), self._mlf_compression,
+                self._mlf_process_set)
         if self._mlf_should_sync:
             self.synchronize()
         self._mlf_synchronized = False
@@ -474,8 +484,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          gradient_predivide_factor=1.0, num_groups=0, groups=None,
                          sparse_as_dense=False, process_set=None):
     """Wrap optimizer so that step() first averages (op=Average) or sums (op=Sum) the
-    gradients over all ranks. Returns an object of a subclass of the optimizer's class sharing
-    its parameter groups and state; use it in place of the optimizer.
+    gradients over all ranks (op=Adasum: steps on this rank's own gradients, then combines the
+    parameters' changes by Adasum; see adasum.py). Returns an object of a subclass of the
+    optimizer's class sharing its parameter groups and state; use it in place of the optimizer.
 
     named_parameters: model.named_parameters(), for names in messages (optional).
     compression: Compression.none or Compression.fp16 (gradients sent as float16).

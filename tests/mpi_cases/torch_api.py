@@ -215,6 +215,58 @@ def case_allreduce_adasum():
     assert hvd.allreduce(torch.ones(3), op=hvd.Sum).tolist() == [n] * 3
 
 
+def case_distributed_optimizer_adasum():
+    """op=Adasum: each rank steps its own optimizer (SGD with momentum, Adam: their state stays
+    local) on its own batch, then every parameter moves by the Adasum of the ranks' changes,
+    against a float64 simulation of every rank's optimizer and the tree; fp16 compression of
+    the changes within its rounding."""
+    n, r = hvd.size(), hvd.rank()
+    for make, compression, tol in (
+            (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), hvd.Compression.none, 1e-12),
+            (lambda ps: torch.optim.Adam(ps, lr=0.01), hvd.Compression.none, 1e-12),
+            (lambda ps: torch.optim.SGD(ps, lr=0.1), hvd.Compression.fp16, 2e-3)):
+        torch.manual_seed(3)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(),
+                                    torch.nn.Linear(4, 2)).double()
+        start = [p.detach().clone() for p in model.parameters()]
+        opt = hvd.DistributedOptimizer(make(model.parameters()), op=hvd.Adasum,
+                                       named_parameters=model.named_parameters(),
+                                       compression=compression)
+        # the reference: every rank's model copy and optimizer, stepped from the same weights
+        copies = []
+        for _ in range(n):
+            m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(),
+                                    torch.nn.Linear(4, 2)).double()
+            m.load_state_dict(model.state_dict())
+            copies.append((m, make(m.parameters())))
+        for step in range(3):
+            data = [(torch.from_numpy(np.random.default_rng(step * 10 + q).normal(0, 1, (5, 3))),
+                     torch.from_numpy(np.random.default_rng(step * 10 + q + 5).normal(0, 1,
+                                                                                    (5, 2))))
+                    for q in range(n)]
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(data[r][0]), data[r][1]).backward()
+            opt.step()
+            before = [p.detach().clone() for p in copies[0][0].parameters()]
+            deltas = []
+            for (m, o), (x, y) in zip(copies, data):
+                o.zero_grad()
+                torch.nn.functional.mse_loss(m(x), y).backward()
+                o.step()
+                deltas.append([(p - b).detach().numpy() for p, b in zip(m.parameters(), before)])
+            for i, b in enumerate(before):
+                combined = torch.from_numpy(_adasum_reference([d[i] for d in deltas]).reshape(
+                    b.shape))
+                for m, _ in copies:
+                    list(m.parameters())[i].data.copy_(b + combined)
+        for p, q in zip(model.parameters(), copies[0][0].parameters()):
+            assert torch.allclose(p, q, rtol=tol, atol=tol), (p - q).abs().max()
+        if n > 1:  # the ranks' changes differ: their Adasum is not their plain sum or mean
+            assert any((p - s).abs().max() > 1e-3 for p, s in zip(model.parameters(), start))
+        same_everywhere(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy(),
+                        "adasum weights")
+
+
 def case_grouped_allreduce():
     n, r = hvd.size(), hvd.rank()
     shapes = [((3, 4), "float32"), ((5,), "float64"), ((2, 2), "float32"), ((7,), "int32"),
@@ -1251,8 +1303,9 @@ def case_distributed_optimizer_guards():
     with pytest.raises(ValueError, match="not in it"):
         hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                  named_parameters=list(model.named_parameters())[:1])
-    with pytest.raises(ValueError, match="Adasum"):
-        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op="adasum")
+    with pytest.raises(ValueError, match="do not apply"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op="adasum",
+                                 num_groups=2)
     with pytest.raises(ValueError, match="backward_passes_per_step"):
         hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                  backward_passes_per_step=0)
