@@ -300,10 +300,10 @@ class _State:
     def root(self, root_rank, what):
         """root_rank (a global rank, as in Horovod, also in a process set) as a rank of this
         state's communicator, or ValueError."""
-        n = self.ctx.size if self.ranks is None else None
         if isinstance(root_rank, bool) or not isinstance(root_rank, (int, np.integer)):
             raise ValueError(f"{what}: root_rank must be an integer rank, got {root_rank!r}")
         if self.ranks is None:
+            n = self.ctx.size
             if not 0 <= root_rank < n:
                 raise ValueError(f"{what}: root_rank must be a rank in [0, {n}), got "
                                  f"{root_rank!r}")
