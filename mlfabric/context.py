@@ -2,8 +2,8 @@
 host-local communicator, the shared-memory transport (when all ranks share one host) and the
 executor that orders blocking and non-blocking calls. Owns init/finalize, and which context a
 thread works in: the process-wide one, or for the duration of using(ctx) another one made on a
-X every collective called inside runs
-on that communicator without each taking a context argument."""
+sub-communicator (mlfabric.torch's process sets, the torch backend's subgroups), so that every
+collective called inside runs on that communicator without each taking a context argument."""
 import atexit
 import contextlib
 import functools
