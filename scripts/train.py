@@ -4,6 +4,8 @@
     mpirun -n 4 python scripts/train.py --mode ps-async --tau-max 4
     mpirun -n 6 python scripts/train.py --mode ps-sync --stragglers C2 --network N1 --plot acc.png
     mpirun -n 4 python scripts/train.py --device cuda          # a GPU per rank, over NCCL
+    mpirun --with-ft ulfm --mca mpi_ft_detector true -n 4 python scripts/train.py --elastic \
+        --kill-rank 1@3                                      # rank 1 dies; the others go on
 
 Modes: allreduce (mlfabric.torch.DistributedOptimizer: every rank trains), ps-async (mlfabric-A:
 scheduled, aggregated, bounded staleness tau_max), ps-sync (mlfabric-S), ssp (slack --slack),
@@ -15,7 +17,10 @@ or --dataset synthetic (seeded blobs, no dependency); each worker trains on its 
 compute per step); --network N1..N3 paces the parameter-server data plane at emulated NIC rates
 (--base-rate bytes/s stands for the paper's 10 Gbps).
 The allreduce mode trains on the GPUs when every rank has one of its own (--device auto, the
-default; cuda insists, cpu declines); the parameter-server modes train on the CPU.
+default; cuda insists, cpu declines); the parameter-server modes train on the CPU. With
+--elastic (allreduce mode, under ULFM) the epochs run inside mlfabric.torch.elastic.run, committed
+after each: when a rank dies the survivors redo the epoch it died in on shards re-split among
+them, and carry on; --kill-rank R@E makes rank R SIGKILL itself as epoch E starts, to watch it.
 Output: a progress bar on the reporting rank (rank 0, or the first worker in the PS modes), one
 JSON line per epoch (--metrics FILE), a final summary line, and --plot FILE.png (test accuracy vs
 time).
@@ -66,6 +71,11 @@ def parse(argv=None):
     p.add_argument("--metrics", default=None, help="write per-epoch JSON lines here")
     p.add_argument("--plot", default=None, help="write test accuracy vs time here (PNG)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--elastic", action="store_true",
+                   help="allreduce mode: survive ranks that die (run under mpirun --with-ft ulfm "
+                   "--mca mpi_ft_detector true)")
+    p.add_argument("--kill-rank", default=None, metavar="R@E",
+                   help="with --elastic: rank R SIGKILLs itself as epoch E starts")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="allreduce mode: train on GPU local_rank over NCCL (cuda), or on the CPU; "
                    "auto takes the GPUs when every rank has one of its own")
@@ -78,6 +88,16 @@ def parse(argv=None):
     if args.device == "cuda" and args.mode != "allreduce":
         p.error("--device cuda is for --mode allreduce: the parameter-server modes train on the "
                 "CPU (their updates travel through the host data plane)")
+    if args.elastic and args.mode != "allreduce":
+        p.error("--elastic is for --mode allreduce")
+    if args.kill_rank is not None:
+        try:
+            args.kill_rank = tuple(int(v) for v in args.kill_rank.split("@"))
+            assert len(args.kill_rank) == 2
+        except (ValueError, AssertionError):
+            p.error(f"--kill-rank takes RANK@EPOCH, got {args.kill_rank!r}")
+        if not args.elastic:
+            p.error("--kill-rank is for trying --elastic")
     if args.epochs < 1 or args.batch_size < 1:
         p.error("--epochs and --batch-size must be >= 1")
     if args.compute_ms is None:
@@ -173,34 +193,77 @@ def pick_device(args, comm, hvd):
 def train_loop(args, model, opt, shard, test, worker, workers, report, compute,
                device="cpu"):
     """The same loop in every mode: epochs over this worker's shard, emulated compute per step."""
+    step, loss, acc = 0, float("nan"), float("nan")
+    base_lr = [g["lr"] for g in opt.param_groups]
+    for epoch in range(args.epochs):
+        step, loss, acc = train_epoch(args, model, opt, shard, test, worker, report, compute,
+                                      device, epoch, step, base_lr)
+    return step, loss, acc
+
+
+def train_epoch(args, model, opt, shard, test, worker, report, compute, device, epoch, step,
+                base_lr):
+    """One epoch over this worker's shard; (steps so far, last loss, test accuracy)."""
     import torch
     from mlfabric.workloads import data, models
     X, y = shard
     loss_fn = torch.nn.CrossEntropyLoss()
-    step, loss = 0, float("nan")
-    base_lr = [g["lr"] for g in opt.param_groups]
-    for epoch in range(args.epochs):
-        # cosine decay per epoch: the last epochs take small steps, so the final accuracy is the
-        # plateau's and not one noisy (stale, in the asynchronous modes) step's
-        for g, lr in zip(opt.param_groups, base_lr):
-            g["lr"] = lr * 0.5 * (1 + math.cos(math.pi * epoch / args.epochs))
-        model.train()
-        for xb, yb in data.batches(X, y, args.batch_size, args.seed + worker, epoch):
-            opt.zero_grad()
-            out = loss_fn(model(torch.from_numpy(xb).to(device)),
-                          torch.from_numpy(yb).long().to(device))
-            out.backward()
-            if compute is not None:
-                time.sleep(compute.time(worker, step))
-            opt.step()
-            loss = out.item()
-            step += 1
-            report.step(loss)
-        model.eval()
-        with torch.no_grad():
-            acc = models.accuracy(model, *test)
-        report.epoch(epoch, step, loss, acc)
+    loss = float("nan")
+    # cosine decay per epoch: the last epochs take small steps, so the final accuracy is the
+    # plateau's and not one noisy (stale, in the asynchronous modes) step's
+    for g, lr in zip(opt.param_groups, base_lr):
+        g["lr"] = lr * 0.5 * (1 + math.cos(math.pi * epoch / args.epochs))
+    model.train()
+    for xb, yb in data.batches(X, y, args.batch_size, args.seed + worker, epoch):
+        opt.zero_grad()
+        out = loss_fn(model(torch.from_numpy(xb).to(device)),
+                      torch.from_numpy(yb).long().to(device))
+        out.backward()
+        if compute is not None:
+            time.sleep(compute.time(worker, step))
+        opt.step()
+        loss = out.item()
+        step += 1
+        report.step(loss)
+    model.eval()
+    with torch.no_grad():
+        acc = models.accuracy(model, *test)
+    report.epoch(epoch, step, loss, acc)
     return step, loss, acc
+
+
+def train_elastic(args, model, opt, data_xy, test, report, compute, device, hvd):
+    """--elastic: the epochs inside hvd.elastic.run, each on this rank's shard of the ranks
+    alive, committed after it. Returns (steps, last loss, test accuracy, ranks at the end)."""
+    import signal
+    from mpi4py import MPI
+    from mlfabric.workloads import data
+    me = MPI.COMM_WORLD.rank
+    base_lr = [g["lr"] for g in opt.param_groups]
+    state = hvd.elastic.TorchState(model, opt, epoch=0, step=0, loss=float("nan"),
+                                   acc=float("nan"))
+
+    def on_reset():
+        report.active = hvd.rank() == 0  # the summary comes from whoever is rank 0 now
+        if report.active:
+            print(f"train.py: a rank died; {hvd.size()} rank(s) go on from epoch {state.epoch}",
+                  flush=True)
+    state.register_reset_callbacks([on_reset])
+
+    @hvd.elastic.run
+    def epochs(state):
+        while state.epoch < args.epochs:
+            if args.kill_rank == (me, state.epoch):
+                os.kill(os.getpid(), signal.SIGKILL)
+            shard = data.shard(*data_xy, hvd.rank(), hvd.size())
+            state.step, state.loss, state.acc = train_epoch(
+                args, model, opt, shard, test, hvd.rank(), report, compute, device, state.epoch,
+                state.step, base_lr)
+            state.epoch += 1
+            state.commit()
+        return state.step, state.loss, state.acc, hvd.size()
+
+    return epochs(state)
 
 
 def steps_per_epoch(n, batch_size):
@@ -235,8 +298,12 @@ def main(argv=None):
         compute = emu.compute_trace(size, args.compute_ms / 1e3) if args.compute_ms else None
         report = Reporter(args, args.epochs * steps_per_epoch(len(shard[0]), args.batch_size),
                           rank == 0)
-        steps, loss, acc = train_loop(args, model, opt, shard, (Xt, yt), rank, size, report,
-                                      compute, device)
+        if args.elastic:
+            steps, loss, acc, size = train_elastic(args, model, opt, (X, y), (Xt, yt), report,
+                                                   compute, device, hvd)
+        else:
+            steps, loss, acc = train_loop(args, model, opt, shard, (Xt, yt), rank, size, report,
+                                          compute, device)
         report.final(ranks=size, workers=size, steps=steps, loss=loss, test_accuracy=acc,
                      wall_s=time.monotonic() - t0, device=str(device))
         hvd.shutdown()

@@ -1,6 +1,7 @@
 """The torch.distributed backend "mlfabric" (mlfabric/torch/backend.py) under real mpirun at 2 and
-3 ranks (its subgroups also at 4): every collective through torch.distributed against a float64 reference, errors on every
-rank, DDP over mlfabric against DDP over gloo in the same job (tests/mpi_cases/torch_backend.py)."""
+3 ranks (its subgroups also at 4): every collective through torch.distributed against a float64
+reference, errors on every rank, DDP over mlfabric against DDP over gloo in the same job
+(tests/mpi_cases/torch_backend.py)."""
 import pytest
 
 from tests.mpi_util import run_cases

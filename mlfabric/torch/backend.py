@@ -20,10 +20,10 @@ requires; only the members reach the backend). A group of fewer than every rank 
 of its own (mlfabric.context.Context on a communicator made among its members alone,
 MPI_Comm_create_group: its own shared memory, queue, NCCL communicator), and each of its calls
 runs in that context (context.using), so groups run independently; it is freed at mlfabric's
-finalize (destroy_process_group does not free it sooner). CUDA tensors move over NCCL (mlfabric's GPU path);
-results that need a copy back (lists of several tensors, widened dtypes) are copied on the
-stream that was current when the call was made. torch's timeout argument is not used:
-mlfabric's own bound (MLFABRIC_TIMEOUT) applies.
+finalize (destroy_process_group does not free it sooner). CUDA tensors move over NCCL
+(mlfabric's GPU path); results that need a copy back (lists of several tensors, widened dtypes)
+are copied on the stream that was current when the call was made. torch's timeout argument is
+not used: mlfabric's own bound (MLFABRIC_TIMEOUT) applies.
 
 Calls: every torch call is one mlfabric call, in the order issued. Collectives are non-blocking:
 Work.wait() returns, and the Work's future completes, when mlfabric is done; send, recv, reduce

@@ -22,11 +22,11 @@ change), calls the reset callbacks, makes every rank hold the new rank 0's commi
 (sync()), and calls the function again. Process sets do not survive a reset (add them again in
 a reset callback).
 
-Owns State / ObjectState / TorchState, ElasticSampler and run(). Differences from Horovod: ranks are only lost,
-never added (mpirun fixes a job's processes), so there are no host updates to check; the
-failure that triggers a reset is mlfabric's (PeerTimeoutError, or an error caused by a failed
-or revoked MPI process), and without ULFM a reset is refused with an error saying so (Open MPI
-ends the whole job when a rank dies, unless run with --with-ft ulfm).
+Owns State / ObjectState / TorchState, ElasticSampler and run(). Differences from Horovod:
+ranks are only lost, never added (mpirun fixes a job's processes), so there are no host updates
+to check; the failure that triggers a reset is mlfabric's (PeerTimeoutError, or an error caused
+by a failed or revoked MPI process), and without ULFM a reset is refused with an error saying
+so (Open MPI ends the whole job when a rank dies, unless run with --with-ft ulfm).
 """
 import copy
 import functools
