@@ -17,7 +17,15 @@ from .errors import MlfabricError, NotInitializedError
 
 _ctx = None
 _lock = threading.Lock()
-_local = threading.local()  # .ctx: the context using() put in force on this thread, or absent
+
+
+class _ThreadContext(threading.local):
+    # A class attribute, so reading it where no context was put in force finds None without
+    # raising inside (getattr(local, "ctx", None) cost ~0.6 us here, on every collective).
+    ctx = None  # the context using() put in force on this thread
+
+
+_local = _ThreadContext()
 
 
 class Context:
@@ -126,7 +134,7 @@ def initialized():
 
 def get():
     """The context in force on this thread (see using()), or NotInitializedError."""
-    ctx = getattr(_local, "ctx", None)
+    ctx = _local.ctx
     if ctx is not None:
         return ctx
     if _ctx is None:
@@ -137,7 +145,7 @@ def get():
 @contextlib.contextmanager
 def using(ctx):
     """Run the body with get() returning ctx on this thread (nested uses restore the outer)."""
-    outer = getattr(_local, "ctx", None)
+    outer = _local.ctx
     _local.ctx = ctx
     try:
         yield ctx
