@@ -95,7 +95,7 @@ def test_elastic_training_survives_a_killed_rank():
     """--elastic under ULFM: rank 1 of 4 dies as epoch 3 starts; the 3 others redo that epoch on
     re-split shards and still reach 95% on digits, with rank 0's summary naming 3 ranks."""
     proc = run_mpi(4, [SCRIPT, "--elastic", "--kill-rank", "1@3", "--quiet"], timeout=240,
-                   env={"MLFABRIC_TIMEOUT": "5"},
+                   env={"MLFABRIC_TIMEOUT": "10"},
                    mpirun_args=("--with-ft", "ulfm", "--mca", "mpi_ft_detector", "true"))
     assert "3 rank(s) go on from epoch 3" in proc.stdout, proc.stdout
     r = result(proc.stdout)

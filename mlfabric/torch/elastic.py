@@ -233,13 +233,22 @@ class ElasticSampler(torch.utils.data.Sampler):
 def run(func):
     """Decorate a training function func(state, ...): it runs after state.sync(); when a rank
     dies inside it, the survivors restore the last commit, shrink to themselves, re-initialise,
-    run the reset callbacks, sync, and call func again. Returns func's result."""
+    run the reset callbacks, sync, and call func again. Returns func's result once every rank
+    has returned from it (a barrier). A live rank slower than MLFABRIC_TIMEOUT looks dead to the
+    others: they reset, it fails its next call and resets with them, and all go on (at the same
+    size, from the last commit)."""
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
+        from .ops import barrier
         while True:
             try:
                 state.sync()
-                return func(state, *args, **kwargs)
+                result = func(state, *args, **kwargs)
+                # Done only when every rank is: a rank whose last call failed (a peer slower
+                # than MLFABRIC_TIMEOUT looks dead too) is shrinking, and would wait forever for
+                # one that had returned; this barrier fails there too and brings it along.
+                barrier()
+                return result
             except Exception as exc:  # noqa: BLE001 - only failures are handled, see below
                 if not is_failure(exc):
                     raise
@@ -261,7 +270,7 @@ def _shrink_and_reinit(cause):
     """Revoke mlfabric's communicator and the user's, shrink the latter to the ranks alive,
     and initialise mlfabric on that. Collective over the survivors (each gets here when its own
     call fails: ULFM's shrink waits for all of them)."""
-    from . import init, shutdown
+    from . import init, ops, shutdown
     ctx = _context.get()
     user = ctx.user_comm
     if not _ulfm_enabled():  # Open MPI's shrink would wait forever without it
@@ -277,6 +286,10 @@ def _shrink_and_reinit(cause):
             "elastic: a peer failed and the survivors cannot shrink the communicator to "
             f"themselves ({exc}); run under ULFM: mpirun --with-ft ulfm --mca mpi_ft_detector "
             "true ...") from cause
-    ctx.abandoned = True  # so its close frees nothing collectively: the dead would not join
+    # so their close frees nothing collectively: the dead would not join (process sets too)
+    ctx.abandoned = True
+    for _, sub in ops._state().sets.values():
+        if sub is not None:
+            sub.ctx.abandoned = True
     shutdown()
     init(survivors)
