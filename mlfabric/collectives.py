@@ -182,7 +182,7 @@ def allreduce(x, op="sum", out=None, algorithm="auto"):
     op: sum, prod, min, max, avg (avg: floating dtypes). out=None returns a new array; pass
     out=x to reduce in place. algorithm: auto (shared memory on one host, else by size), shm,
     ring, rhd (recursive halving-doubling), tree. Every rank gets bitwise the same result."""
-    ctx = context._local.ctx or context._ctx  # context.get(), unchecked
+    ctx = (context._subs and context._local.ctx) or context._ctx  # context.get(), unchecked
     # Direct path: numpy arrays on one host skip the general machinery (microseconds of Python
     # that would dominate calls up to ~1 MiB) through a prepared engine call. Same protocol, same
     # header checks. Shared buffers longer than one step take the general path, for zero-copy.

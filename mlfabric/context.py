@@ -26,6 +26,10 @@ class _ThreadContext(threading.local):
 
 
 _local = _ThreadContext()
+# True once a context on a sub-communicator exists (sub_context()): only then can a thread have
+# another context in force, so until then get() and allreduce's direct path skip the
+# thread-local read (~0.1 us, a twentieth of a small allreduce's latency here).
+_subs = False
 
 
 class Context:
@@ -119,13 +123,14 @@ def init(comm=None):
 def finalize():
     """Finish pending non-blocking calls and free mlfabric's communicators and shared memory.
     Collective. Arrays from shared_empty() must not be used afterwards."""
-    global _ctx
+    global _ctx, _subs
     with _lock:
         if _ctx is None or MPI.Is_finalized():
             _ctx = None
             return
         ctx, _ctx = _ctx, None
         ctx.close()
+        _subs = False  # closed with it (their owners free them first)
 
 
 def initialized():
@@ -134,12 +139,21 @@ def initialized():
 
 def get():
     """The context in force on this thread (see using()), or NotInitializedError."""
-    ctx = _local.ctx
-    if ctx is not None:
-        return ctx
+    if _subs:
+        ctx = _local.ctx
+        if ctx is not None:
+            return ctx
     if _ctx is None:
         raise NotInitializedError("mlfabric is not initialised: call mlfabric.init() first")
     return _ctx
+
+
+def sub_context(comm):
+    """A Context on comm, a communicator of some of the process-wide context's ranks, for
+    using(): mlfabric.torch's process sets and the torch backend's subgroups."""
+    global _subs
+    _subs = True
+    return Context(comm)
 
 
 @contextlib.contextmanager

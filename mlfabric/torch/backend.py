@@ -672,7 +672,7 @@ def _group_context(ranks):
     world = _context.get()
     comm = world.comm.Create_group(world.comm.group.Incl(ranks), _GROUP_TAG)
     try:
-        ctx = _context.Context(comm)
+        ctx = _context.sub_context(comm)
     except BaseException:
         comm.Free()
         raise

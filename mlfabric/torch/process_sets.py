@@ -121,7 +121,8 @@ def add_process_set(process_set):
         state = None
         if member:
             try:
-                state = ops._State(_context.Context(sub), parent=st, ranks=tuple(ps.ranks))
+                state = ops._State(_context.sub_context(sub), parent=st,
+                                   ranks=tuple(ps.ranks))
             except BaseException:
                 sub.Free()
                 raise
