@@ -156,6 +156,15 @@ def sub_context(comm):
     return Context(comm)
 
 
+def close_sub_context(ctx):
+    """Close a sub_context() and free the communicator it was made on (collective over its
+    ranks; skipped when it is broken: a dead member would hold the free up)."""
+    broken = ctx.broken()
+    ctx.close()
+    if not broken:
+        ctx.user_comm.Free()
+
+
 @contextlib.contextmanager
 def using(ctx):
     """Run the body with get() returning ctx on this thread (nested uses restore the outer)."""

@@ -676,13 +676,7 @@ def _group_context(ranks):
     except BaseException:
         comm.Free()
         raise
-
-    def close():
-        broken = ctx.broken()
-        ctx.close()
-        if not broken:  # freeing is collective over the members
-            comm.Free()
-    world.on_close.append(close)
+    world.on_close.append(functools.partial(_context.close_sub_context, ctx))
     return ctx
 
 

@@ -316,10 +316,7 @@ class _State:
     def close(self):
         """A process set's: finish its queued calls, free its context (collective over it)."""
         self.queue.shutdown()
-        broken = self.ctx.broken()
-        self.ctx.close()
-        if not broken:  # freeing is collective: a dead member would hold it up
-            self.ctx.user_comm.Free()
+        _context.close_sub_context(self.ctx)
 
 
 _S = None
