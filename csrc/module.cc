@@ -1,5 +1,6 @@
 // module.cc — the private native module mlfabric._C: kernels (bind_kernels.cc), the
-// shared-memory collective engine (bind_shm.cc) and the scheduler's fast path (bind_sched.cc).
+// shared-memory collective engine (bind_shm.cc), the scheduler's fast path (bind_sched.cc) and
+// the bounded exit after a peer failure (exit_watchdog.cc).
 // The public API lives in Python (mlfabric/).
 #include <pybind11/pybind11.h>
 
@@ -7,6 +8,7 @@ namespace mlf {
 void bind_kernels(pybind11::module_& m);
 void bind_shm(pybind11::module_& m);
 void bind_sched(pybind11::module_& m);
+void bind_exit_watchdog(pybind11::module_& m);
 }  // namespace mlf
 
 PYBIND11_MODULE(_C, m) {
@@ -14,4 +16,5 @@ PYBIND11_MODULE(_C, m) {
   mlf::bind_kernels(m);
   mlf::bind_shm(m);
   mlf::bind_sched(m);
+  mlf::bind_exit_watchdog(m);
 }

@@ -18,6 +18,7 @@ _os.environ.setdefault("OMPI_MCA_osc", "^ucx")
 import importlib as _importlib  # noqa: E402
 
 from . import _C  # noqa: E402
+from . import exit_guard as _exit_guard  # noqa: E402,F401 (its exit handler runs last)
 from .errors import MismatchError, MlfabricError, NotInitializedError, PeerTimeoutError  # noqa
 
 # The communication API is imported on first use (PEP 562), not with the package: importing MPI

@@ -15,6 +15,7 @@ import traceback
 
 from mpi4py import MPI
 
+from .. import exit_guard
 from ..errors import MlfabricError
 from .monitor import Reporter
 
@@ -74,6 +75,7 @@ class Daemon(threading.Thread):
                 rt.dp.forget_peer(r)
             return
         rt.failed.update(new)
+        exit_guard.peer_failed()  # Open MPI's finalize may now wait on the dead forever
         if DEBUG:
             _debug(rt, "ranks %s failed" % new)
         lost = []

@@ -36,6 +36,7 @@ import torch
 from mpi4py import MPI
 
 from .. import context as _context
+from .. import exit_guard
 from ..errors import MlfabricError, PeerTimeoutError
 
 _FAILED = {MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED}
@@ -271,6 +272,7 @@ def _shrink_and_reinit(cause):
     and initialise mlfabric on that. Collective over the survivors (each gets here when its own
     call fails: ULFM's shrink waits for all of them)."""
     from . import init, ops, shutdown
+    exit_guard.peer_failed()  # Open MPI's finalize may now wait on the dead forever
     ctx = _context.get()
     user = ctx.user_comm
     if not _ulfm_enabled():  # Open MPI's shrink would wait forever without it

@@ -1,0 +1,52 @@
+"""A bounded exit once a peer has died.
+
+Open MPI's MPI_Finalize ends with a fence over every process the job started, the dead
+included; under ULFM that fence sometimes never completes (about 1 run in 7 of a 3-rank job on
+this 2-core machine with one rank SIGKILLed and the others shrunk: a plain mpi4py program, no
+mlfabric; open-mpi/ompi#11404). mlfabric calls peer_failed() when it learns a peer died (an
+elastic reset, the parameter-server runtime's failure handling); from then on, at interpreter
+exit, once mlfabric's own exit handlers are done, a native watchdog (_C.arm_exit_watchdog) gives
+MPI_Finalize MLFABRIC_TIMEOUT seconds, then says so on stderr and ends the process: with status 1
+if an exception went uncaught, else 0 (a status given to sys.exit is not seen: Python does not
+show it to exit handlers). A job where nobody died exits as it always did."""
+import atexit
+import sys
+
+from . import _C
+from ._config import timeout_s
+
+_armed = False       # a peer died: bound the exit
+_uncaught = False    # an exception reached sys.excepthook
+
+
+def peer_failed():
+    """Record that a peer of this process died, so its exit is bounded (idempotent)."""
+    global _armed
+    if _armed:
+        return
+    _armed = True
+    previous = sys.excepthook
+
+    def excepthook(*exc):
+        global _uncaught
+        _uncaught = True
+        previous(*exc)
+
+    sys.excepthook = excepthook
+
+
+def _at_exit():
+    if not _armed:
+        return
+    seconds = timeout_s()
+    status = 1 if _uncaught else 0
+    _C.arm_exit_watchdog(seconds, status, (
+        f"mlfabric: exit not done {seconds:g} s (MLFABRIC_TIMEOUT) after a peer failure: Open "
+        "MPI's MPI_Finalize can wait forever on a dead process under ULFM; exiting without it, "
+        f"status {status}\n"))
+
+
+# Registered when mlfabric is imported, before its own exit handlers (context.finalize, the
+# torch layer's: bounded by their own waits), so it runs after them (atexit runs last-registered
+# first) and the timer covers MPI_Finalize (mpi4py's, a C-level exit function run after all).
+atexit.register(_at_exit)
