@@ -10,7 +10,8 @@ Horovod runs on mlfabric:
     hvd.broadcast / broadcast_ (+ _async), hvd.alltoall (+ _async), hvd.reducescatter
     (+ _async), hvd.synchronize, hvd.poll,
     hvd.join, hvd.barrier, hvd.Average / Sum / Min / Max / Product, hvd.Compression,
-    hvd.DistributedOptimizer, hvd.broadcast_parameters, hvd.broadcast_optimizer_state,
+    hvd.DistributedOptimizer (hvd.PartialDistributedOptimizer: some layers kept local),
+    hvd.broadcast_parameters, hvd.broadcast_optimizer_state,
     hvd.broadcast_object, hvd.allgather_object, hvd.grouped_allgather / grouped_reducescatter,
     hvd.SyncBatchNorm, hvd.start_timeline / stop_timeline,
     hvd.ProcessSet, hvd.global_process_set, hvd.add_process_set, hvd.remove_process_set
@@ -49,7 +50,7 @@ from .ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_
                   synchronize)
 from .grouped_ops import (grouped_allgather, grouped_allgather_async, grouped_reducescatter,
                           grouped_reducescatter_async)
-from .optimizer import DistributedOptimizer
+from .optimizer import DistributedOptimizer, PartialDistributedOptimizer
 from .process_sets import (ProcessSet, add_process_set, global_process_set,
                            remove_process_set)
 from .process_sets import _on_init as _init_process_sets
@@ -194,9 +195,10 @@ __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "
            "allgather", "allgather_async", "broadcast", "broadcast_", "broadcast_async",
            "broadcast_async_", "alltoall", "alltoall_async", "synchronize", "poll", "join",
            "barrier", "Adasum", "Average", "Sum", "Min", "Max", "Product", "Compression",
-           "DistributedOptimizer", "SyncBatchNorm", "broadcast_parameters",
-           "broadcast_optimizer_state", "broadcast_object", "allgather_object", "mpi_built",
-           "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built",
-           "cuda_built", "rocm_built", "ddl_built", "ccl_built", "MlfabricError", "MismatchError",
-           "NotInitializedError", "PeerTimeoutError", "PSOptimizer", "ps_init", "serve_model",
-           "ProcessSet", "global_process_set", "add_process_set", "remove_process_set"]
+           "DistributedOptimizer", "PartialDistributedOptimizer", "SyncBatchNorm",
+           "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
+           "allgather_object", "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built",
+           "gloo_enabled", "nccl_built", "cuda_built", "rocm_built", "ddl_built", "ccl_built",
+           "MlfabricError", "MismatchError", "NotInitializedError", "PeerTimeoutError",
+           "PSOptimizer", "ps_init", "serve_model", "ProcessSet", "global_process_set",
+           "add_process_set", "remove_process_set"]

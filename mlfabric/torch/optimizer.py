@@ -108,7 +108,8 @@ class _DistributedOptimizer:
     """Mixed in front of the wrapped optimizer's class (see DistributedOptimizer())."""
 
     def _mlf_setup(self, named_parameters, compression, backward_passes_per_step, op,
-                   gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set):
+                   gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set,
+                   local_layers=None):
         # A rank whose arguments are bad still takes part in the construction round, so that its
         # peers fail at once (MismatchError naming it) instead of waiting for it.
         self._mlf_process_set = process_set
@@ -116,7 +117,8 @@ class _DistributedOptimizer:
         try:
             op, params, names = self._mlf_check(named_parameters, compression,
                                                 backward_passes_per_step, op,
-                                                gradient_predivide_factor)
+                                                gradient_predivide_factor,
+                                                _local_parameters(local_layers))
             # Buckets from the parameters in reverse order: the last layers' gradients first.
             order = params[::-1]
             if num_groups and groups is not None:
@@ -158,8 +160,9 @@ class _DistributedOptimizer:
         self._mlf_finish_setup(st, flats)
 
     def _mlf_check(self, named_parameters, compression, backward_passes_per_step, op,
-                   gradient_predivide_factor):
-        """(op, parameters, their names), or the error of a bad argument."""
+                   gradient_predivide_factor, local):
+        """(op, parameters to reduce, their names), or the error of a bad argument. local: ids
+        of parameters that keep this rank's gradient (PartialDistributedOptimizer)."""
         _check_compression(compression)
         op = ops._resolve_op(op, None)
         if op not in (ops.Average, ops.Sum, ops.Adasum):
@@ -172,7 +175,7 @@ class _DistributedOptimizer:
         params, seen = [], set()
         for group in self.param_groups:
             for p in group["params"]:
-                if p.requires_grad and id(p) not in seen:
+                if p.requires_grad and id(p) not in seen and id(p) not in local:
                     seen.add(id(p))
                     params.append(p)
         names = _names(named_parameters, params)
@@ -439,6 +442,17 @@ def _names(named_parameters, params):
     return by_id
 
 
+def _local_parameters(local_layers):
+    """ids of the parameters of local_layers (None: DistributedOptimizer, nothing local)."""
+    if local_layers is None:
+        return frozenset()
+    if not isinstance(local_layers, (list, tuple)) or not all(
+            isinstance(m, torch.nn.Module) for m in local_layers):
+        raise TypeError("local_layers must be a list of torch.nn.Module, got "
+                        f"{local_layers!r:.80}")
+    return frozenset(id(p) for m in local_layers for p in m.parameters())
+
+
 def _grouped_plan(order, groups):
     """Buckets (lists of indices into order, the parameters in reverse) from Horovod's groups:
     an int k > 0 splits order into k runs of near-equal count; a list of lists of parameters
@@ -503,6 +517,28 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     The parameters' .grad become views of the optimizer's gradient buckets (see the module
     docstring); leave them alone between backward() and step() / synchronize().
     """
+    return _wrap(optimizer, named_parameters, compression, backward_passes_per_step, op,
+                 gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set,
+                 None)
+
+
+def PartialDistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
+                                backward_passes_per_step=1, op=ops.Average,
+                                gradient_predivide_factor=1.0, num_groups=0, groups=None,
+                                sparse_as_dense=False, process_set=None, local_layers=None):
+    """DistributedOptimizer, except that the parameters of local_layers (a list of
+    torch.nn.Module) keep this rank's own gradients: they are not reduced, and may differ in
+    number and shape between ranks (a per-rank head, say), as in Horovod's
+    PartialDistributedOptimizer. The other arguments are DistributedOptimizer's; groups may not
+    name a local parameter."""
+    return _wrap(optimizer, named_parameters, compression, backward_passes_per_step, op,
+                 gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set,
+                 [] if local_layers is None else local_layers)
+
+
+def _wrap(optimizer, named_parameters, compression, backward_passes_per_step, op,
+          gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set,
+          local_layers):
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
@@ -513,5 +549,5 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     wrapped.__dict__.update(optimizer.__dict__)  # shares param_groups, state and hooks
     wrapped._mlf_setup(named_parameters, compression, backward_passes_per_step, op,
                        gradient_predivide_factor, num_groups, groups, sparse_as_dense,
-                       process_set)
+                       process_set, local_layers)
     return wrapped

@@ -1612,6 +1612,68 @@ def case_sparse_tensors_refused_on_every_rank():
     assert [o.tolist() for o in outs] == [[n] * 3, [[n, n], [n, n]]]
 
 
+def _partial_model(rank, seed=5):
+    """A shared trunk and a head local to `rank`, whose width differs between ranks."""
+    g = torch.Generator().manual_seed(seed)
+    trunk = torch.nn.Linear(4, 6).double()
+    head = torch.nn.Linear(6, 2 + rank % 2).double()
+    with torch.no_grad():
+        for p in trunk.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
+        g2 = torch.Generator().manual_seed(seed + 100 + rank)
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape, generator=g2, dtype=torch.float64))
+    return torch.nn.Sequential(trunk, torch.nn.Tanh(), head)
+
+
+def _partial_batch(rank, step, passes):
+    g = torch.Generator().manual_seed(1000 * step + 10 * rank + passes)
+    return torch.randn(3 + rank, 4, generator=g, dtype=torch.float64)
+
+
+def case_partial_distributed_optimizer_keeps_local_layers_local():
+    """PartialDistributedOptimizer(local_layers=[head]): the trunk's gradients are averaged,
+    each rank's head (of a different width on odd ranks) steps on its own gradient; against
+    a float64 simulation of every rank in one process, to 1e-10, over SGD with momentum and
+    two backward passes a step. A bad local_layers on one rank fails everywhere."""
+    n, r = hvd.size(), hvd.rank()
+    loss = lambda m, x: (m(x) ** 2).sum()  # noqa: E731
+    model = _partial_model(r)
+    opt = hvd.PartialDistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        named_parameters=model.named_parameters(), backward_passes_per_step=2,
+        local_layers=[model[2]])
+    refs = [_partial_model(k) for k in range(n)]
+    ref_opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in refs]
+    for step in range(3):
+        opt.zero_grad()
+        for k in range(2):
+            loss(model, _partial_batch(r, step, k)).backward()
+        opt.step()
+        for rank, (m, o) in enumerate(zip(refs, ref_opts)):
+            o.zero_grad()
+            for k in range(2):
+                loss(m, _partial_batch(rank, step, k)).backward()
+        for i, _ in enumerate(refs[0][0].parameters()):  # the trunk: averaged over the ranks
+            mean = sum(list(m[0].parameters())[i].grad for m in refs) / n
+            for m in refs:
+                list(m[0].parameters())[i].grad = mean.clone()
+        for o in ref_opts:
+            o.step()
+    diff = _max_diff(model, refs[r])
+    assert diff < 1e-10, f"weights differ from the float64 simulation by {diff}"
+    trunk = torch.cat([p.detach().reshape(-1) for p in model[0].parameters()])
+    same_everywhere(trunk, "the trunk")
+    bad = {"local_layers": [model[2].weight] if r == 0 else [model[2]]}
+    if r == 0:
+        with pytest.raises(TypeError, match="local_layers must be a list of torch.nn.Module"):
+            hvd.PartialDistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), **bad)
+    elif n > 1:
+        with pytest.raises(hvd.MismatchError, match=r"rank\(s\) \[0\] refused their"):
+            hvd.PartialDistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), **bad)
+    _still_works()
+
+
 def case_distributed_optimizer_bad_arguments_on_one_rank_fail_everywhere():
     """Arguments refused on one rank only (an unsupported op; a parameter of an unsupported
     dtype) are that rank's error and a MismatchError naming it on the others, at construction;
