@@ -4,11 +4,13 @@ Open MPI's MPI_Finalize ends with a fence over every process the job started, th
 included; under ULFM that fence sometimes never completes (about 1 run in 7 of a 3-rank job on
 this 2-core machine with one rank SIGKILLed and the others shrunk: a plain mpi4py program, no
 mlfabric; open-mpi/ompi#11404). mlfabric calls peer_failed() when it learns a peer died (an
-elastic reset, the parameter-server runtime's failure handling); from then on, at interpreter
-exit, once mlfabric's own exit handlers are done, a native watchdog (_C.arm_exit_watchdog) gives
-MPI_Finalize MLFABRIC_TIMEOUT seconds, then says so on stderr and ends the process: with status 1
-if an exception went uncaught, else 0 (a status given to sys.exit is not seen: Python does not
-show it to exit handlers). A job where nobody died exits as it always did."""
+elastic reset, the parameter-server runtime's failure handling), and at exit also asks MPI
+whether any process of the job is known to have failed (a rank told of a failure by a peer
+meets none itself); either way, at interpreter exit, once mlfabric's own exit handlers are
+done, a native watchdog (_C.arm_exit_watchdog) gives MPI_Finalize MLFABRIC_TIMEOUT seconds, then
+says so on stderr and ends the process: with status 1 if an exception went uncaught, else 0 (a
+status given to sys.exit is not seen: Python does not show it to exit handlers). A job where
+nobody died exits as it always did."""
 import atexit
 import sys
 
@@ -35,8 +37,23 @@ def peer_failed():
     sys.excepthook = excepthook
 
 
+def _world_has_failed():
+    """Whether MPI knows a process of the job has died (ULFM's failure detector tells every
+    rank, including those whose own calls never met the dead one: ranks told of a failure by a
+    peer, or not at all). Never starts MPI."""
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is None:
+        return False
+    try:
+        if not MPI.Is_initialized() or MPI.Is_finalized():
+            return False
+        return MPI.COMM_WORLD.Get_failed().Get_size() > 0
+    except Exception:  # noqa: BLE001 - an MPI without ULFM: nothing known to have failed
+        return False
+
+
 def _at_exit():
-    if not _armed:
+    if not (_armed or _world_has_failed()):
         return
     seconds = timeout_s()
     status = 1 if _uncaught else 0

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from .mpi_util import ROOT
+from .mpi_util import ROOT, run_mpi
 
 STUCK_EXIT = "import atexit, time\natexit.register(time.sleep, 3600)\n"
 
@@ -49,3 +49,33 @@ def test_an_exit_that_finishes_keeps_its_own_status():
     status, _, err, _ = _run("import sys, mlfabric\nfrom mlfabric import exit_guard\n"
                                 "exit_guard.peer_failed()\nexit_guard.peer_failed()\nsys.exit(3)\n")
     assert status == 3 and "mlfabric" not in err, (status, err)
+
+
+NEVER_MET = STUCK_EXIT + """\
+import os, signal
+from mpi4py import MPI
+import mlfabric
+w = MPI.COMM_WORLD
+pair = w.Split(int(w.rank == w.size - 1))  # the survivors' own communicator
+if w.rank == w.size - 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+# No call of theirs meets the dead rank: ULFM's detector tells them (their calls on their own
+# communicator give it progress). They leave together, once both know (or after ~30 s).
+for _ in range(600):
+    if pair.allreduce(w.Get_failed().Get_size(), op=MPI.MIN):
+        break
+    time.sleep(0.05)
+print("RESULT known", w.Get_failed().Get_size(), flush=True)
+"""
+
+
+@pytest.mark.mpi
+def test_ranks_that_never_met_the_dead_one_exit_bounded_too():
+    """Under ULFM, ranks whose own calls never failed (as ranks told of a failure by a peer):
+    mlfabric's exit asks MPI whether a process of the job died, and bounds the exit."""
+    proc = run_mpi(3, ["-c", NEVER_MET], timeout=90, env={"MLFABRIC_TIMEOUT": "1"},
+                   mpirun_args=("--with-ft", "ulfm", "--mca", "mpi_ft_detector", "true"))
+    out = proc.stdout
+    assert out.count("RESULT known 1") == 2, out
+    assert out.count("exit not done 1 s (MLFABRIC_TIMEOUT) after a peer failure") == 2, out
+    assert proc.returncode == 0, out
