@@ -15,6 +15,15 @@ ULFM = ("--with-ft", "ulfm", "--mca", "mpi_ft_detector", "true")
 # there under the full suite's load before it).
 
 
+def _assert_finished(proc, ranks):
+    """Every one of `ranks` live ranks reported success, none failure, and the job exited 0
+    (the survivors' exit too: a dead peer can hold MPI_Finalize up)."""
+    out = proc.stdout
+    assert "RESULT FAIL" not in out, out
+    assert out.count("RESULT ok") == ranks, out  # every survivor, and only survivors
+    assert proc.returncode == 0, out
+
+
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_elastic_state_and_run(n):
     run_cases("torch_elastic", n, timeout=120)
@@ -28,10 +37,7 @@ def test_a_rank_killed_mid_training(n, victim, steps, kill_at, every):
     proc = run_mpi(n, ["-m", "tests.mpi_cases.torch_elastic", str(victim), str(steps),
                        str(kill_at), str(every)],
                    timeout=200, env={"MLFABRIC_TIMEOUT": "10"}, mpirun_args=ULFM)
-    out = proc.stdout
-    assert "RESULT FAIL" not in out, out
-    assert proc.returncode == 0, out  # the survivors' exit too (a dead peer can hold it up)
-    assert out.count("RESULT ok") == n - 1, out  # every survivor, and only survivors
+    _assert_finished(proc, n - 1)
 
 
 @pytest.mark.parametrize("n, victim, kill_at, every", [(3, 2, 3, 2), (4, 1, 2, 1)])
@@ -39,10 +45,7 @@ def test_elastic_sampler_covers_the_epoch_after_a_death(n, victim, kill_at, ever
     proc = run_mpi(n, ["-m", "tests.mpi_cases.torch_elastic", "sampler", str(victim),
                        str(kill_at), str(every)],
                    timeout=200, env={"MLFABRIC_TIMEOUT": "10"}, mpirun_args=ULFM)
-    out = proc.stdout
-    assert "RESULT FAIL" not in out, out
-    assert proc.returncode == 0, out  # the survivors' exit too (a dead peer can hold it up)
-    assert out.count("RESULT ok") == n - 1, out
+    _assert_finished(proc, n - 1)
 
 
 def test_a_rank_slower_than_the_timeout_is_not_lost():
@@ -52,7 +55,4 @@ def test_a_rank_slower_than_the_timeout_is_not_lost():
     uninterrupted training."""
     proc = run_mpi(3, ["-m", "tests.mpi_cases.torch_elastic", "1", "5", "2", "1", "slow"],
                    timeout=200, env={"MLFABRIC_TIMEOUT": "2"}, mpirun_args=ULFM)
-    out = proc.stdout
-    assert "RESULT FAIL" not in out, out
-    assert proc.returncode == 0, out  # the survivors' exit too (a dead peer can hold it up)
-    assert out.count("RESULT ok") == 3, out
+    _assert_finished(proc, 3)
