@@ -8,7 +8,7 @@ Horovod runs on mlfabric:
     hvd.allreduce / allreduce_ / allreduce_async / allreduce_async_   (default op: Average)
     hvd.grouped_allreduce (+ _ / _async / _async_), hvd.allgather (+ _async),
     hvd.broadcast / broadcast_ (+ _async), hvd.alltoall (+ _async), hvd.reducescatter
-    (+ _async), hvd.synchronize, hvd.poll,
+    (+ _async), hvd.sparse_allreduce_async, hvd.synchronize, hvd.poll,
     hvd.join, hvd.barrier, hvd.Average / Sum / Min / Max / Product, hvd.Compression,
     hvd.DistributedOptimizer (hvd.PartialDistributedOptimizer: some layers kept local),
     hvd.broadcast_parameters, hvd.broadcast_optimizer_state,
@@ -26,7 +26,8 @@ torch.distributed.init_process_group("mlfabric") and DistributedDataParallel run
 This module owns the process-level calls (init, shutdown, the queries); ops.py the tensor
 collectives, grouped_ops.py grouped allgather / reducescatter, optimizer.py
 DistributedOptimizer, sync_batch_norm.py SyncBatchNorm, functions.py the whole-model helpers,
-compression.py the compressors, process_sets.py the process sets. Differences from Horovod:
+compression.py the compressors, process_sets.py the process sets, sparse.py the sparse
+allreduce. Differences from Horovod:
 collectives are matched by the order ranks issue them, not by name (names, when every rank
 gives one, are checked to agree); the timeline (timeline.py) is a file per rank; op Adasum
 (adasum.py) is for allreduce only; process sets are built from lists of ranks (not from
@@ -55,6 +56,7 @@ from .process_sets import (ProcessSet, add_process_set, global_process_set,
                            remove_process_set)
 from .process_sets import _on_init as _init_process_sets
 from .ps_optimizer import PSOptimizer, ps_init, serve_model
+from .sparse import sparse_allreduce_async
 from .sync_batch_norm import SyncBatchNorm
 from . import backend as _backend  # noqa: F401  (registers the "mlfabric" process-group backend)
 from . import elastic  # noqa: F401  (hvd.elastic.run, hvd.elastic.TorchState)
@@ -190,7 +192,8 @@ __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "
            "cross_rank", "cross_size", "is_homogeneous", "start_timeline", "stop_timeline",
            "reducescatter", "reducescatter_async", "allreduce", "allreduce_", "allreduce_async",
            "allreduce_async_", "grouped_allreduce", "grouped_allreduce_",
-           "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_allgather",
+           "grouped_allreduce_async", "grouped_allreduce_async_", "sparse_allreduce_async",
+           "grouped_allgather",
            "grouped_allgather_async", "grouped_reducescatter", "grouped_reducescatter_async",
            "allgather", "allgather_async", "broadcast", "broadcast_", "broadcast_async",
            "broadcast_async_", "alltoall", "alltoall_async", "synchronize", "poll", "join",

@@ -30,6 +30,11 @@ How it works:
 - synchronize() starts the buckets still waiting (parameters without a gradient contribute
   zeros and get a zero gradient, as in Horovod) and waits for all; step() calls it unless inside
   skip_synchronize(), then runs the wrapped step();
+- sparse gradients (nn.Embedding(sparse=True)) are reduced by sparse.py's sparse allreduce
+  (allgathers of their indices and values: only the rows touched travel) and .grad becomes the
+  reduced sparse tensor; the rest of their bucket is reduced as usual, in one allreduce per run
+  of dense neighbours. sparse_as_dense=True copies them into the bucket densified instead.
+  Their slice of the bucket stays allocated (buckets are fixed before any gradient is seen);
 - zero_grad() while gradients are being reduced is an error (Horovod's guard). Between
   backward() and synchronize() the gradients are being reduced in place: leave .grad alone
   until then (as with DDP's gradient_as_bucket_view).
@@ -54,16 +59,18 @@ from .. import shared as _shared
 from ..errors import MismatchError, MlfabricError
 from . import adasum as _adasum
 from . import ops
+from . import sparse as _sparse
 from .compression import Compression, check as _check_compression
 
 FIRST_BUCKET = 1 << 20  # bytes, as DDP (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
 
 
 class _Bucket:
-    __slots__ = ("index", "params", "views", "flat", "half", "name", "waiting", "pending")
+    __slots__ = ("index", "params", "names", "views", "flat", "half", "name", "waiting",
+                 "pending", "sparse")
 
     def __init__(self, index, params, names, fp16, flat):
-        self.index, self.params = index, params
+        self.index, self.params, self.names = index, params, names
         shown = ", ".join(names[:4]) + (f", ... ({len(names)} in all)" if len(names) > 4 else "")
         self.name = f"gradients[{index}]: {shown}"
         self._place(flat)
@@ -71,7 +78,10 @@ class _Bucket:
         self.half = (torch.empty(self.flat.numel(), dtype=torch.float16, device=self.flat.device)
                      if fp16 and self.flat.dtype != torch.float16 else None)
         self.waiting = len(params)  # parameters not yet through all their backward passes
-        self.pending = None         # (handle, the tensor reduced, compression ctx) once started
+        # once started: ([(handle, the tensor reduced, compression ctx, its slice of flat)],
+        # {position: its sparse call})
+        self.pending = None
+        self.sparse = {}  # position -> sparse_dim, for members whose gradients came sparse
 
     def _place(self, flat):
         """Make flat the bucket's buffer, each parameter's view a slice of it."""
@@ -233,23 +243,34 @@ class _DistributedOptimizer:
             if b.waiting and not force:
                 return
             self._mlf_next += 1
-            _gather(b, self._mlf_sparse_as_dense)
-            flat, post = b.flat, 1.0
-            if self._mlf_predivide != 1.0:
-                flat.mul_(1.0 / self._mlf_predivide)
-                post = self._mlf_predivide
-            cctx = None
-            if b.half is not None:
-                sent = b.half
-                sent.copy_(flat)
-            elif self._mlf_compression is Compression.none:
-                sent = flat
-            else:
-                sent, cctx = self._mlf_compression.compress(flat)
-            handle = ops._allreduce_call(sent, self._mlf_op, None, b.name, 1.0, post, True, True,
-                                         layout=(b.index, self._mlf_layout),
-                                         process_set=self._mlf_process_set)
-            b.pending = (handle, sent, cctx)
+            sparse = _gather(b, self._mlf_sparse_as_dense)
+            calls = {i: _sparse.start(g, b.names[i], self._mlf_op, self._mlf_process_set)
+                     for i, g in sparse}
+            # the dense members (all of them, but for sparse gradients) in one allreduce per
+            # run of neighbours; sparse positions are part of what every rank must agree on
+            layout = (b.index, self._mlf_layout) if not calls else \
+                (b.index, self._mlf_layout, tuple(calls))
+            b.pending = ([self._mlf_allreduce(b, lo, hi, layout)
+                          for lo, hi in _dense_runs(b, calls)], calls)
+
+    def _mlf_allreduce(self, b, lo, hi, layout):
+        """Start the allreduce of elements [lo, hi) of bucket b (all of it, mostly)."""
+        whole = lo == 0 and hi == b.flat.numel()
+        flat, post = (b.flat if whole else b.flat[lo:hi]), 1.0
+        if self._mlf_predivide != 1.0:
+            flat.mul_(1.0 / self._mlf_predivide)
+            post = self._mlf_predivide
+        cctx = None
+        if b.half is not None:
+            sent = b.half if whole else b.half[lo:hi]
+            sent.copy_(flat)
+        elif self._mlf_compression is Compression.none:
+            sent = flat
+        else:
+            sent, cctx = self._mlf_compression.compress(flat)
+        handle = ops._allreduce_call(sent, self._mlf_op, None, b.name, 1.0, post, True, True,
+                                     layout=layout, process_set=self._mlf_process_set)
+        return handle, sent, cctx, flat
 
     def synchronize(self):
         """Finish reducing the gradients (they are then in .grad). Called by step() unless
@@ -263,18 +284,29 @@ class _DistributedOptimizer:
         for b in self._mlf_buckets:
             if b.pending is None:  # its start failed (the error was raised then)
                 continue
-            handle, sent, cctx = b.pending
+            runs, calls = b.pending
             b.pending = None
-            try:
-                reduced = ops.synchronize(handle)
-            except Exception as exc:  # noqa: BLE001 - wait for every bucket, then raise
-                error = error or exc
+            failed = False
+            for handle, sent, cctx, flat in runs:
+                try:
+                    reduced = ops.synchronize(handle)
+                except Exception as exc:  # noqa: BLE001 - wait for every bucket, then raise
+                    error, failed = error or exc, True
+                    continue
+                if sent is not flat:  # compressed: back into the bucket
+                    if b.half is None:
+                        reduced = self._mlf_compression.decompress(reduced, cctx)
+                    flat.copy_(reduced.reshape(-1))
+            for i, call in calls.items():
+                try:
+                    b.params[i].grad = call.wait()
+                except Exception as exc:  # noqa: BLE001 - as above
+                    error, failed = error or exc, True
+            if failed:
                 continue
-            if sent is not b.flat:  # compressed: back into the bucket
-                if sent is not b.half:
-                    reduced = self._mlf_compression.decompress(reduced, cctx)
-                b.flat.copy_(reduced.reshape(-1))
-            for p, view in zip(b.params, b.views):
+            for i, (p, view) in enumerate(zip(b.params, b.views)):
+                if i in calls:
+                    continue
                 if p.grad is not view:  # replaced since the bucket started: gets the result too
                     if p.grad is None:
                         p.grad = view
@@ -390,19 +422,25 @@ def _unshare(ref):
 def _gather(b, sparse_as_dense):
     """Point every .grad of bucket b at its view of the bucket. Gradients made elsewhere (fresh
     from autograd after zero_grad(set_to_none=True)) are copied in with one call; parameters
-    without a gradient get zeros (Horovod's rule); sparse ones are densified if sparse_as_dense,
-    else an error."""
-    moved, views, grads, absent = [], [], [], []
-    for p, view in zip(b.params, b.views):
+    without a gradient get zeros (Horovod's rule). Sparse gradients are densified if
+    sparse_as_dense; else they stay as they are, reduced by sparse.py: returned as (position,
+    gradient). A member whose gradients came sparse before and that has none now contributes
+    an empty sparse gradient (zeros, as a dense one would), so every rank still issues the
+    same calls."""
+    moved, views, grads, absent, sparse = [], [], [], [], []
+    for i, (p, view) in enumerate(zip(b.params, b.views)):
         g = p.grad
         if g is view:
             continue
+        if g is None and i in b.sparse:
+            sparse.append((i, _empty_sparse(p, b.sparse[i])))
+            continue
         if g is None:
             absent.append(view)
-        elif g.layout != torch.strided and not sparse_as_dense:  # before anything changes
-            raise MlfabricError(f"the gradient of a parameter in {b.name} is sparse; "
-                                "DistributedOptimizer reduces dense gradients: pass "
-                                "sparse_as_dense=True to densify them (as Horovod's option)")
+        elif g.layout != torch.strided and not sparse_as_dense:
+            b.sparse[i] = g.sparse_dim() if g.layout == torch.sparse_coo else 1
+            sparse.append((i, g))
+            continue
         elif g.layout != torch.strided:
             views.append(view)
             grads.append(g.to_dense())
@@ -417,6 +455,32 @@ def _gather(b, sparse_as_dense):
             torch._foreach_zero_(absent)
     for p, view in moved:
         p.grad = view
+    return sparse
+
+
+def _empty_sparse(p, sparse_dim):
+    """A sparse gradient of p with no entries."""
+    return torch.sparse_coo_tensor(
+        torch.empty((sparse_dim, 0), dtype=torch.int64, device=p.device),
+        torch.empty((0, *p.shape[sparse_dim:]), dtype=p.dtype, device=p.device), p.shape,
+        check_invariants=False)  # nothing to check
+
+
+def _dense_runs(b, sparse):
+    """[lo, hi) element ranges of bucket b holding its members other than the positions in
+    sparse, neighbours merged: the whole bucket when sparse is empty."""
+    if not sparse:
+        return [(0, b.flat.numel())]
+    runs, at = [], 0
+    for i, p in enumerate(b.params):
+        n = p.numel()
+        if i not in sparse:
+            if runs and runs[-1][1] == at:
+                runs[-1] = (runs[-1][0], at + n)
+            else:
+                runs.append((at, at + n))
+        at += n
+    return runs
 
 
 def _names(named_parameters, params):
@@ -510,8 +574,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     threshold's: an int k splits the parameters (in reverse order) into k buckets of about
     equal count; a list of lists of parameters makes each list a bucket, and each parameter in
     none a bucket of its own. Every rank must pass the same groups.
-    sparse_as_dense: densify sparse gradients (nn.Embedding(sparse=True)) before reducing;
-    without it a sparse gradient is an error.
+    sparse_as_dense: densify sparse gradients (nn.Embedding(sparse=True)) and reduce them with
+    the dense ones; without it (the default) they are reduced as sparse tensors, as Horovod
+    does (allgathers of the rows present; .grad becomes the reduced, coalesced sparse tensor).
     process_set: reduce among that set's ranks only (process_sets.py); default every rank.
 
     The parameters' .grad become views of the optimizer's gradient buckets (see the module

@@ -13,8 +13,8 @@ import mlfabric as mf
 import mlfabric.torch as hvd
 
 from .common import same_everywhere, values
-from .torch_api import (B, Net, _adasum_reference, _data, _loss, _max_diff, _rows_of,
-                        _train_reference, reference)
+from .torch_api import (B, Net, _SparseNet, _adasum_reference, _data, _loss, _max_diff,
+                        _rows_of, _sparse, _train_reference, reference)
 from .torch_api import check as host_check
 
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64")
@@ -381,6 +381,34 @@ def case_distributed_optimizer_on_gpu_matches_single_process():
                                 hvd.Average, passes, 3)
         diff = _max_diff(model.cpu(), want)
         assert diff < 1e-10, f"passes={passes}: GPU weights differ from one process by {diff}"
+
+
+def case_sparse_gradients_on_gpu():
+    """sparse_allreduce_async of CUDA sparse tensors (ranks with 0, 2 or 4 entries) against the
+    float64 average; DistributedOptimizer over an embedding with sparse gradients on the GPU
+    (a rank skipping it in one step): the weights of one process on the concatenated batch."""
+    n, r = hvd.size(), hvd.rank()
+    want = torch.stack([_sparse(q).to_dense() for q in range(n)]).sum(0) / n
+    got = hvd.synchronize(hvd.sparse_allreduce_async(_sparse(r).to(GPU), op=hvd.Average))
+    assert got.is_cuda and got.layout == torch.sparse_coo
+    assert (got.to_dense().cpu() - want).abs().max() < 1e-12, "sparse allreduce"
+    ids = torch.randint(0, 11, (3, n, 5), generator=torch.Generator().manual_seed(1))
+    x = torch.randn(3, n, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    uses = lambda s, q: not (s == 1 and q == n - 1 and n > 1)  # noqa: E731
+    ref, mine = _SparseNet(), _SparseNet().to(GPU)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(mine.parameters(), lr=0.1))
+    for s in range(3):
+        ref_opt.zero_grad()
+        (sum(ref.loss(ids[s, q], x[s, q], uses(s, q)) for q in range(n)) / n).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        mine.loss(ids[s, r].to(GPU), x[s, r].to(GPU), uses(s, r)).backward()
+        opt.step()
+        assert mine.emb.weight.grad.is_cuda and mine.emb.weight.grad.layout == torch.sparse_coo
+    diff = max((a.cpu() - b).abs().max().item() for a, b in zip(mine.parameters(),
+                                                                 ref.parameters()))
+    assert diff < 1e-12, f"GPU weights differ from one process by {diff}"
 
 
 def case_ddp_over_the_mlfabric_backend_on_gpu():

@@ -1246,11 +1246,106 @@ def case_distributed_optimizer_groups_and_sparse_as_dense():
         opt.step()
     diff = max((a - b).abs().max().item() for a, b in zip(mine.parameters(), ref.parameters()))
     assert diff < 1e-12, f"sparse_as_dense: weights differ by {diff}"
-    dense_only = hvd.DistributedOptimizer(torch.optim.SGD(embedder().parameters(), lr=0.5))
-    with pytest.raises(hvd.MlfabricError, match="sparse_as_dense=True"):
-        model_ = dense_only.param_groups[0]["params"]
-        torch.nn.functional.embedding(ids[0, r], model_[0], sparse=True).sum().backward()
-        dense_only.step()
+    _still_works()
+
+
+def _sparse(q, size=(9, 3), dtype=torch.float64):
+    """Rank q's sparse input: 0, 2 or 4 entries (rank 0 none), duplicates possible."""
+    g = torch.Generator().manual_seed(q)
+    k = q % 3 * 2
+    idx = torch.randint(0, size[0], (1, k), generator=g)
+    return torch.sparse_coo_tensor(idx, torch.randn(k, *size[1:], generator=g,
+                                                    dtype=torch.float64).to(dtype), size,
+                                   check_invariants=True)
+
+
+def case_sparse_allreduce():
+    """sparse_allreduce_async: the sum / average of every rank's sparse tensor (ranks with
+    different numbers of entries, none included), coalesced, against the float64 sum of the
+    dense forms; ranks whose sizes, dense dimensions or arguments differ fail on every rank."""
+    n, r = hvd.size(), hvd.rank()
+    dense = torch.stack([_sparse(q).to_dense() for q in range(n)])
+    for op, want in ((hvd.Sum, dense.sum(0)), (hvd.Average, dense.sum(0) / n)):
+        got = hvd.synchronize(hvd.sparse_allreduce_async(_sparse(r), name="emb", op=op))
+        assert got.layout == torch.sparse_coo and got.is_coalesced() and got.shape == (9, 3)
+        diff = (got.to_dense() - want).abs().max().item()
+        assert diff < 1e-12, f"{op}: differs by {diff}"
+    ints = hvd.synchronize(hvd.sparse_allreduce_async(_sparse(r, dtype=torch.int64), op=hvd.Sum))
+    assert torch.equal(ints.to_dense(), torch.stack(
+        [_sparse(q, dtype=torch.int64).to_dense() for q in range(n)]).sum(0)), "int64 sum"
+    if n == 1:
+        return
+    odd = n - 1
+    _expect_mismatch(lambda: hvd.synchronize(hvd.sparse_allreduce_async(
+        _sparse(r, (9 + (r == odd), 3)), op=hvd.Sum)), "sparse dimensions' sizes",
+        f"[10] on rank(s) [{odd}]")
+    _still_works()
+    _expect_mismatch(lambda: hvd.synchronize(hvd.sparse_allreduce_async(
+        _sparse(r, (9, 3 + (r == odd))), op=hvd.Sum)), "shape of a row")
+    _still_works()
+    if r == odd:
+        with pytest.raises(TypeError, match="sparse COO"):
+            hvd.sparse_allreduce_async(torch.ones(9, 3))
+    else:
+        _expect_mismatch(lambda: hvd.synchronize(hvd.sparse_allreduce_async(_sparse(r))),
+                         f"rank(s) [{odd}] rejected")
+    _still_works()
+
+
+class _SparseNet(torch.nn.Module):
+    """A dense layer, an embedding with sparse gradients, a dense head: in reverse order the
+    embedding's gradient lies between dense ones in one bucket."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.pre = torch.nn.Linear(2, 2)
+        self.emb = torch.nn.Embedding(11, 4, sparse=True)
+        self.head = torch.nn.Linear(4, 1)
+        self.double()
+
+    def loss(self, ids, x, use_emb):
+        rows = self.emb(ids) if use_emb else x.new_ones(1, 4)
+        return self.pre(x).sum() + self.head(rows).sum()
+
+
+def case_distributed_optimizer_sparse_gradients():
+    """Without sparse_as_dense, an embedding's sparse gradient is reduced as a sparse tensor
+    (its .grad after the step is sparse) and the dense ones around it in the same bucket as
+    usual: the weights of one process on the concatenated batch, op Average and Sum (and with
+    fp16 compression of the dense ones, within its tolerance); a rank that skips the embedding
+    in a step (no gradient there) still takes part."""
+    n, r = hvd.size(), hvd.rank()
+    ids = torch.randint(0, 11, (3, n, 5), generator=torch.Generator().manual_seed(1))
+    x = torch.randn(3, n, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    uses = lambda s, q: not (s == 1 and q == n - 1 and n > 1)  # noqa: E731
+    for op, compression, tol in ((hvd.Average, hvd.Compression.none, 1e-12),
+                                 (hvd.Sum, hvd.Compression.none, 1e-12),
+                                 (hvd.Average, hvd.Compression.fp16, 1e-3)):
+        ref = _SparseNet()
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        mine = _SparseNet()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(mine.parameters(), lr=0.1),
+                                       named_parameters=mine.named_parameters(), op=op,
+                                       compression=compression)
+        assert len(opt._mlf_buckets) == 1
+        for s in range(3):
+            ref_opt.zero_grad()
+            total = sum(ref.loss(ids[s, q], x[s, q], uses(s, q)) for q in range(n))
+            (total / n if op == hvd.Average else total).backward()
+            ref_opt.step()
+            opt.zero_grad()
+            mine.loss(ids[s, r], x[s, r], uses(s, r)).backward()
+            opt.step()
+            assert mine.emb.weight.grad.layout == torch.sparse_coo, "reduced as sparse"
+            diff = (mine.emb.weight.grad.to_dense() - ref.emb.weight.grad.to_dense()).abs().max()
+            assert diff < tol, f"{op}, step {s}: the embedding's gradient differs by {diff}"
+        diff = max((a - b).abs().max().item() for a, b in zip(mine.parameters(),
+                                                               ref.parameters()))
+        assert diff < tol, f"{op}, {compression.__name__}: weights differ by {diff}"
+        if compression is hvd.Compression.fp16:
+            assert diff > 0, "the dense gradients went through float16"
+        same_everywhere(torch.cat([p.detach().reshape(-1) for p in mine.parameters()]), op)
     _still_works()
 
 
