@@ -18,9 +18,7 @@ and writes the JSON ({"meta": command, host, git state, parameters, load; "resul
 and size: medians, per-round times, ratios to one, wrong}). Exit status 0, 1 when a result was
 wrong, 2 for a bad command line.
 """
-import json
 import os
-import platform
 import sys
 import time
 
@@ -29,12 +27,11 @@ from mpi4py import MPI
 
 import mlfabric.torch as hvd
 from mlfabric.collectives import split_rows
-from mlfabric.bench.kernels import cpu_name
 from mlfabric.bench.report import host_info
 from mlfabric.bench.script import int_list, parser
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torch_optimizer import git_state, median_rounds, time_rounds  # noqa: E402
+from torch_optimizer import finish_run, median_rounds, time_rounds  # noqa: E402
 
 VARIANTS = ("one", "grouped", "unfused")
 ROW = 4  # elements per row
@@ -155,24 +152,9 @@ def main(argv=None):
                       f"grouped/one {res['ratios']['grouped / one']:.2f}  unfused/grouped "
                       f"{res['ratios']['unfused / grouped']:.2f}  "
                       f"wrong {sum(res['wrong'].values())}", flush=True)
-    status = 0
-    if comm.rank == 0:
-        wrong = any(any(r["wrong"].values()) for r in results)
-        status = 1 if wrong else 0
-        meta = {"command": " ".join(["mpirun", "-n", str(comm.size), "python",
-                                     "benchmarks/torch_grouped.py", *argv]),
-                "ranks": comm.size, "threads_per_rank": args.threads, "iters": args.iters,
-                "rounds": args.rounds, "loadavg_before": load_before,
-                "loadavg_after": os.getloadavg(), "git": git_state(), "cpu": cpu_name(),
-                "machine": platform.machine(), "total_wall_s": time.monotonic() - t_start,
-                **host}
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"meta": meta, "results": results, "wrong": wrong}, f, indent=1)
-    status = comm.bcast(status, root=0)
-    comm.Free()
-    hvd.shutdown()
-    return status
+    wrong = comm.rank == 0 and any(any(r["wrong"].values()) for r in results)
+    return finish_run(comm, "benchmarks/torch_grouped.py", argv, args, results, wrong, t_start, load_before,
+                      host)
 
 
 if __name__ == "__main__":

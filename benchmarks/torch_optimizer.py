@@ -128,6 +128,28 @@ def git_state():
         return None
 
 
+def finish_run(comm, script, argv, args, results, wrong, started, load_before, host):
+    """The end of a side-by-side script's job: rank 0 writes the JSON ({"meta": command, host,
+    git state, parameters, load; "results"}) to args.out; every rank returns the exit status
+    (1 when a result was wrong) and shuts mlfabric down."""
+    status = 0
+    if comm.rank == 0:
+        status = 1 if wrong else 0
+        meta = {"command": " ".join(["mpirun", "-n", str(comm.size), "python", script, *argv]),
+                "ranks": comm.size, "threads_per_rank": args.threads, "iters": args.iters,
+                "rounds": args.rounds, "loadavg_before": load_before,
+                "loadavg_after": os.getloadavg(), "git": git_state(), "cpu": cpu_name(),
+                "machine": platform.machine(), "total_wall_s": time.monotonic() - started,
+                **host}
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"meta": meta, "results": results, "wrong": wrong}, f, indent=1)
+    status = comm.bcast(status, root=0)
+    comm.Free()
+    hvd.shutdown()
+    return status
+
+
 def sleep_barrier(comm):
     """A barrier that sleeps instead of spinning: ranks waiting here leave their core to the
     ranks still working (Open MPI's Barrier busy-polls)."""

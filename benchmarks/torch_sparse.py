@@ -20,9 +20,7 @@ reported is the median over rounds. Rank 0 prints the table and writes the JSON 
 command, host, git state, parameters, load; "results": per vocab: medians, per-round times,
 ratios}). Exit status 0, 1 when the variants' weights disagree, 2 for a bad command line.
 """
-import json
 import os
-import platform
 import sys
 import time
 
@@ -30,12 +28,11 @@ import torch
 from mpi4py import MPI
 
 import mlfabric.torch as hvd
-from mlfabric.bench.kernels import cpu_name
 from mlfabric.bench.report import host_info
 from mlfabric.bench.script import int_list, parser
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torch_optimizer import git_state, median_rounds, time_rounds  # noqa: E402
+from torch_optimizer import finish_run, median_rounds, time_rounds  # noqa: E402
 
 VARIANTS = ("local", "sparse", "dense")
 TOL = 1e-5
@@ -136,24 +133,9 @@ def main(argv=None):
                   f" ms  dense {v['dense']:8.2f} ms  dense/sparse "
                   f"{res['ratios']['dense / sparse']:.2f}  weights differ by "
                   f"{res['max_weight_diff_sparse_vs_dense']:.1e}", flush=True)
-    status = 0
-    if comm.rank == 0:
-        wrong = any(r["wrong"] for r in results)
-        status = 1 if wrong else 0
-        meta = {"command": " ".join(["mpirun", "-n", str(comm.size), "python",
-                                     "benchmarks/torch_sparse.py", *argv]),
-                "ranks": comm.size, "threads_per_rank": args.threads, "iters": args.iters,
-                "rounds": args.rounds, "loadavg_before": load_before,
-                "loadavg_after": os.getloadavg(), "git": git_state(), "cpu": cpu_name(),
-                "machine": platform.machine(), "total_wall_s": time.monotonic() - t_start,
-                **host}
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"meta": meta, "results": results, "wrong": wrong}, f, indent=1)
-    status = comm.bcast(status, root=0)
-    comm.Free()
-    hvd.shutdown()
-    return status
+    wrong = comm.rank == 0 and any(r["wrong"] for r in results)
+    return finish_run(comm, "benchmarks/torch_sparse.py", argv, args, results, wrong, t_start, load_before,
+                      host)
 
 
 if __name__ == "__main__":

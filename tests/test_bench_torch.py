@@ -98,3 +98,22 @@ def test_grouped_tiny_run(n, tmp_path):
                    for v in r["variants"].values())
         assert r["wrong"] == {"one": 0, "grouped": 0, "unfused": 0}
         assert r["ratios"]["grouped / one"] > 0
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [2, 3])
+def test_sparse_tiny_run(n, tmp_path):
+    """benchmarks/torch_sparse.py at a tiny size: the three variants timed, the sparse and dense
+    DistributedOptimizers ending at the same weights (the benchmark's own check)."""
+    out = str(tmp_path / "sparse.json")
+    doc, _ = run_script_json(n, ["benchmarks/torch_sparse.py", "--vocab", "50,500", "--dim",
+                                 "4", "--rows", "16", "--iters", "2", "--rounds", "2", "--out",
+                                 out], out, TIMEOUT)
+    assert doc["meta"]["command"].startswith(f"mpirun -n {n} python benchmarks/torch_sparse.py")
+    assert doc["wrong"] is False
+    assert [r["vocab"] for r in doc["results"]] == [50, 500]
+    for r in doc["results"]:
+        assert set(r["variants"]) == {"local", "sparse", "dense"}
+        assert all(len(v["per_round_ms"]) == 2 and v["median_ms"] > 0
+                   for v in r["variants"].values())
+        assert r["max_weight_diff_sparse_vs_dense"] <= 1e-5 and r["ratios"]["dense / sparse"] > 0

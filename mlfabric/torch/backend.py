@@ -34,6 +34,8 @@ be the same on every rank, so hooks that do that (PowerSGD) are not supported. a
 equal splits and moves its data with one allgather (size times the bytes of a true
 all-to-all). Reductions: SUM, AVG, PRODUCT, MIN, MAX on float32/64, float16, bfloat16, int32,
 int64; calls that only move data carry any dtype (narrow ones widened, complex as pairs).
+all_reduce of a sparse COO tensor (SUM or AVG) is gloo's sparse allreduce, which DDP uses for
+nn.Embedding(sparse=True): allgathers of every rank's entries (sparse.combine sums them).
 """
 import concurrent.futures
 import contextlib
@@ -41,6 +43,7 @@ import functools
 import importlib
 import os
 import socket
+import zlib
 from datetime import timedelta
 from urllib.parse import parse_qsl, urlparse
 
@@ -54,7 +57,9 @@ from torch._C._distributed_c10d import (AllreduceCoalescedOptions, AllreduceOpti
 import mlfabric as mf
 from mlfabric import context as _context
 from mlfabric.comm import nccl as _nccl
-from mlfabric.errors import MlfabricError
+from mlfabric.errors import MismatchError, MlfabricError
+
+from . import sparse as _sparse
 
 BACKEND = "mlfabric"
 INIT_METHOD = "mlfabric://"
@@ -309,6 +314,9 @@ class MlfabricProcessGroup(dist.ProcessGroup):
         and dtype; each gets the reduction over every rank and every tensor of the list."""
         what = "allreduce"
         op = _op(opts if opts is not None else AllreduceOptions(), what)
+        if isinstance(tensors, (list, tuple)) and len(tensors) == 1 and \
+                getattr(tensors[0], "layout", None) == torch.sparse_coo:
+            return self._sparse_allreduce(tensors[0], op, what)
         ts = _tensors(tensors, what)
         if not ts:
             _fail(ValueError(f"{what}: empty tensor list"))
@@ -331,6 +339,48 @@ class MlfabricProcessGroup(dist.ProcessGroup):
                 t.copy_(res)
             return ts
         return _launch(what, mf.allreduce_async(local, op=op, out=local), finish)
+
+    def _sparse_allreduce(self, t, op, what):
+        """gloo's sparse allreduce, which DDP calls for the gradient of an
+        nn.Embedding(sparse=True) (pre-divided by the world size, op SUM): the sum (or average)
+        of every rank's sparse COO tensor t, coalesced, copied into t. First a blocking
+        allgather of each rank's entry count and a hash of its size, sparse dimensions and dtype
+        (ranks that differ fail together); then the indices' and the values' allgathers, every
+        rank's padded to the largest count, in the background."""
+        if op not in ("sum", "avg"):
+            _fail(ValueError(f"{what}: a sparse tensor reduces with SUM or AVG, got {op}"))
+        _tensor(t._values(), what)
+        if t.dtype not in _WIRE_DTYPES or (op == "avg" and not t.is_floating_point()):
+            _fail(TypeError(f"{what}: a sparse tensor of dtype {t.dtype} cannot reduce with "
+                            f"{op}"))
+        sd, n = t.sparse_dim(), self._size
+        sig = zlib.crc32(repr((tuple(t.shape), sd, str(t.dtype))).encode())
+        table = mf.allgather(np.array([t._nnz(), sig], np.int64)).reshape(n, 2)
+        if (table[:, 1] != sig).any():
+            raise MismatchError(f"{what}: the ranks' sparse tensors differ in size, sparse "
+                                f"dimensions or dtype (this rank's: {tuple(t.shape)}, {sd}, "
+                                f"{t.dtype}; signature per rank: {table[:, 1].tolist()})")
+        counts, m = table[:, 0].tolist(), int(table[:, 0].max())
+        if m == 0:  # nothing anywhere
+            return _completed([t])
+        idx = t._indices().new_zeros((m, sd))
+        idx[:t._nnz()] = t._indices().t()
+        vals = t._values().new_zeros((m, *t.shape[sd:]))
+        vals[:t._nnz()] = t._values()
+        rows = [slice(r * m, r * m + c) for r, c in enumerate(counts)]
+        got = {}
+        _launch(what, mf.allgather_async(_flat(idx)), lambda res: got.setdefault("idx", res))
+
+        def finish(res):
+            if "idx" not in got:  # its error went to a Work no one holds; say so here
+                raise MlfabricError(f"{what}: the allgather of the indices failed")
+            every = got.pop("idx").reshape(n * m, sd)
+            res = res.reshape(n * m, *t.shape[sd:])
+            t.copy_(_sparse.combine(torch.cat([every[s] for s in rows]),
+                                    torch.cat([res[s] for s in rows]), t.shape,
+                                    n if op == "avg" else 1))
+            return [t]
+        return _launch(what, mf.allgather_async(_flat(vals)), finish)
 
     @_checked
     def allreduce_coalesced(self, tensors, opts=None):

@@ -113,7 +113,10 @@ def _check_tensor(t, what, arg="tensor"):
         raise MlfabricError(f"{what}: {arg} is on {t.device}; mlfabric.torch moves CPU and CUDA "
                             "tensors only")
     if t.layout != torch.strided:
-        raise TypeError(f"{what}: {arg} has layout {t.layout}; only dense tensors are supported")
+        hint = "; a sparse COO tensor goes through sparse_allreduce_async" \
+            if t.layout == torch.sparse_coo else ""
+        raise TypeError(f"{what}: {arg} has layout {t.layout}; only dense tensors are "
+                        f"supported{hint}")
     if t.dtype not in _DTYPE_CODE:
         raise TypeError(f"{what}: unsupported dtype {t.dtype}; mlfabric.torch supports "
                         f"{', '.join(_dtype_name(c) for c in range(len(_DTYPES)))}")

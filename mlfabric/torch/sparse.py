@@ -52,12 +52,17 @@ class _SparseCall:
                                             for h, rs in groups.items()))
         keep = torch.ones(idx.shape[0], dtype=torch.bool, device=idx.device)
         keep[torch.as_tensor(starts, device=idx.device)] = False
-        size = (*heads[0], *values.shape[1:])
-        # checked: the indices came from other processes (an index out of range is an error,
-        # the same on every rank, not a write out of bounds)
-        out = torch.sparse_coo_tensor(idx[keep].t(), values, size,
-                                      check_invariants=True).coalesce()
-        return out / self.divide if self.divide != 1 else out
+        return combine(idx[keep], values, (*heads[0], *values.shape[1:]), self.divide)
+
+
+def combine(indices, values, size, divide):
+    """The coalesced sparse tensor of size holding every rank's entries (indices: one row per
+    entry, values: one per entry; duplicates add up), divided by divide. Also the torch
+    backend's (backend.py)."""
+    # checked: the indices came from other processes (an index out of range is an error, the
+    # same on every rank, not a write out of bounds)
+    out = torch.sparse_coo_tensor(indices.t(), values, size, check_invariants=True).coalesce()
+    return out / divide if divide != 1 else out
 
 
 def _check(tensor, name, op, what):

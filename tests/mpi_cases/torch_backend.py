@@ -442,6 +442,66 @@ def case_ddp_matches_gloo():
             same_everywhere(p, what)
 
 
+def _sparse(rank, size=(9, 3)):
+    """Rank's sparse input: 0, 2 or 4 entries (rank 0 none), duplicates possible."""
+    g = torch.Generator().manual_seed(rank)
+    k = rank % 3 * 2
+    return torch.sparse_coo_tensor(torch.randint(0, size[0], (1, k), generator=g),
+                                   torch.randn(k, *size[1:], generator=g, dtype=torch.float64),
+                                   size, check_invariants=True)
+
+
+class _EmbeddingNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.emb = torch.nn.Embedding(11, 4, sparse=True)
+        self.head = torch.nn.Linear(4, 1)
+        self.double()
+
+    def forward(self, ids):
+        return self.head(self.emb(ids)).sum()
+
+
+def case_sparse_all_reduce_and_ddp_with_a_sparse_embedding():
+    """all_reduce of a sparse COO tensor (gloo's: what DDP calls for an
+    nn.Embedding(sparse=True)): the float64 sum / average of every rank's, ranks holding
+    different numbers of entries; DDP over such a model trains to gloo's weights; tensors whose
+    sizes differ between ranks fail on every rank."""
+    n, r = _n_r()
+    dense = torch.stack([_sparse(q).to_dense() for q in range(n)])
+    for op, want in ((R.SUM, dense.sum(0)), (R.AVG, dense.sum(0) / n)):
+        t = _sparse(r)
+        work = dist.all_reduce(t, op=op, async_op=True)
+        work.wait()
+        assert t.layout == torch.sparse_coo and t.is_coalesced()
+        assert (t.to_dense() - want).abs().max() < 1e-12, f"{op}"
+        assert work.get_future().value()[0] is t
+    world = dist.distributed_c10d._get_default_group()
+    ids = torch.randint(0, 11, (4, n, 5), generator=torch.Generator().manual_seed(1))
+    weights = {}
+    for name, group in (("mlfabric", world), ("gloo", _groups["gloo"])):
+        model = DDP(_EmbeddingNet(), process_group=group)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for s in range(4):
+            opt.zero_grad()
+            model(ids[s, r]).backward()
+            opt.step()
+        assert model.module.emb.weight.grad.layout == torch.sparse_coo
+        weights[name] = [p.detach().clone() for p in model.parameters()]
+    assert _max_diff(weights["mlfabric"], weights["gloo"]) <= 1e-12, "DDP: not gloo's weights"
+    assert _max_diff(weights["mlfabric"], list(_EmbeddingNet().parameters())) > 1e-3
+    for p in weights["mlfabric"]:
+        same_everywhere(p, "DDP with a sparse embedding")
+    if n > 1:
+        _expect_everywhere(mf.MismatchError, lambda: dist.all_reduce(
+            _sparse(r, (9 + (r == n - 1), 3))), "differ in size")
+        _still_works()
+        _expect_everywhere((ValueError, mf.MismatchError),
+                           lambda: dist.all_reduce(_sparse(r), op=R.MAX if r == 0 else R.SUM))
+        _still_works()
+
+
 def case_ddp_with_a_model_that_differs_on_one_rank_fails_everywhere():
     n, r = _n_r()
     if n == 1:
