@@ -20,18 +20,16 @@ wrong, 2 for a bad command line.
 """
 import os
 import sys
-import time
 
 import torch
-from mpi4py import MPI
 
 import mlfabric.torch as hvd
 from mlfabric.collectives import split_rows
-from mlfabric.bench.report import host_info
 from mlfabric.bench.script import int_list, parser
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torch_optimizer import finish_run, median_rounds, time_rounds  # noqa: E402
+from torch_optimizer import (finish_run, median_rounds, start_run,  # noqa: E402
+                             time_rounds)
 
 VARIANTS = ("one", "grouped", "unfused")
 ROW = 4  # elements per row
@@ -130,16 +128,7 @@ def measure(comm, args, op, small):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    world = MPI.COMM_WORLD
-    try:
-        args = parse_args(argv)
-    except SystemExit as exc:
-        return exc.code
-    torch.set_num_threads(args.threads)
-    t_start, load_before = time.monotonic(), os.getloadavg()
-    hvd.init()
-    comm = world.Dup()  # this script's own barriers and gathers
-    host = host_info(comm)
+    args, comm, host, t_start, load_before = start_run(argv, parse_args)
     results = []
     for op in ("allgather", "reducescatter"):
         for small in args.small:

@@ -128,6 +128,18 @@ def git_state():
         return None
 
 
+def start_run(argv, parse_args):
+    """The start of a side-by-side script's job (torch_grouped.py, torch_sparse.py): (args,
+    comm: a Dup of COMM_WORLD for the script's own barriers and gathers, host info, the start
+    time, the load average before). A bad command line exits with status 2 on every rank."""
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    started, load_before = time.monotonic(), os.getloadavg()
+    hvd.init()
+    comm = MPI.COMM_WORLD.Dup()
+    return args, comm, host_info(comm), started, load_before
+
+
 def finish_run(comm, script, argv, args, results, wrong, started, load_before, host):
     """The end of a side-by-side script's job: rank 0 writes the JSON ({"meta": command, host,
     git state, parameters, load; "results"}) to args.out; every rank returns the exit status
