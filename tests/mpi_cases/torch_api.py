@@ -1453,8 +1453,8 @@ def _zero(opt, model, how):
 def case_distributed_optimizer_gradients_are_bucket_views():
     """The gradients are views of the optimizer's bucket buffers (one storage per bucket), the
     same tensors step after step, reduced there in place; training matches one process on the
-    whole batch whatever zeroes them between steps (zero_grad(set_to_none=True / False),
-    model.zero_grad()), with 1 or 2 backward passes per step, default or small buckets (the
+    whole batch whatever zeroes them between steps (zero_grad(set_to_none=True / False), which
+    keep the views and zero them, model.zero_grad(), which drops them), with 1 or 2 backward passes per step, default or small buckets (the
     first bucket is capped separately), and a clipping step under skip_synchronize()."""
     from mlfabric.torch import ops
     from mlfabric.torch.optimizer import FIRST_BUCKET
@@ -1490,6 +1490,9 @@ def case_distributed_optimizer_gradients_are_bucket_views():
             for s, how in enumerate(zeroings):
                 _zero(opt, model, how)
                 _zero(ropt, ref, how)
+                if s and how != "model":  # the optimizer keeps the views, zeroed, even to None
+                    assert all(p.grad is v and not v.any() for b in opt._mlf_buckets
+                               for p, v in zip(b.params, b.views)), f"step {s}: views not kept"
                 for m in range(passes):
                     _loss(model, x[s, m, mine], y[s, m, mine]).backward()
                 total = sum(_loss(ref, x[s, m, q * B:(q + 1) * B], y[s, m, q * B:(q + 1) * B])
