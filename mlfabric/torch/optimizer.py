@@ -445,8 +445,8 @@ def _unshare(ref):
 
 def _gather(b, sparse_as_dense):
     """Point every .grad of bucket b at its view of the bucket. Gradients made elsewhere (fresh
-    from autograd after zero_grad(set_to_none=True)) are copied in with one call; parameters
-    without a gradient get zeros (Horovod's rule). Sparse gradients are densified if
+    from autograd: the first step, or after model.zero_grad()) are copied in with one call;
+    parameters without a gradient get zeros (Horovod's rule). Sparse gradients are densified if
     sparse_as_dense; else they stay as they are, reduced by sparse.py: returned as (position,
     gradient). A member whose gradients came sparse before and that has none now contributes
     an empty sparse gradient (zeros, as a dense one would), so every rank still issues the
