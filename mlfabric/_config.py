@@ -46,6 +46,12 @@ def timeout_s():
     return _number("MLFABRIC_TIMEOUT", 300.0, float, 0.001)
 
 
+def elastic_replace():
+    """MLFABRIC_ELASTIC_REPLACE: the most processes an elastic job spawns to replace dead ranks
+    over its life (respawn.py); 0, the default, replaces none."""
+    return _number("MLFABRIC_ELASTIC_REPLACE", 0, int, 0)
+
+
 def shm_enabled():
     raw = os.environ.get("MLFABRIC_SHM", "1").strip()
     if raw not in ("0", "1"):

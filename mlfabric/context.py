@@ -11,7 +11,7 @@ import threading
 
 from mpi4py import MPI
 
-from . import _config
+from . import _config, respawn
 from .comm.executor import Executor
 from .errors import MlfabricError, NotInitializedError
 
@@ -103,13 +103,15 @@ def _check_same_settings(comm):
 
 
 def init(comm=None):
-    """Initialise mlfabric on `comm` (default MPI.COMM_WORLD). Collective over comm.
+    """Initialise mlfabric on `comm` (default MPI.COMM_WORLD; in a process spawned to replace a
+    dead rank, the survivors' communicator: see respawn.py). Collective over comm.
 
     Calling init() again with the same communicator is a no-op; with another one it is an error
     (finalize() first)."""
     global _ctx
     with _lock:
-        comm = MPI.COMM_WORLD if comm is None else comm
+        if comm is None:  # a replacement for a dead rank joins the survivors (respawn.py)
+            comm = respawn.join() or MPI.COMM_WORLD
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
             raise MlfabricError(f"init(comm=...) needs an mpi4py intracommunicator, got {comm!r}")
         if _ctx is not None:

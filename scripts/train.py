@@ -20,7 +20,9 @@ The allreduce mode trains on the GPUs when every rank has one of its own (--devi
 default; cuda insists, cpu declines); the parameter-server modes train on the CPU. With
 --elastic (allreduce mode, under ULFM) the epochs run inside mlfabric.torch.elastic.run, committed
 after each: when a rank dies the survivors redo the epoch it died in on shards re-split among
-them, and carry on; --kill-rank R@E makes rank R SIGKILL itself as epoch E starts, to watch it.
+them, and carry on; --kill-rank R@E makes rank R SIGKILL itself as epoch E starts, to watch it;
+--replace N spawns new processes in place of the dead (up to N over the job), which join at
+their hvd.init() and take the survivors' state, so the job goes on at its full size.
 Output: a progress bar on the reporting rank (rank 0, or the first worker in the PS modes), one
 JSON line per epoch (--metrics FILE), a final summary line, and --plot FILE.png (test accuracy vs
 time).
@@ -76,6 +78,10 @@ def parse(argv=None):
                    "--mca mpi_ft_detector true)")
     p.add_argument("--kill-rank", default=None, metavar="R@E",
                    help="with --elastic: rank R SIGKILLs itself as epoch E starts")
+    p.add_argument("--replace", type=int, default=None, metavar="N",
+                   help="with --elastic: spawn up to N new processes over the job's life to "
+                   "replace ranks that die, so training goes on at its full size (sets "
+                   "MLFABRIC_ELASTIC_REPLACE)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="allreduce mode: train on GPU local_rank over NCCL (cuda), or on the CPU; "
                    "auto takes the GPUs when every rank has one of its own")
@@ -98,6 +104,8 @@ def parse(argv=None):
             p.error(f"--kill-rank takes RANK@EPOCH, got {args.kill_rank!r}")
         if not args.elastic:
             p.error("--kill-rank is for trying --elastic")
+    if args.replace is not None and (not args.elastic or args.replace < 0):
+        p.error("--replace N (N >= 0) is for --elastic")
     if args.epochs < 1 or args.batch_size < 1:
         p.error("--epochs and --batch-size must be >= 1")
     if args.compute_ms is None:
@@ -237,8 +245,11 @@ def train_elastic(args, model, opt, data_xy, test, report, compute, device, hvd)
     alive, committed after it. Returns (steps, last loss, test accuracy, ranks at the end)."""
     import signal
     from mpi4py import MPI
+    from mlfabric import respawn
     from mlfabric.workloads import data
-    me = MPI.COMM_WORLD.rank
+    # a replacement for a dead rank (--replace) runs this program from its start, but never
+    # plays the victim of --kill-rank
+    me = None if respawn.joining else MPI.COMM_WORLD.rank
     base_lr = [g["lr"] for g in opt.param_groups]
     state = hvd.elastic.TorchState(model, opt, epoch=0, step=0, loss=float("nan"),
                                    acc=float("nan"))
@@ -246,8 +257,8 @@ def train_elastic(args, model, opt, data_xy, test, report, compute, device, hvd)
     def on_reset():
         report.active = hvd.rank() == 0  # the summary comes from whoever is rank 0 now
         if report.active:
-            print(f"train.py: a rank died; {hvd.size()} rank(s) go on from epoch {state.epoch}",
-                  flush=True)
+            print(f"train.py: a rank died; {hvd.size()} rank(s) go on from epoch {state.epoch}"
+                  f"{' (replacements included)' if respawn.spawned else ''}", flush=True)
     state.register_reset_callbacks([on_reset])
 
     @hvd.elastic.run
@@ -272,6 +283,8 @@ def steps_per_epoch(n, batch_size):
 
 def main(argv=None):
     args = parse(argv)
+    if args.replace is not None:  # read by mlfabric when a rank dies (respawn.py)
+        os.environ["MLFABRIC_ELASTIC_REPLACE"] = str(args.replace)
     import torch
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)  # ranks share the machine's cores
@@ -292,7 +305,8 @@ def main(argv=None):
         device = pick_device(args, comm, hvd)
         model = model.to(device)
         opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum)
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        if not args.elastic:  # elastic: its first sync broadcasts (a replacement joins there)
+            hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
         shard = data.shard(X, y, rank, size)
         compute = emu.compute_trace(size, args.compute_ms / 1e3) if args.compute_ms else None

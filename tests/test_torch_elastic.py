@@ -1,10 +1,11 @@
 """mlfabric.torch.elastic (Horovod's hvd.elastic) under real mpirun: its state and run() without
 failures at 1 to 3 ranks, and ranks SIGKILLed mid-training under ULFM (mpirun --with-ft ulfm):
 the survivors roll back to their last commit, shrink, and finish with the weights of one process
-training on the same batches (tests/mpi_cases/torch_elastic.py)."""
+training on the same batches (tests/mpi_cases/torch_elastic.py); with MLFABRIC_ELASTIC_REPLACE,
+a spawned replacement joins them and the job ends at its full size."""
 import pytest
 
-from tests.mpi_util import run_cases, run_mpi
+from tests.mpi_util import run_cases, run_mpi, shared_memory_btl
 
 pytestmark = pytest.mark.mpi
 
@@ -46,6 +47,35 @@ def test_elastic_sampler_covers_the_epoch_after_a_death(n, victim, kill_at, ever
                        str(kill_at), str(every)],
                    timeout=200, env={"MLFABRIC_TIMEOUT": "10"}, mpirun_args=ULFM)
     _assert_finished(proc, n - 1)
+
+
+# (ranks, the rank killed, steps, the step it dies at, commit every): a rank in the middle, and
+# the root of every sync (rank 0, also the root of the spawn's survivors' ranks shifted).
+@pytest.mark.parametrize("n, victim, steps, kill_at, every", [(3, 1, 6, 3, 2), (4, 0, 5, 2, 1)])
+def test_a_dead_rank_replaced(n, victim, steps, kill_at, every):
+    """MLFABRIC_ELASTIC_REPLACE=1: the survivors spawn a replacement (the same script, from its
+    start), which joins them at hvd.init() and takes their state at its first sync; the job
+    ends at its full size with the weights of training that never lost a rank, and every
+    process, the replacement too, reports success."""
+    proc = run_mpi(n, ["-m", "tests.mpi_cases.torch_elastic", "replace", str(victim), str(steps),
+                       str(kill_at), str(every)],
+                   timeout=240, env={"MLFABRIC_TIMEOUT": "10", "MLFABRIC_ELASTIC_REPLACE": "1",
+                                     # shared memory does not connect separate jobs
+                                     "OMPI_MCA_btl": f"self,{shared_memory_btl()},tcp"},
+                   mpirun_args=ULFM)
+    _assert_finished(proc, n)
+    assert proc.stdout.count("RESULT ok (replacement") == 1, proc.stdout
+
+
+def test_replacing_impossible_goes_on_smaller():
+    """MLFABRIC_ELASTIC_REPLACE=1 with a BTL list (the harness's self,sm) that cannot reach a
+    spawned job: the survivors say why on stderr and go on without a replacement, as when
+    replacing is off (no hang in a merge that could never finish)."""
+    proc = run_mpi(3, ["-m", "tests.mpi_cases.torch_elastic", "1", "4", "2", "1"],
+                   timeout=200, env={"MLFABRIC_TIMEOUT": "10", "MLFABRIC_ELASTIC_REPLACE": "1"},
+                   mpirun_args=ULFM)
+    _assert_finished(proc, 2)
+    assert "cannot spawn replacements: OMPI_MCA_btl=" in proc.stdout, proc.stdout
 
 
 def test_a_rank_slower_than_the_timeout_is_not_lost():

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from .mpi_util import ROOT, mpi_env, run_mpi
+from .mpi_util import ROOT, mpi_env, run_mpi, shared_memory_btl
 
 pytest.importorskip("torch")
 pytest.importorskip("sklearn")
@@ -66,6 +66,7 @@ def test_odd_rank_count_with_stragglers_network_and_a_plot(tmp_path):
     (["--mode", "ps-sync", "--elastic"], "--elastic is for --mode allreduce"),
     (["--kill-rank", "1@2"], "--kill-rank is for trying --elastic"),
     (["--elastic", "--kill-rank", "1"], "--kill-rank takes RANK@EPOCH"),
+    (["--replace", "1"], "--replace N (N >= 0) is for --elastic"),
 ])
 def test_bad_options_fail_before_any_mpi(args, match):
     proc = subprocess.run([sys.executable, SCRIPT, *args], cwd=ROOT, env=mpi_env(),
@@ -101,3 +102,19 @@ def test_elastic_training_survives_a_killed_rank():
     assert proc.returncode == 0, proc.stdout  # the survivors' exit too
     r = result(proc.stdout)
     assert r["ranks"] == 3 and r["test_accuracy"] >= 0.95, r
+
+
+@pytest.mark.mpi
+def test_elastic_training_replaces_a_killed_rank():
+    """--elastic --replace 1: rank 1 of 4 dies as epoch 3 starts; a new process replaces it
+    (spawned by the survivors, joining at its hvd.init()), so 4 ranks finish the training, still
+    reaching 95% on digits."""
+    proc = run_mpi(4, [SCRIPT, "--elastic", "--kill-rank", "1@3", "--replace", "1", "--quiet"],
+                   timeout=300, env={"MLFABRIC_TIMEOUT": "10",
+                                     # shared memory does not connect separate jobs
+                                     "OMPI_MCA_btl": f"self,{shared_memory_btl()},tcp"},
+                   mpirun_args=("--with-ft", "ulfm", "--mca", "mpi_ft_detector", "true"))
+    assert "4 rank(s) go on from epoch 3 (replacements included)" in proc.stdout, proc.stdout
+    assert proc.returncode == 0, proc.stdout
+    r = result(proc.stdout)
+    assert r["ranks"] == 4 and r["test_accuracy"] >= 0.95, r

@@ -22,21 +22,28 @@ change), calls the reset callbacks, makes every rank hold the new rank 0's commi
 (sync()), and calls the function again. Process sets do not survive a reset (add them again in
 a reset callback).
 
+With MLFABRIC_ELASTIC_REPLACE=N the survivors also spawn new processes in place of the dead
+(up to N over the job; mlfabric/respawn.py) before re-initialising: each runs the program from
+its start, joins at its hvd.init() (after the survivors' ranks) and gets their state at the first
+sync of its run(); the job goes on at its full size. Such a program must make no collective call
+before entering run() (as Horovod's elastic programs: the first sync does the broadcasting).
+
 Owns State / ObjectState / TorchState, ElasticSampler and run(). Differences from Horovod:
-ranks are only lost, never added (mpirun fixes a job's processes), so there are no host updates
-to check; the failure that triggers a reset is mlfabric's (PeerTimeoutError, or an error caused
+no hosts are discovered or added beyond those replacements, so there are no host updates to
+check; the failure that triggers a reset is mlfabric's (PeerTimeoutError, or an error caused
 by a failed or revoked MPI process), and without ULFM a reset is refused with an error saying
 so (Open MPI ends the whole job when a rank dies, unless run with --with-ft ulfm).
 """
 import copy
 import functools
 import os
+import sys
 
 import torch
 from mpi4py import MPI
 
 from .. import context as _context
-from .. import exit_guard
+from .. import exit_guard, respawn
 from ..errors import MlfabricError, PeerTimeoutError
 
 _FAILED = {MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED}
@@ -244,6 +251,7 @@ def run(func):
         while True:
             try:
                 state.sync()
+                respawn.joining = False  # a replacement now holds the others' state
                 result = func(state, *args, **kwargs)
                 # Done only when every rank is: a rank whose last call failed (a peer slower
                 # than MLFABRIC_TIMEOUT looks dead too) is shrinking, and would wait forever for
@@ -294,4 +302,18 @@ def _shrink_and_reinit(cause):
         if sub is not None:
             sub.ctx.abandoned = True
     shutdown()
-    init(survivors)
+    init(_replaced(survivors, user.size - survivors.size))
+
+
+def _replaced(survivors, lost):
+    """survivors merged with replacements for the `lost` ranks (MLFABRIC_ELASTIC_REPLACE,
+    respawn.py), or survivors alone when none are spawned: replacing is off or used up, or MPI
+    cannot start them (said on stderr; the job goes on smaller)."""
+    try:
+        merged = respawn.spawn(survivors, lost)
+    except MlfabricError as exc:
+        if survivors.rank == 0:
+            print(f"mlfabric elastic: could not spawn {lost} replacement(s) ({exc}); going on "
+                  f"with {survivors.size} rank(s)", file=sys.stderr, flush=True)
+        return survivors
+    return survivors if merged is None else merged

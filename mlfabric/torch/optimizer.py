@@ -53,6 +53,7 @@ import torch
 
 from .. import collectives as _coll
 from .. import context as _context
+from .. import respawn as _respawn
 from .. import shared as _shared
 from ..errors import MismatchError, MlfabricError
 from . import adasum as _adasum
@@ -122,6 +123,8 @@ class _DistributedOptimizer:
         # peers fail at once (MismatchError naming it) instead of waiting for it.
         self._mlf_process_set = process_set
         st = ops._state(process_set) if _context.initialized() else None  # not in it: raises
+        if _respawn.joining:  # a replacement, built before its first sync: the others make no
+            st = None         # construction round (and its buckets stay private, as theirs)
         try:
             op, params, names = self._mlf_check(named_parameters, compression,
                                                 backward_passes_per_step, op,

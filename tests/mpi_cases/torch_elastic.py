@@ -240,8 +240,60 @@ def main_sampler(victim, kill_at, every, samples=40, batch=2):
         print(f"RESULT FAIL rank {me}: {type(exc).__name__}: {exc}", flush=True)
 
 
+def main_replace(victim, steps, kill_at, every):
+    """With MLFABRIC_ELASTIC_REPLACE set: the victim dies at step kill_at; the survivors spawn a
+    replacement (this same script, started over), which joins them at its hvd.init() and takes
+    their state at its first sync; training goes on at the full size, so the weights must be
+    those of training that never lost a rank (the steps since the last commit are redone with
+    every slot's batch). Every process, the replacement too, prints its RESULT."""
+    from mlfabric import respawn
+    torch.set_num_threads(1)
+    hvd.init()
+    replacement = respawn.joining
+    me, world = hvd.rank(), hvd.size()
+    model = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                   named_parameters=model.named_parameters())
+    state = elastic.TorchState(model, opt, step=0)
+    resets = []
+    state.register_reset_callbacks([lambda: resets.append(hvd.size())])
+
+    @elastic.run
+    def train(state):
+        while state.step < steps:
+            if me == victim and not replacement and state.step == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            x, y = _batch(state.step, hvd.rank())
+            opt.zero_grad()
+            _loss(model, x, y).backward()
+            opt.step()
+            state.step += 1
+            if state.step % every == 0:
+                state.commit()
+        return hvd.size()
+
+    who = f"{'replacement' if replacement else 'rank'} {me}"
+    try:
+        size = train(state)
+        want = _reference(world, steps, steps)  # as if no rank had died
+        diff = max((p.detach() - q).abs().max().item() for p, q in zip(model.parameters(), want))
+        problems = []
+        if size != world:
+            problems.append(f"size {size} at the end, {world} expected")
+        if resets != ([] if replacement else [world]):
+            problems.append(f"resets {resets}")
+        if diff > 1e-10:
+            problems.append(f"weights differ from the reference by {diff:.3g}")
+        print(f"RESULT {'FAIL ' + '; '.join(problems) if problems else 'ok'} ({who})",
+              flush=True)
+    except Exception as exc:  # noqa: BLE001 - reported, the test reads it
+        print(f"RESULT FAIL {who}: {type(exc).__name__}: {exc}", flush=True)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "sampler":
         main_sampler(*(int(a) for a in sys.argv[2:5]))
+    elif sys.argv[1] == "replace":
+        main_replace(*(int(a) for a in sys.argv[2:6]))
     else:
         main(*(int(a) for a in sys.argv[1:5]), slow=sys.argv[5:] == ["slow"])
