@@ -162,13 +162,11 @@ def _reference(world, steps, rollback):
     return [p.detach() for p in model.parameters()]
 
 
-def main(victim, steps, kill_at, every, slow=False):
-    """slow: the victim does not die but sleeps 2 x MLFABRIC_TIMEOUT: it looks dead to the
-    others, who reset; it fails its next call and joins them; nobody is lost. (ULFM's own
-    detector would declare it dead after mpi_ft_detector_timeout, 10 s, without MPI calls.)"""
-    torch.set_num_threads(1)
-    hvd.init()
-    me, world = MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size
+def _elastic_training(steps, every, at_step):
+    """The training the scripts below run: DistributedOptimizer steps on each rank's slot's
+    batch inside elastic.run, a commit every `every` steps, at_step(step, resets) at the start
+    of each step (where a victim dies). Returns (the model, train() -> the size at the end, the
+    sizes the reset callback saw)."""
     model = _model()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                                    named_parameters=model.named_parameters())
@@ -179,11 +177,7 @@ def main(victim, steps, kill_at, every, slow=False):
     @elastic.run
     def train(state):
         while state.step < steps:
-            if me == victim and state.step == kill_at and not resets:
-                if slow:
-                    time.sleep(2 * float(os.environ["MLFABRIC_TIMEOUT"]))
-                else:
-                    os.kill(os.getpid(), signal.SIGKILL)
+            at_step(state.step, resets)
             x, y = _batch(state.step, hvd.rank())
             opt.zero_grad()
             _loss(model, x, y).backward()
@@ -192,9 +186,26 @@ def main(victim, steps, kill_at, every, slow=False):
             if state.step % every == 0:
                 state.commit()
         return hvd.size()
+    return model, lambda: train(state), resets
 
+
+def main(victim, steps, kill_at, every, slow=False):
+    """slow: the victim does not die but sleeps 2 x MLFABRIC_TIMEOUT: it looks dead to the
+    others, who reset; it fails its next call and joins them; nobody is lost. (ULFM's own
+    detector would declare it dead after mpi_ft_detector_timeout, 10 s, without MPI calls.)"""
+    torch.set_num_threads(1)
+    hvd.init()
+    me, world = MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size
+
+    def at_step(step, resets):
+        if me == victim and step == kill_at and not resets:
+            if slow:
+                time.sleep(2 * float(os.environ["MLFABRIC_TIMEOUT"]))
+            else:
+                os.kill(os.getpid(), signal.SIGKILL)
+    model, train, resets = _elastic_training(steps, every, at_step)
     try:
-        size = train(state)
+        size = train()
         left = world if slow else world - 1
         # rolled back to the last commit; after it, `left` ranks' batches
         want = _reference(world, steps, steps if slow else kill_at // every * every)
@@ -251,30 +262,14 @@ def main_replace(victim, steps, kill_at, every):
     hvd.init()
     replacement = respawn.joining
     me, world = hvd.rank(), hvd.size()
-    model = _model()
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                                   named_parameters=model.named_parameters())
-    state = elastic.TorchState(model, opt, step=0)
-    resets = []
-    state.register_reset_callbacks([lambda: resets.append(hvd.size())])
 
-    @elastic.run
-    def train(state):
-        while state.step < steps:
-            if me == victim and not replacement and state.step == kill_at:
-                os.kill(os.getpid(), signal.SIGKILL)
-            x, y = _batch(state.step, hvd.rank())
-            opt.zero_grad()
-            _loss(model, x, y).backward()
-            opt.step()
-            state.step += 1
-            if state.step % every == 0:
-                state.commit()
-        return hvd.size()
-
+    def at_step(step, resets):
+        if me == victim and not replacement and step == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+    model, train, resets = _elastic_training(steps, every, at_step)
     who = f"{'replacement' if replacement else 'rank'} {me}"
     try:
-        size = train(state)
+        size = train()
         want = _reference(world, steps, steps)  # as if no rank had died
         diff = max((p.detach() - q).abs().max().item() for p, q in zip(model.parameters(), want))
         problems = []
