@@ -155,10 +155,11 @@ def _same_layout(out, x):
     return type(out) is np.ndarray and out.dtype == x.dtype and out.shape == x.shape
 
 
-def _plain_plan(ctx, x, op):
-    """The prepared engine call of a numpy allreduce on the direct path, or None when the
-    arguments need the general path's checks (it raises the right errors)."""
-    key = (x.dtype, x.shape, op)
+def _plain_plan(ctx, kind, x, op=None):
+    """The prepared engine call of a numpy allreduce or allgather on the direct path, or None
+    when the arguments need the general path's checks (it raises the right errors). Its header
+    is the general path's for the same call, so ranks on either path still agree."""
+    key = (kind, x.dtype, x.shape, op)
     try:
         plan = ctx.plain_plans.get(key)
     except TypeError:  # an unhashable op: the general path rejects it on every rank
@@ -166,14 +167,26 @@ def _plain_plan(ctx, x, op):
     if plan is None:
         try:
             code = _dtypes.numpy_dtype_code(x.dtype)
-            opc, avg = _dtypes.op_code(op, code)
+            opc, avg = _dtypes.op_code(op, code) if kind == "allreduce" else (0, False)
         except (TypeError, ValueError):
             return None
-        hdr = header.make("allreduce", code, opc, avg, 0, x.shape, "shm")
-        plan = ctx.shm.plan("allreduce", code, opc, 1.0 / ctx.size if avg else 1.0, hdr)
+        hdr = header.make(kind, code, opc, avg, 0, x.shape, "shm")
+        plan = ctx.shm.plan(kind, code, opc, 1.0 / ctx.size if avg else 1.0, hdr)
         if len(ctx.plain_plans) < 1024:
             ctx.plain_plans[key] = plan
     return plan
+
+
+def _direct_ctx(x, algorithm="auto"):
+    """The context when x may take the direct path (a numpy array, every rank on one host,
+    nothing queued before it, not a shared buffer longer than one step, which the general path
+    reads in place), else None."""
+    ctx = (context._subs and context._local.ctx) or context._ctx  # context.get(), unchecked
+    if (ctx is not None and ctx.shm is not None and type(x) is np.ndarray and algorithm == "auto"
+            and not ctx.executor.pending
+            and not (ctx.shm.allocs and x.nbytes > ctx.shm.block and _maybe_shared(x))):
+        return ctx
+    return None
 
 
 def allreduce(x, op="sum", out=None, algorithm="auto"):
@@ -182,14 +195,12 @@ def allreduce(x, op="sum", out=None, algorithm="auto"):
     op: sum, prod, min, max, avg (avg: floating dtypes). out=None returns a new array; pass
     out=x to reduce in place. algorithm: auto (shared memory on one host, else by size), shm,
     ring, rhd (recursive halving-doubling), tree. Every rank gets bitwise the same result."""
-    ctx = (context._subs and context._local.ctx) or context._ctx  # context.get(), unchecked
     # Direct path: numpy arrays on one host skip the general machinery (microseconds of Python
     # that would dominate calls up to ~1 MiB) through a prepared engine call. Same protocol, same
     # header checks. Shared buffers longer than one step take the general path, for zero-copy.
-    if (ctx is not None and ctx.shm is not None and type(x) is np.ndarray and algorithm == "auto"
-            and (out is None or out is x or _same_layout(out, x)) and not ctx.executor.pending
-            and not (ctx.shm.allocs and x.nbytes > ctx.shm.block and _maybe_shared(x))):
-        plan = _plain_plan(ctx, x, op)
+    ctx = _direct_ctx(x, algorithm)
+    if ctx is not None and (out is None or out is x or _same_layout(out, x)):
+        plan = _plain_plan(ctx, "allreduce", x, op)
         if plan is not None:
             res = np.empty_like(x) if out is None else out
             if ctx.shm.run_plan("allreduce", plan, x, res):
@@ -309,6 +320,13 @@ def _allgather(x, out, async_):
 def allgather(x, out=None):
     """Concatenate every rank's x along axis 0 (rank order); 0-d inputs give shape (size,).
     All ranks must pass the same shape."""
+    ctx = _direct_ctx(x)
+    if ctx is not None and out is None and x.ndim and x.size:  # as allreduce's direct path
+        plan = _plain_plan(ctx, "allgather", x)
+        if plan is not None:
+            res = np.empty((ctx.size * x.shape[0], *x.shape[1:]), x.dtype)
+            if ctx.shm.run_plan("allgather", plan, x, res):
+                return res
     return _allgather(x, out, False)
 
 

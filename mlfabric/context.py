@@ -60,7 +60,7 @@ class Context:
             self.shm = ShmTransport(self.node_comm)
         # its thread works in this context (not the process-wide one: see using())
         self.executor = Executor(thread_init=functools.partial(setattr, _local, "ctx", self))
-        self.plain_plans = {}  # (dtype, shape, op) -> plan of allreduce's direct path
+        self.plain_plans = {}  # (kind, dtype, shape, op) -> plan of a direct-path call
         self.nccl = None  # comm/nccl.py's Communicator, made at the first GPU collective
         # called before the shared memory goes: owners of long-lived shared buffers that users
         # can still reach (DistributedOptimizer's gradient buckets) move them to private memory

@@ -167,10 +167,27 @@ def _hash(value):
     return zlib.crc32(repr(value).encode())
 
 
+_DESCS = {}  # _desc's arguments -> the descriptor: a training loop repeats the same calls
+
+
 def _desc(kind, dtype=0, op=0, root=0, shape=(), name=None, layout=None, tensor=None):
-    """This rank's descriptor of a call. shape: the tensor's (0-d counts as (1,)); layout: what
-    else must agree (the member shapes of a grouped allreduce); tensor: one of the call's
-    tensors, for its device."""
+    """This rank's descriptor of a call (a new array: callers may amend it). shape: the
+    tensor's (0-d counts as (1,)); layout: what else must agree (the member shapes of a grouped
+    allreduce); tensor: one of the call's tensors, for its device."""
+    device = 1 if tensor is not None and tensor.is_cuda else 0
+    key = (kind, dtype, op, root, tuple(shape), name, layout, device)
+    try:
+        d = _DESCS.get(key)
+    except TypeError:  # an unhashable name or layout: described afresh (and checked by plan)
+        key, d = None, None
+    if d is None:
+        d = _new_desc(kind, dtype, op, root, shape, name, layout, device)
+        if key is not None and len(_DESCS) < 4096:
+            _DESCS[key] = d
+    return d.copy()
+
+
+def _new_desc(kind, dtype, op, root, shape, name, layout, device):
     shape = tuple(int(s) for s in shape) or (1,)
     d = np.zeros(_W, np.int64)
     d[_STATE], d[_KIND], d[_DTYPE], d[_OP], d[_ROOT] = _ACTIVE, kind, dtype, op, root
@@ -182,7 +199,7 @@ def _desc(kind, dtype=0, op=0, root=0, shape=(), name=None, layout=None, tensor=
     d[_NAME_HASH] = -1 if name is None else _hash(name)
     k = min(len(shape), _MAX_DIMS)
     d[_DIMS:_DIMS + k] = shape[:k]
-    d[_DEVICE] = 1 if tensor is not None and tensor.is_cuda else 0
+    d[_DEVICE] = device
     return d
 
 
@@ -204,8 +221,12 @@ def _groups(table, ranks, key):
 def _disagreement(table, what):
     """The error every rank raises for this control round, or None (the same on every rank:
     it depends on the table alone)."""
+    # The usual case: every rank active and describing the same call, word for word.
+    raw = table.tobytes()
+    if table[0, _STATE] == _ACTIVE and raw == raw[:len(raw) // len(table)] * len(table):
+        return None
     states = table[:, _STATE]
-    # The usual case, checked at numpy speed: every rank active and describing the same call.
+    # Then at numpy speed: the same call, its rows differing where they may (allgather).
     if (states == _ACTIVE).all() and (table[:, _SAME] == table[0, _SAME]).all() and (
             table[0, _KIND] in (_ALLGATHER, _ALLTOALL)
             or (table[:, _SHAPE_HASH] == table[0, _SHAPE_HASH]).all()):
@@ -594,9 +615,26 @@ def _reduce_flat(st, flat, desc, what, plan):
 
 def _allreduce_flat(flat, plan):
     if flat.numel():
-        _coll.allreduce(flat, op=plan.core, out=flat)
+        host = _host_view(flat)
+        _coll.allreduce(host, op=plan.core, out=host)
         if plan.after != 1.0:
             flat.mul_(plan.after)
+
+
+def _host_view(flat):
+    """The contiguous CPU tensor flat as a numpy array, so that the core collectives take their
+    direct path (a prepared engine call: microseconds, where wrapping a tensor in the general
+    path takes tens), or flat itself where the general path is the one to take: on a GPU, in
+    bfloat16 (numpy has no such dtype), or in mlfabric's shared memory and longer than one
+    engine block (the general path reads it in place; the numpy view would hide that it is
+    shared)."""
+    if flat.device.type != "cpu" or flat.dtype == torch.bfloat16:
+        return flat
+    shm = _context.get().shm  # a process set's context inside its calls
+    if shm is not None and shm.allocs and flat.nbytes > shm.block and \
+            shm.lookup(flat.data_ptr(), flat.nbytes) is not None:
+        return flat
+    return flat.detach().numpy()
 
 
 def _wire_copy(t, plan):

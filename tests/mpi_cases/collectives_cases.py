@@ -148,6 +148,22 @@ def case_allgather():
             assert_close(got, want, dtype, f"allgather {dtype} {shape}")
 
 
+def case_direct_and_general_paths_agree():
+    # Small numpy calls take a direct path (a prepared engine call); out= (allgather) or an
+    # explicit algorithm (allreduce) sends rank 0 down the general path instead. The two paths
+    # must describe the same call alike, or every rank would fail with a mismatch.
+    n, r = mf.size(), mf.rank()
+    x = np.arange(6, dtype=np.int64).reshape(2, 3) + 10 * r
+    out = np.empty((2 * n, 3), np.int64) if r == 0 else None
+    got = mf.allgather(x, out=out)
+    assert got.shape == (2 * n, 3) and (out is None or got is out)
+    want = np.concatenate([np.arange(6, dtype=np.int64).reshape(2, 3) + 10 * q for q in range(n)])
+    assert (got == want).all(), got
+    y = np.full(5, r + 0.5)
+    got = mf.allreduce(y, op="avg", algorithm="shm" if r == 0 else "auto")
+    assert np.allclose(got, sum(q + 0.5 for q in range(n)) / n), got
+
+
 def case_reduce_scatter():
     n, r = mf.size(), mf.rank()
     for dtype in DTYPES:
