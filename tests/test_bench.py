@@ -75,6 +75,7 @@ def test_resolve_impls():
     assert impls.resolve("mpi-oop,gloo,mpi-oop") == [("mpi", "mpi-oop"), ("gloo", "gloo")]
     assert [v for _, v in impls.resolve("mlfabric")] == ["mlfabric", "mlfabric-oop",
                                                           "mlfabric-shared"]
+    assert impls.resolve("hvd,gloo") == [("hvd", "hvd"), ("gloo", "gloo")]
     with pytest.raises(ValueError, match="unknown implementation 'nccl'.*known: mlfabric"):
         impls.resolve("mpi,nccl")
 
@@ -292,6 +293,31 @@ def test_mlfabric(coll, tmp_path):
              "pingpong": ["mlfabric", "mlfabric-shared", "mpi"]}
     check_records(recs, coll, 3, names.get(coll, ["mlfabric", "mlfabric-shared", "mpi",
                                                   "mpi-oop"]))
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(not have("torch"), reason="hvd needs torch")
+@pytest.mark.parametrize("coll, dtype, op", [("allreduce", "float64", "avg"),
+                                             ("allreduce", "int32", "max"),
+                                             ("broadcast", "bfloat16", "sum"),
+                                             ("allgather", "float16", "sum"),
+                                             ("reduce_scatter", "float32", "sum")])
+def test_hvd(coll, dtype, op, tmp_path):
+    # mlfabric.torch's Horovod API beside MPI, every result checked by the driver
+    rc, out, recs = bench(3, coll, "-b", "8", "-e", "16K", "-f", "8", "--impl", "hvd,mpi-oop",
+                          "--dtype", dtype, "--op", op, *QUICK, tmp_path=tmp_path)
+    assert rc == 0, out
+    check_records([r for r in recs if r["impl"] == "hvd"], coll, 3, ["hvd"], dtype)
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(not have("torch"), reason="hvd needs torch")
+def test_hvd_skips_what_horovod_lacks(tmp_path):
+    rc, out, recs = bench(2, "reduce_scatter", "-b", "8", "-e", "64", "-f", "8", "--impl",
+                          "hvd,mpi-oop", "--op", "max", *QUICK, tmp_path=tmp_path)
+    assert rc == 0, out
+    assert "hvd.reducescatter reduces with Sum or Average only" in out
+    assert {r["impl"] for r in recs} == {"mpi-oop"}
 
 
 @pytest.mark.mpi

@@ -1,5 +1,6 @@
 """The implementations the driver compares, by family: mlfabric (mlfabric, mlfabric-oop,
-mlfabric-shared), mpi (mpi, mpi-oop: mpi4py buffer calls) and gloo (torch.distributed on CPU).
+mlfabric-shared), hvd (mlfabric.torch's Horovod API on CPU tensors), mpi (mpi, mpi-oop: mpi4py
+buffer calls) and gloo (torch.distributed on CPU).
 Owns buffer allocation in each implementation's native kind (numpy array, torch tensor, mlfabric
 shared buffer) and the one call each collective makes; never times or checks anything (driver.py
 does). mlfabric and torch are imported lazily, inside their family.
@@ -493,7 +494,73 @@ class MlfabricFamily(Family):
         return "mlfabric " + str(getattr(self.mlf, "__version__", "?"))
 
 
-FAMILIES = {"mlfabric": MlfabricFamily, "mpi": MpiFamily, "gloo": GlooFamily}
+class HvdFamily(Family):
+    """mlfabric.torch, called as a Horovod script calls horovod.torch, on CPU tensors: what a
+    user of the drop-in API pays per call (its control round included), beside gloo's
+    torch.distributed calls on the same tensors."""
+    name = "hvd"
+    variants = ("hvd",)
+    OPS = {"sum": "Sum", "avg": "Average", "min": "Min", "max": "Max", "prod": "Product"}
+
+    def available(self):
+        if import_torch() is None:
+            return "hvd skipped: torch is not installed"
+        try:
+            import mlfabric.torch  # noqa: F401
+        except Exception as e:  # a broken build must not take the other impls down
+            return f"mlfabric.torch cannot be imported: {type(e).__name__}: {e}"
+        return None
+
+    def setup(self, comm, opts):
+        super().setup(comm, opts)
+        import mlfabric.torch as hvd
+        self.hvd = hvd
+        self.owns_init = not hvd.is_initialized()  # the mlfabric family may have done it
+        hvd.init(comm)
+
+    def shutdown(self):
+        if getattr(self, "owns_init", False):
+            self.hvd.shutdown()
+
+    def supports(self, variant, coll, dtype, op):
+        if coll == "pingpong":
+            return "Horovod's API has no point-to-point calls"
+        if coll == "reduce_scatter" and op not in ("sum", "avg"):
+            return "hvd.reducescatter reduces with Sum or Average only"
+        return None
+
+    def _op(self, p):
+        return getattr(self.hvd, self.OPS[p.op])
+
+    def _allreduce(self, variant, p):
+        hvd, op = self.hvd, self._op(p)
+        x = alloc(p.count, p.dtype, kind="torch")
+        return Case(lambda: hvd.allreduce_(x, op=op), x, x)
+
+    def _broadcast(self, variant, p):
+        hvd, root = self.hvd, p.root
+        x = alloc(p.count, p.dtype, kind="torch")
+        return Case(lambda: hvd.broadcast_(x, root), x, x)
+
+    def _returning(self, fn, inp, **kw):
+        box = [None]
+
+        def run():
+            box[0] = fn(inp, **kw)
+        return Case(run, inp, None, output=lambda: box[0])
+
+    def _allgather(self, variant, p):
+        return self._returning(self.hvd.allgather, alloc(p.send_count, p.dtype, kind="torch"))
+
+    def _reduce_scatter(self, variant, p):
+        return self._returning(self.hvd.reducescatter, alloc(p.send_count, p.dtype, kind="torch"),
+                               op=self._op(p))
+
+    def version(self):
+        return "mlfabric.torch " + str(getattr(sys.modules.get("mlfabric"), "__version__", "?"))
+
+
+FAMILIES = {"mlfabric": MlfabricFamily, "hvd": HvdFamily, "mpi": MpiFamily, "gloo": GlooFamily}
 VARIANT_FAMILY = {v: f for f, cls in FAMILIES.items() for v in cls.variants}
 
 
