@@ -623,8 +623,8 @@ def _allreduce_flat(flat, plan):
 
 def _host_view(flat):
     """The contiguous CPU tensor flat as a numpy array, so that the core collectives take their
-    direct path (a prepared engine call: microseconds, where wrapping a tensor in the general
-    path takes tens), or flat itself where the general path is the one to take: on a GPU, in
+    direct path (allreduce, allgather: a prepared engine call, microseconds, where wrapping a
+    tensor in the general path takes tens) or skip the tensor's wrapping, or flat itself where the general path is the one to take: on a GPU, in
     bfloat16 (numpy has no such dtype), or in mlfabric's shared memory and longer than one
     engine block (the general path reads it in place; the numpy view would hide that it is
     shared)."""
@@ -1046,17 +1046,21 @@ def _gather(table, mine):
     no rows (_take_part pads for them as for anyone: every rank sends max_rows rows)."""
     rows, max_rows, row_len = _gather_plan(table)
     total = int(rows.sum())
+    if not (max_rows and row_len):
+        return torch.empty((total, row_len), dtype=mine.dtype, device=mine.device), rows
+    mine = mine.contiguous()
+    if (rows == max_rows).all():
+        host = _host_view(mine)
+        if host is not mine:  # numpy's allgather allocates the result: it becomes the output
+            return torch.from_numpy(_coll.allgather(host)), rows
+        out = torch.empty((total, row_len), dtype=mine.dtype, device=mine.device)
+        _coll.allgather(mine, out=out)
+        return out, rows
+    block = torch.zeros((max_rows, row_len), dtype=mine.dtype, device=mine.device)
+    block[:mine.shape[0]] = mine
+    got = _coll.allgather(block)
     out = torch.empty((total, row_len), dtype=mine.dtype, device=mine.device)
-    if max_rows and row_len:
-        mine = mine.contiguous()
-        if (rows == max_rows).all():
-            _coll.allgather(mine, out=out)
-        else:
-            block = torch.zeros((max_rows, row_len), dtype=mine.dtype, device=mine.device)
-            block[:mine.shape[0]] = mine
-            got = _coll.allgather(block)
-            torch.cat([got[r * max_rows:r * max_rows + int(k)] for r, k in enumerate(rows)],
-                      out=out)
+    torch.cat([got[r * max_rows:r * max_rows + int(k)] for r, k in enumerate(rows)], out=out)
     return out, rows
 
 
@@ -1175,12 +1179,12 @@ def _broadcast_call(tensor, root_rank, name, inplace, async_, process_set=None):
         src, root = tensor.detach(), int(desc[_ROOT])
         if inplace and src.is_contiguous() and _wire(src.dtype) == src.dtype:
             if src.numel():
-                _coll.broadcast(src.view(-1), root=root)
+                _coll.broadcast(_host_view(src.view(-1)), root=root)
             return tensor
         buf = torch.empty(src.shape, dtype=_wire(src.dtype), device=src.device)
         buf.copy_(src)
         if buf.numel():
-            _coll.broadcast(buf.view(-1), root=root)
+            _coll.broadcast(_host_view(buf.view(-1)), root=root)
         if inplace:
             src.copy_(buf)
             return tensor
