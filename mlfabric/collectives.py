@@ -165,15 +165,18 @@ def _plain_plan(ctx, kind, x, op=None):
     except TypeError:  # an unhashable op: the general path rejects it on every rank
         return None
     if plan is None:
+        if len(ctx.plain_plans) >= 1024:
+            # the engine keeps every plan it prepares: calls of ever new shapes (allgathers of
+            # varying rows) take the general path once this many are kept
+            return None
         try:
             code = _dtypes.numpy_dtype_code(x.dtype)
             opc, avg = _dtypes.op_code(op, code) if kind == "allreduce" else (0, False)
         except (TypeError, ValueError):
             return None
         hdr = header.make(kind, code, opc, avg, 0, x.shape, "shm")
-        plan = ctx.shm.plan(kind, code, opc, 1.0 / ctx.size if avg else 1.0, hdr)
-        if len(ctx.plain_plans) < 1024:
-            ctx.plain_plans[key] = plan
+        plan = ctx.plain_plans[key] = ctx.shm.plan(kind, code, opc,
+                                                   1.0 / ctx.size if avg else 1.0, hdr)
     return plan
 
 

@@ -348,7 +348,7 @@ def build_parser(rank=0):
     p.add_argument("-e", "--maxbytes", default="128M", help="last size (default 128M)")
     p.add_argument("-f", "--stepfactor", type=int, default=2, help="size factor (default 2)")
     p.add_argument("--impl", default="mlfabric,mpi,gloo",
-                   help="comma-separated families (mlfabric, mpi, gloo) or variants "
+                   help="comma-separated families (mlfabric, hvd, mpi, gloo) or variants "
                         f"({', '.join(impls.VARIANT_FAMILY)}); default mlfabric,mpi,gloo")
     p.add_argument("--dtype", "-d", default="float32", choices=DTYPES)
     p.add_argument("--op", "-o", default="sum", choices=OPS,

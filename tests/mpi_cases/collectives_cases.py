@@ -164,6 +164,29 @@ def case_direct_and_general_paths_agree():
     assert np.allclose(got, sum(q + 0.5 for q in range(n)) / n), got
 
 
+def case_direct_path_plans_stay_bounded():
+    # The engine keeps every prepared call: allgathers of ever new shapes (sparse gradients'
+    # varying rows) must stop preparing new ones at the cache's bound, and stay right after it.
+    from mlfabric import context
+    ctx = context.get()
+    if ctx.shm is None:
+        return
+    made, plan = [], ctx.shm.plan
+
+    def counting(*a):
+        made.append(a)
+        return plan(*a)
+    ctx.shm.plan = counting
+    try:
+        n, r = mf.size(), mf.rank()
+        for rows in range(1, 1100):
+            got = mf.allgather(np.full((rows, 1), r, np.int32))
+            assert got.shape == (n * rows, 1) and (got[::rows, 0] == np.arange(n)).all(), rows
+    finally:
+        del ctx.shm.plan  # the instance attribute: the method again
+    assert len(ctx.plain_plans) <= 1024 and len(made) <= 1024, (len(ctx.plain_plans), len(made))
+
+
 def case_reduce_scatter():
     n, r = mf.size(), mf.rank()
     for dtype in DTYPES:
