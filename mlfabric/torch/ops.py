@@ -624,10 +624,10 @@ def _allreduce_flat(flat, plan):
 def _host_view(flat):
     """The contiguous CPU tensor flat as a numpy array, so that the core collectives take their
     direct path (allreduce, allgather: a prepared engine call, microseconds, where wrapping a
-    tensor in the general path takes tens) or skip the tensor's wrapping, or flat itself where the general path is the one to take: on a GPU, in
-    bfloat16 (numpy has no such dtype), or in mlfabric's shared memory and longer than one
-    engine block (the general path reads it in place; the numpy view would hide that it is
-    shared)."""
+    tensor in the general path takes tens) or at least skip wrapping a tensor; or flat itself
+    where the general path is the one to take: on a GPU, in bfloat16 (numpy has no such
+    dtype), or in mlfabric's shared memory and longer than one engine block (the general path
+    reads it in place; the numpy view would hide that it is shared)."""
     if flat.device.type != "cpu" or flat.dtype == torch.bfloat16:
         return flat
     shm = _context.get().shm  # a process set's context inside its calls
