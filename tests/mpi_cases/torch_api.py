@@ -535,6 +535,15 @@ def case_autograd_like_horovod():
     w.grad = None
     (hvd.allreduce(w * (r + 1)) * (r + 1)).sum().backward()  # Average
     check(w.grad, np.full(3, tri / n * (r + 1)), "float64", "allreduce Average grad")
+    # Recorded only where autograd needs it (a tensor requiring grad, grad mode on); the same
+    # results either way.
+    with torch.no_grad():
+        outs = [hvd.allreduce(w, op=hvd.Sum), hvd.allgather(w), hvd.broadcast(w, 0),
+                *hvd.grouped_allreduce([w, w], op=hvd.Sum), hvd.alltoall(w.repeat(n))]
+    assert all(o.grad_fn is None and not o.requires_grad for o in outs), outs
+    check(outs[0], np.arange(1, 4) * float(n), "float64", "allreduce under no_grad")
+    check(outs[1], np.tile(np.arange(1, 4), n), "float64", "allgather under no_grad")
+    assert hvd.allreduce(w).grad_fn is not None and hvd.allgather(w).grad_fn is not None
     # allgather: this rank's rows of the averaged gradient.
     w.grad = None
     rows = r % 2 + 1
