@@ -1130,7 +1130,12 @@ def _reducescatter_call(tensor, op, average, name, pre, post, async_, process_se
         mine = _coll.split_rows(rows, n)[st.ctx.rank]
         if not src.numel():
             return src.new_empty((mine, *src.shape[1:]))
-        out = _coll.reduce_scatter(_wire_copy(src, p).view(rows, -1), op=p.core)
+        # the core's reduce_scatter leaves its input alone: a copy only to widen or prescale
+        sent = src.contiguous() if _wire(src.dtype) == src.dtype and p.pre == 1.0 else \
+            _wire_copy(src, p)
+        out = _coll.reduce_scatter(_host_view(sent.view(rows, -1)), op=p.core)
+        if isinstance(out, np.ndarray):  # the numpy view's result
+            out = torch.from_numpy(out)
         out = _own(out, (mine, *src.shape[1:]))
         if p.after != 1.0:
             out.mul_(p.after)
