@@ -1100,10 +1100,8 @@ def allgather(tensor, name=None, process_set=None):
     """Concatenate every rank's tensor along dimension 0, in rank order; the first dimension may
     differ between ranks, the others must agree (a 0-d tensor counts as shape (1,)).
     Differentiable."""
-    if not isinstance(tensor, torch.Tensor):  # reported on every rank
-        return _allgather_call(tensor, name, False, process_set=process_set)
-    if not _recorded(tensor):
-        return _allgather_call(tensor, name, False, process_set=process_set)
+    if not isinstance(tensor, torch.Tensor) or not _recorded(tensor):  # (a bad one: reported
+        return _allgather_call(tensor, name, False, process_set=process_set)  # on every rank)
     return _AllgatherFn.apply(tensor, name, process_set)
 
 
@@ -1238,10 +1236,8 @@ class _BroadcastFn(torch.autograd.Function):
 def broadcast(tensor, root_rank, name=None, process_set=None):
     """root_rank's tensor, on every rank (tensor itself is left as it is). Differentiable.
     root_rank is a global rank, also with a process_set (as in Horovod)."""
-    if not isinstance(tensor, torch.Tensor):  # reported on every rank
-        return _broadcast_call(tensor, root_rank, name, False, False, process_set)
-    if not _recorded(tensor):
-        return _broadcast_call(tensor, root_rank, name, False, False, process_set)
+    if not isinstance(tensor, torch.Tensor) or not _recorded(tensor):  # (a bad one: reported
+        return _broadcast_call(tensor, root_rank, name, False, False, process_set)  # everywhere)
     return _BroadcastFn.apply(tensor, root_rank, name, process_set)
 
 
