@@ -73,6 +73,21 @@ def is_torch(x):
     return torch is not None and isinstance(x, torch.Tensor)
 
 
+def numpy_view(x):
+    """A numpy array on x's memory when x is a contiguous CPU torch tensor of a dtype numpy has
+    (not bfloat16), else None: what the collectives' direct path runs on."""
+    torch = _torch()
+    if torch is None or not isinstance(x, torch.Tensor) or x.device.type != "cpu" or \
+            x.dtype not in _TORCH_CODES or x.dtype == torch.bfloat16 or not x.is_contiguous():
+        return None
+    return x.detach().numpy()
+
+
+def from_numpy(arr):
+    """A CPU torch tensor on arr's memory (torch is imported: a tensor came in)."""
+    return _torch().from_numpy(arr)
+
+
 def wrap(x, name="x", writable=False):
     """Buf for x (numpy ndarray or CPU torch tensor). TypeError for other types or dtypes;
     ValueError when writable is asked for and x is a read-only numpy array."""

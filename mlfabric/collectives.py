@@ -180,16 +180,30 @@ def _plain_plan(ctx, kind, x, op=None):
     return plan
 
 
-def _direct_ctx(x, algorithm="auto"):
-    """The context when x may take the direct path (a numpy array, every rank on one host,
-    nothing queued before it, not a shared buffer longer than one step, which the general path
-    reads in place), else None."""
+def _direct(x, algorithm="auto"):
+    """(context, x as a numpy array) when the call may take the direct path: every rank on one
+    host, nothing queued before it, x a numpy array or a contiguous CPU torch tensor of a dtype
+    numpy has (then a numpy view of its memory), and not a shared buffer longer than one step,
+    which the general path reads in place; else (None, None)."""
     ctx = (context._subs and context._local.ctx) or context._ctx  # context.get(), unchecked
-    if (ctx is not None and ctx.shm is not None and type(x) is np.ndarray and algorithm == "auto"
-            and not ctx.executor.pending
-            and not (ctx.shm.allocs and x.nbytes > ctx.shm.block and _maybe_shared(x))):
-        return ctx
-    return None
+    if ctx is None or ctx.shm is None or algorithm != "auto" or ctx.executor.pending:
+        return None, None
+    if type(x) is np.ndarray:
+        arr, maybe_shared = x, _maybe_shared(x)
+    else:
+        arr = _buffers.numpy_view(x)
+        if arr is None:
+            return None, None
+        maybe_shared = True  # a tensor does not tell who owns its memory: looked up below
+    if maybe_shared and ctx.shm.allocs and arr.nbytes > ctx.shm.block and \
+            ctx.shm.lookup(arr.ctypes.data, arr.nbytes) is not None:
+        return None, None
+    return ctx, arr
+
+
+def _as_input(res, x, arr):
+    """A direct path's new numpy result, of the kind x is (a tensor for a tensor)."""
+    return res if arr is x else _buffers.from_numpy(res)
 
 
 def allreduce(x, op="sum", out=None, algorithm="auto"):
@@ -198,16 +212,16 @@ def allreduce(x, op="sum", out=None, algorithm="auto"):
     op: sum, prod, min, max, avg (avg: floating dtypes). out=None returns a new array; pass
     out=x to reduce in place. algorithm: auto (shared memory on one host, else by size), shm,
     ring, rhd (recursive halving-doubling), tree. Every rank gets bitwise the same result."""
-    # Direct path: numpy arrays on one host skip the general machinery (microseconds of Python
-    # that would dominate calls up to ~1 MiB) through a prepared engine call. Same protocol, same
+    # Direct path: arrays on one host skip the general machinery (microseconds of Python that
+    # would dominate calls up to ~1 MiB) through a prepared engine call. Same protocol, same
     # header checks. Shared buffers longer than one step take the general path, for zero-copy.
-    ctx = _direct_ctx(x, algorithm)
-    if ctx is not None and (out is None or out is x or _same_layout(out, x)):
-        plan = _plain_plan(ctx, "allreduce", x, op)
+    ctx, arr = _direct(x, algorithm)
+    if ctx is not None and (out is None or out is x or (arr is x and _same_layout(out, x))):
+        plan = _plain_plan(ctx, "allreduce", arr, op)
         if plan is not None:
-            res = np.empty_like(x) if out is None else out
-            if ctx.shm.run_plan("allreduce", plan, x, res):
-                return res
+            res = np.empty_like(arr) if out is None else arr if out is x else out
+            if ctx.shm.run_plan("allreduce", plan, arr, res):
+                return _as_input(res, x, arr) if out is None else out
     return _allreduce(x, op, out, algorithm, False)
 
 
@@ -323,13 +337,13 @@ def _allgather(x, out, async_):
 def allgather(x, out=None):
     """Concatenate every rank's x along axis 0 (rank order); 0-d inputs give shape (size,).
     All ranks must pass the same shape."""
-    ctx = _direct_ctx(x)
-    if ctx is not None and out is None and x.ndim and x.size:  # as allreduce's direct path
-        plan = _plain_plan(ctx, "allgather", x)
+    ctx, arr = _direct(x)
+    if ctx is not None and out is None and arr.ndim and arr.size:  # as allreduce's direct path
+        plan = _plain_plan(ctx, "allgather", arr)
         if plan is not None:
-            res = np.empty((ctx.size * x.shape[0], *x.shape[1:]), x.dtype)
-            if ctx.shm.run_plan("allgather", plan, x, res):
-                return res
+            res = np.empty((ctx.size * arr.shape[0], *arr.shape[1:]), arr.dtype)
+            if ctx.shm.run_plan("allgather", plan, arr, res):
+                return _as_input(res, x, arr)
     return _allgather(x, out, False)
 
 

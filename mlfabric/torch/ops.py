@@ -615,26 +615,9 @@ def _reduce_flat(st, flat, desc, what, plan):
 
 def _allreduce_flat(flat, plan):
     if flat.numel():
-        host = _host_view(flat)
-        _coll.allreduce(host, op=plan.core, out=host)
+        _coll.allreduce(flat, op=plan.core, out=flat)
         if plan.after != 1.0:
             flat.mul_(plan.after)
-
-
-def _host_view(flat):
-    """The contiguous CPU tensor flat as a numpy array, so that the core collectives take their
-    direct path (allreduce, allgather: a prepared engine call, microseconds, where wrapping a
-    tensor in the general path takes tens) or at least skip wrapping a tensor; or flat itself
-    where the general path is the one to take: on a GPU, in bfloat16 (numpy has no such
-    dtype), or in mlfabric's shared memory and longer than one engine block (the general path
-    reads it in place; the numpy view would hide that it is shared)."""
-    if flat.device.type != "cpu" or flat.dtype == torch.bfloat16:
-        return flat
-    shm = _context.get().shm  # a process set's context inside its calls
-    if shm is not None and shm.allocs and flat.nbytes > shm.block and \
-            shm.lookup(flat.data_ptr(), flat.nbytes) is not None:
-        return flat
-    return flat.detach().numpy()
 
 
 def _wire_copy(t, plan):
@@ -1066,12 +1049,9 @@ def _gather(table, mine):
         return torch.empty((total, row_len), dtype=mine.dtype, device=mine.device), rows
     mine = mine.contiguous()
     if (rows == max_rows).all():
-        host = _host_view(mine)
-        if host is not mine:  # numpy's allgather allocates the result: it becomes the output
-            return torch.from_numpy(_coll.allgather(host)), rows
-        out = torch.empty((total, row_len), dtype=mine.dtype, device=mine.device)
-        _coll.allgather(mine, out=out)
-        return out, rows
+        out = torch.empty((total, row_len), dtype=mine.dtype, device=mine.device) \
+            if mine.is_cuda else None  # on the CPU the core allocates it (its direct path)
+        return _coll.allgather(mine, out=out), rows
     block = torch.zeros((max_rows, row_len), dtype=mine.dtype, device=mine.device)
     block[:mine.shape[0]] = mine
     got = _coll.allgather(block)
@@ -1131,10 +1111,7 @@ def _reducescatter_call(tensor, op, average, name, pre, post, async_, process_se
         # the core's reduce_scatter leaves its input alone: a copy only to widen or prescale
         sent = src.contiguous() if _wire(src.dtype) == src.dtype and p.pre == 1.0 else \
             _wire_copy(src, p)
-        out = _coll.reduce_scatter(_host_view(sent.view(rows, -1)), op=p.core)
-        if isinstance(out, np.ndarray):  # the numpy view's result
-            out = torch.from_numpy(out)
-        out = _own(out, (mine, *src.shape[1:]))
+        out = _own(_coll.reduce_scatter(sent.view(rows, -1), op=p.core), (mine, *src.shape[1:]))
         if p.after != 1.0:
             out.mul_(p.after)
         return out if out.dtype == src.dtype else out.to(src.dtype)
@@ -1204,12 +1181,12 @@ def _broadcast_call(tensor, root_rank, name, inplace, async_, process_set=None):
         src, root = tensor.detach(), int(desc[_ROOT])
         if inplace and src.is_contiguous() and _wire(src.dtype) == src.dtype:
             if src.numel():
-                _coll.broadcast(_host_view(src.view(-1)), root=root)
+                _coll.broadcast(src.view(-1), root=root)
             return tensor
         buf = torch.empty(src.shape, dtype=_wire(src.dtype), device=src.device)
         buf.copy_(src)
         if buf.numel():
-            _coll.broadcast(_host_view(buf.view(-1)), root=root)
+            _coll.broadcast(buf.view(-1), root=root)
         if inplace:
             src.copy_(buf)
             return tensor

@@ -80,6 +80,10 @@ def case_allreduce_torch_and_noncontiguous():
     assert_close(tt.t(), want, "float32", "torch non-contiguous")
     g = torch.ones(10, requires_grad=True)
     assert_close(mf.allreduce(g.detach()), np.full(10, n), "float32", "requires_grad source")
+    # a tensor in, a tensor out, on the direct path too
+    got = mf.allgather(torch.full((2, 3), float(r)))
+    assert isinstance(got, torch.Tensor) and got.shape == (2 * n, 3), got
+    assert (got[::2, 0] == torch.arange(n, dtype=torch.float32)).all(), got
 
 
 def _zero_copy_calls():
@@ -124,6 +128,13 @@ def case_shared_buffers_zero_copy():
         ts.fill_(1.0)
         mf.allreduce(ts, out=ts)
         assert (ts.float() == n).all()
+        # a shared tensor longer than a step is read in place, as a shared numpy array is
+        big = mf.shared_empty((300_007,), torch.float32)
+        big.fill_(r + 1.0)
+        before = _zero_copy_calls()
+        mf.allreduce(big, out=big)
+        assert _zero_copy_calls() == before + 1, (before, _zero_copy_calls())
+        assert (big == n * (n + 1) / 2).all()
 
 
 def case_broadcast_every_root():
