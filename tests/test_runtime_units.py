@@ -172,3 +172,25 @@ def test_timing_profiles_keep_the_latest_samples_only():
     lg.delays[3] += 2
     lg.delays[5] += 1
     assert summarize([lg]).max_delay == 5
+
+
+def test_the_summary_arriving_as_a_wait_times_out_is_returned_not_an_error():
+    # the race that failed CI once: the bounded wait gives up just as the daemon sets the summary
+    import types
+    from mlfabric.errors import PeerTimeoutError
+    from mlfabric.ps.api import _wait_for_summary
+    from mlfabric.runtime.core import Future
+
+    class LateFuture(Future):
+        def wait(self, timeout=None):
+            if not self.done():
+                self.set("the summary")   # set right after the wait gave up
+                raise PeerTimeoutError("gave up")
+            return super().wait(timeout)
+
+    rt = types.SimpleNamespace(summary=LateFuture("the end of the job (finish)"))
+    assert _wait_for_summary(rt) == "the summary"
+    failed = Future("the end of the job (finish)")
+    failed.fail(MlfabricError("the job failed"))
+    with pytest.raises(MlfabricError, match="the job failed"):
+        _wait_for_summary(types.SimpleNamespace(summary=failed))

@@ -241,8 +241,8 @@ def _wait_for_summary(rt):
         try:
             return rt.summary.wait(timeout=min(limit, 1.0))
         except PeerTimeoutError:
-            if rt.summary.done():
-                raise           # the job failed: its own error
+            if rt.summary.done():   # it ended in the meantime (or failed: its own error)
+                return rt.summary.wait(timeout=0)
         now = time.monotonic()
         if not rt.daemon.is_alive() or now - rt.daemon.last_turn > limit:
             raise PeerTimeoutError("rank %d: the end of the job did not come and this rank's "
