@@ -87,6 +87,7 @@ ext = Pybind11Extension(
     include_dirs=["csrc"],
     cxx_std=17,
     extra_compile_args=["-O3", "-fno-math-errno"],
+    libraries=["dl"],  # dlopen/dlsym (torch_meta.cc), in libc itself only since glibc 2.34
 )
 
 setup(

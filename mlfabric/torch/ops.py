@@ -55,6 +55,7 @@ from ..comm import nccl as _nccl
 from ..comm.executor import Executor
 from ..errors import MismatchError, MlfabricError
 from . import adasum as _adasum
+from . import tensor_meta as _meta
 from . import timeline as _timeline
 from .compression import Compression, check as _check_compression
 
@@ -94,6 +95,7 @@ _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
            torch.uint8, torch.int8, torch.int16, torch.bool)
 _DTYPE_CODE = {dt: i for i, dt in enumerate(_DTYPES)}
 _NATIVE = 6  # the first six travel as they are; the others widened to int64
+_meta.available(str(dt).replace("torch.", "") for dt in _DTYPES)  # the native reader, if any
 
 
 def _wire(dtype):
@@ -416,6 +418,11 @@ def _agree(st, desc, what):
     if msg is not None:
         raise MismatchError(msg)
     return table
+
+
+def _everyone(table):
+    """Whether every rank takes part in the call this table agreed on (none has joined)."""
+    return _JOINED not in table[:, _STATE].tolist()
 
 
 def _what(kind, name):
@@ -834,12 +841,16 @@ def _scan(tensors, what):
     it is not contiguous; no list at all for GPU tensors), for the C++ gather / scatter, which
     costs ~0.1 us a tensor where torch._foreach_copy_ costs ~0.4 us.
 
-    At 100 x 1 KiB these reads are most of what the grouped call adds to one fused allreduce,
-    so the usual case reads five attributes a tensor in C-level loops (map over attrgetter or
-    Tensor's own methods: ~0.5 us a tensor on the 2-core VM, against ~0.7 for the list
-    comprehensions of six reads before). data_ptr raises for a tensor without strided storage
-    (sparse, mkldnn), which the layout check would refuse: such a list, like one holding a
-    non-tensor or a CUDA tensor, takes the per-tensor check, which names the first bad one."""
+    At 100 x 1 KiB these reads are most of what the grouped call adds to one fused allreduce:
+    a list of dense CPU tensors is read in one native call (tensor_meta.py: ~0.2 us a tensor).
+    Where that is unavailable, the usual case reads five attributes a tensor in C-level loops
+    (map over attrgetter or Tensor's own methods: ~0.5-0.8 us a tensor on the 2-core VM).
+    data_ptr raises for a tensor without strided storage (sparse, mkldnn), which the layout
+    check would refuse: such a list, like one holding a non-tensor or a CUDA tensor, takes the
+    per-tensor check, which names the first bad one."""
+    got = _meta.scan(tensors)
+    if got is not None:
+        return got
     try:
         if all(map(_IS_CPU, tensors)):
             dtypes = tuple(map(_DTYPE_OF, tensors))
@@ -902,41 +913,41 @@ def _grouped_call(tensors, op, average, name, pre, post, inplace, async_, proces
     def job(st, planned_ptrs):
         planned, all_ptrs = planned_ptrs
         outs = list(tensors) if inplace else [None] * len(tensors)
-        with torch.no_grad():  # the in-place forms write tensors that may require grad
-            for group, p, desc in planned:
-                members = group.members
-                srcs = tensors if members is None else [tensors[i] for i in members]
-                ptrs = all_ptrs if members is None or all_ptrs is None else \
-                    [all_ptrs[i] for i in members]
-                table = _agree(st, desc, what)
-                flat, views = _staged(st, group, bool((table[:, _STATE] == _ACTIVE).all()),
-                                      tensors[0].device)
-                dtype = _DTYPES[group.code]
-                # torch copies instead when the wire dtype is wider, a tensor is not contiguous,
-                # or they are on a GPU (ptrs is None then)
-                if flat.dtype != dtype or ptrs is None or None in ptrs:
-                    ptrs = None
-                if ptrs is not None:
-                    _C.gather(flat.data_ptr(), ptrs, group.nbytes)
-                else:
+        for group, p, desc in planned:
+            members = group.members
+            srcs = tensors if members is None else [tensors[i] for i in members]
+            ptrs = all_ptrs if members is None or all_ptrs is None else \
+                [all_ptrs[i] for i in members]
+            table = _agree(st, desc, what)
+            flat, views = _staged(st, group, _everyone(table), tensors[0].device)
+            dtype = _DTYPES[group.code]
+            # torch copies instead when the wire dtype is wider, a tensor is not contiguous,
+            # or they are on a GPU (ptrs is None then)
+            if flat.dtype != dtype or ptrs is None or None in ptrs:
+                ptrs = None
+            if ptrs is not None:
+                _C.gather(flat.data_ptr(), ptrs, group.nbytes)
+            else:
+                with torch.no_grad():  # the staging buffer must not join srcs' graph
                     torch._foreach_copy_(views, srcs)
-                if p.pre != 1.0:
-                    flat.mul_(p.pre)
-                _allreduce_flat(flat, p)
-                if inplace:
-                    if ptrs is not None:
-                        _C.scatter(flat.data_ptr(), ptrs, group.nbytes)
-                        # as an in-place torch op would: autograd must see these were written
-                        _increment_version(srcs)
-                    else:
+            if p.pre != 1.0:
+                flat.mul_(p.pre)
+            _allreduce_flat(flat, p)
+            if inplace:
+                if ptrs is not None:
+                    _C.scatter(flat.data_ptr(), ptrs, group.nbytes)
+                    # as an in-place torch op would: autograd must see these were written
+                    _increment_version(srcs)
+                else:
+                    with torch.no_grad():  # srcs may require grad
                         torch._foreach_copy_(srcs, views)
-                    continue
-                results = _clone_all(views) if flat.dtype == dtype else [v.to(dtype)
-                                                                         for v in views]
-                if members is None:
-                    return results
-                for i, out in zip(members, results):
-                    outs[i] = out
+                continue
+            results = _clone_all(views) if flat.dtype == dtype else [v.to(dtype)
+                                                                     for v in views]
+            if members is None:
+                return results
+            for i, out in zip(members, results):
+                outs[i] = out
         return outs
 
     return _issue(what, plan, job, async_, tensors[0] if isinstance(tensors, (list, tuple))
