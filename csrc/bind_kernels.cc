@@ -1,6 +1,7 @@
 // bind_kernels.cc — Python bindings of the kernels (kernels.h, and cuda_api.h when built with
 // CUDA) into mlfabric._C. Buffers are raw addresses (Python ints); arguments are converted and
 // checked before the kernel runs, and every kernel runs with the GIL released.
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -102,6 +103,29 @@ void bind_kernels(py::module_& m) {
       [](uintptr_t dst, uintptr_t src, size_t nbytes) { mlf::copy(ptr(dst), ptr(src), nbytes); },
       py::arg("dst"), py::arg("src"), py::arg("nbytes"), nogil(),
       "memcpy (streaming stores for large copies); dst and src must not overlap.");
+  // gather / scatter take their addresses and lengths as uint64 arrays (the grouped calls': no
+  // conversion of 100 Python ints each) or as lists.
+  using U64 = py::array_t<uint64_t, py::array::c_style>;
+  m.def(
+      "gather",
+      [](uintptr_t dst, const U64& srcs, const U64& nbytes) {
+        if (srcs.size() != nbytes.size())
+          throw py::value_error("gather: srcs and nbytes differ in length");
+        char* d = static_cast<char*>(ptr(dst));
+        const uint64_t *s = srcs.data(), *b = nbytes.data();
+        for (py::ssize_t i = 0; i < srcs.size(); d += b[i], ++i) mlf::copy(d, ptr(s[i]), b[i]);
+      },
+      py::arg("dst"), py::arg("srcs").noconvert(), py::arg("nbytes").noconvert(), nogil());
+  m.def(
+      "scatter",
+      [](uintptr_t src, const U64& dsts, const U64& nbytes) {
+        if (dsts.size() != nbytes.size())
+          throw py::value_error("scatter: dsts and nbytes differ in length");
+        const char* s = static_cast<const char*>(ptr(src));
+        const uint64_t *d = dsts.data(), *b = nbytes.data();
+        for (py::ssize_t i = 0; i < dsts.size(); s += b[i], ++i) mlf::copy(ptr(d[i]), s, b[i]);
+      },
+      py::arg("src"), py::arg("dsts").noconvert(), py::arg("nbytes").noconvert(), nogil());
   m.def(
       "gather",
       [](uintptr_t dst, const std::vector<uintptr_t>& srcs, const std::vector<size_t>& nbytes) {

@@ -10,6 +10,7 @@
 // reference per tensor, in capsules); scan() deletes every one of them, whatever happens.
 #include <dlfcn.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
 #include <cstdint>
@@ -91,10 +92,11 @@ struct Handles {
   }
 };
 
-// ((codes, shapes), addresses) of the tensors behind `capsules`, or None where one is not a
-// dense CPU tensor of a dtype mlfabric moves (the caller's Python checks then name it).
-// codes: mlfabric's dtype codes; shapes: tuples; addresses: data pointers, None for a tensor
-// that is not contiguous.
+// (signature, addresses) of the tensors behind `capsules`, or None where one is not a dense CPU
+// tensor of a dtype mlfabric moves (the caller's Python checks then name it). signature: bytes,
+// int64 words [dtype code, ndim, dims...] per tensor, which the caller compares, hashes and
+// decodes (tensor_meta.py); addresses: a uint64 array of their data pointers, or None when one
+// is not contiguous.
 py::object scan(const py::list& capsules) {
   Handles handles;
   const Py_ssize_t n = PyList_GET_SIZE(capsules.ptr());
@@ -111,8 +113,11 @@ py::object scan(const py::list& capsules) {
   }
   if (!all_capsules) throw py::type_error("torch_scan: expected the capsules of tensor handles");
   if (!shim.ready) return py::none();
-  py::tuple codes(n), shapes(n);
-  py::list ptrs(n);
+  std::vector<int64_t> words;
+  words.reserve(3 * n);
+  py::array_t<uint64_t> ptrs(n);
+  uint64_t* out = ptrs.mutable_data();
+  bool all_contiguous = true;
   for (Py_ssize_t i = 0; i < n; ++i) {
     Handle t = handles.h[i];
     int32_t device = -1, layout = -1, dtype = -1;
@@ -126,19 +131,14 @@ py::object scan(const py::list& capsules) {
         shim.dim(t, &dim) || shim.sizes(t, &sizes) || shim.is_contiguous(t, &contiguous) ||
         shim.data_ptr(t, &data))
       return py::none();
-    PyTuple_SET_ITEM(codes.ptr(), i, PyLong_FromLong(shim.code_of[dtype]));
-    PyObject* shape = PyTuple_New(dim);
-    if (shape == nullptr) throw py::error_already_set();
-    PyTuple_SET_ITEM(shapes.ptr(), i, shape);
-    for (int64_t d = 0; d < dim; ++d) PyTuple_SET_ITEM(shape, d, PyLong_FromLongLong(sizes[d]));
-    PyObject* p = Py_None;
-    if (contiguous)
-      p = PyLong_FromVoidPtr(data);
-    else
-      Py_INCREF(p);
-    PyList_SET_ITEM(ptrs.ptr(), i, p);
+    words.push_back(shim.code_of[dtype]);
+    words.push_back(dim);
+    words.insert(words.end(), sizes, sizes + dim);
+    out[i] = reinterpret_cast<uint64_t>(data);
+    all_contiguous = all_contiguous && contiguous;
   }
-  return py::make_tuple(py::make_tuple(codes, shapes), ptrs);
+  py::bytes sig(reinterpret_cast<const char*>(words.data()), words.size() * sizeof(int64_t));
+  return py::make_tuple(sig, all_contiguous ? py::object(ptrs) : py::none());
 }
 
 }  // namespace
@@ -149,9 +149,10 @@ void bind_torch_meta(py::module_& m) {
         "names of mlfabric's dtype codes in order. False (torch_scan unavailable) if any is "
         "missing.");
   m.def("torch_scan", &scan, py::arg("handles"),
-        "((dtype codes, shapes), data addresses or None where not contiguous) of the tensors "
-        "behind torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors' handles, which it deletes; "
-        "None if one is not a dense CPU tensor of an mlfabric dtype.");
+        "(signature bytes: int64 [dtype code, ndim, dims...] per tensor; their data addresses, "
+        "a uint64 array, or None if one is not contiguous) of the tensors behind "
+        "torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors' handles, which it deletes; None "
+        "if one is not a dense CPU tensor of an mlfabric dtype.");
 }
 
 }  // namespace mlf

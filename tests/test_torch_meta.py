@@ -1,6 +1,9 @@
 """The native reader of tensors' metadata (mlfabric/torch/tensor_meta.py, csrc/torch_meta.cc):
 the same dtypes, shapes and addresses as torch's Python API, None for what it cannot read, and
 every handle it is given released. One process: it reads tensors, nothing moves."""
+import contextlib
+
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -9,10 +12,17 @@ from mlfabric.torch import ops, tensor_meta  # noqa: E402
 
 
 def python_scan(tensors):
-    """What ops._scan's Python path reads: ((codes, shapes), addresses or None)."""
+    """What ops._scan's Python path reads: (codes, shapes) and the addresses (None where one
+    is not contiguous)."""
     return ((tuple(ops._DTYPE_CODE[t.dtype] for t in tensors), tuple(tuple(t.shape)
                                                                      for t in tensors)),
-            [t.data_ptr() if t.is_contiguous() else None for t in tensors])
+            None if not all(t.is_contiguous() for t in tensors)
+            else [t.data_ptr() for t in tensors])
+
+
+def decoded(got):
+    sig, ptrs = got
+    return tensor_meta.decode(sig), None if ptrs is None else ptrs.tolist()
 
 
 def test_the_native_reader_is_on_with_the_pinned_torch():
@@ -22,16 +32,33 @@ def test_the_native_reader_is_on_with_the_pinned_torch():
 
 def test_it_reads_what_torch_reads():
     base = torch.arange(40, dtype=torch.float64)
-    tensors = [torch.randn(3, 4), base[5:17].view(3, 4), base.view(5, 8).t(), base[3],
-               torch.zeros(0), torch.zeros(2, 0, 3), torch.nn.Parameter(torch.ones(6)),
+    tensors = [torch.randn(3, 4), base[5:17].view(3, 4), base[3], torch.zeros(0),
+               torch.zeros(2, 0, 3), torch.nn.Parameter(torch.ones(6)),
                torch.randn(5, requires_grad=True), torch.randn(2, 3, 4, 5, 6, 7, 2, 1, 3)]
     tensors += [torch.zeros(3, dtype=dt) for dt in ops._DTYPES]
     got = tensor_meta.scan(tensors)
-    assert got == python_scan(tensors)
-    assert got[1][2] is None and got[1][1] == base.data_ptr() + 5 * 8   # an offset view
-    assert tensor_meta.scan(tuple(tensors)) == got
-    assert tensor_meta.scan([]) == (((), ()), [])
-    assert ops._scan(tensors, "x") == got   # ops uses it
+    assert decoded(got) == python_scan(tensors)
+    assert got[1].dtype == np.uint64 and int(got[1][1]) == base.data_ptr() + 5 * 8  # a view
+    assert got[0] == tensor_meta.signature(*python_scan(tensors)[0])   # the Python path's bytes
+    assert decoded(tensor_meta.scan(tuple(tensors))) == decoded(got)
+    assert decoded(tensor_meta.scan([])) == (((), ()), [])
+    # one tensor not contiguous: no addresses (torch copies), the same signature
+    strided = tensors + [base.view(5, 8).t()]
+    assert decoded(tensor_meta.scan(strided)) == python_scan(strided)
+    for case in (tensors, strided):   # ops uses it, and its Python path gives the same
+        native = ops._scan(case, "x")
+        with _reader_off():
+            python = ops._scan(case, "x")
+        assert native[0] == python[0] and decoded(native) == decoded(python)
+
+
+@contextlib.contextmanager
+def _reader_off():
+    saved, tensor_meta._SCAN = tensor_meta._SCAN, False
+    try:
+        yield
+    finally:
+        tensor_meta._SCAN = saved
 
 
 @pytest.mark.parametrize("odd", [

@@ -22,6 +22,7 @@ import torch
 from .. import _C
 from .. import collectives as _coll
 from ..errors import MismatchError
+from . import tensor_meta as _meta
 from .compression import Compression
 from .ops import (_ACTIVE, _ALLGATHER, _CORE_OPS, _DTYPE_CODE, _DTYPES, _REDUCESCATTER,
                   _ROW_HASH, _STATE, Average, _agree, _check_differentiable, _check_name,
@@ -32,14 +33,15 @@ from .ops import _grouped_call as _grouped_allreduce_call
 
 
 def _check_list(tensors, what):
-    """(dtype codes, shapes with 0-d as (1,), data addresses as ops._scan gives them) of a
-    grouped call's list, after checking it."""
+    """(dtype codes, shapes with 0-d as (1,), data addresses: a list of ints, or None as
+    ops._scan gives them) of a grouped call's list, after checking it."""
     if not isinstance(tensors, (list, tuple)):
         raise TypeError(f"{what}: tensors must be a list of tensors, got {type(tensors).__name__}")
     if not tensors:
         raise ValueError(f"{what}: needs at least one tensor")
-    (codes, shapes), ptrs = _scan(tensors, what)
-    return codes, tuple(tuple(s) or (1,) for s in shapes), ptrs
+    sig, ptrs = _scan(tensors, what)
+    codes, shapes = _meta.decode(sig)
+    return codes, tuple(s or (1,) for s in shapes), None if ptrs is None else ptrs.tolist()
 
 
 def _list_desc(kind, code, op, shape, name, codes, shapes, tensor, rows=True):
@@ -95,7 +97,7 @@ def _grouped_allgather_call(tensors, name, async_, with_rows=False, process_set=
         rows[table[:, _STATE] == _ACTIVE] = _gather(table, mine)[0].numpy()
         per_rank, totals = rows.tolist(), rows.sum(0).tolist()  # Python ints: cheaper in loops
         outs = [None] * len(tensors)
-        for g, group in enumerate(_layout((codes, shapes))):
+        for g, group in enumerate(_layout(codes, shapes)):
             members = group.members or range(len(tensors))
             dtype = _DTYPES[group.code]
             wire = _wire(dtype)
@@ -181,7 +183,7 @@ def _grouped_reducescatter_call(tensors, op, name, pre, post, async_, process_se
                 st.grouped_layouts.clear()
             known = st.grouped_layouts[key] = [
                 _ScatterGroup(group, shapes, st.ctx.size, st.ctx.rank, tensors[0].device)
-                for group in _layout((codes, shapes))]
+                for group in _layout(codes, shapes)]
         return ptrs, [(group, p, _list_desc(
             _REDUCESCATTER, group.code, _CORE_OPS.index(p.core), (st.ctx.size, group.width),
             None if name is None else f"{name}.{g}", codes, shapes, tensors[0], rows=False))
@@ -196,7 +198,7 @@ def _grouped_reducescatter_call(tensors, op, name, pre, post, async_, process_se
             dtype = _DTYPES[group.code]
             wire = _wire(dtype)
             mine = None if ptrs is None or wire != dtype else [ptrs[i] for i in group.members]
-            if mine is not None and None not in mine:
+            if mine is not None:
                 # CPU, contiguous, not widened: C++ copies each rank's rows of each member (and
                 # the padding, from zeros) straight into the rank-major buffer, from their
                 # addresses: no Python tensor a member (at 100 small tensors those cost more than

@@ -779,14 +779,14 @@ class _Group:
         self.code, self.members, self.shapes = code, members, shapes
         self.total = sum(math.prod(s) for s in shapes)
         size = _DTYPES[code].itemsize
-        self.nbytes = [math.prod(s) * size for s in shapes]  # of each tensor, for _C.gather
+        # of each tensor, for _C.gather / scatter (a uint64 array: nothing to convert per call)
+        self.nbytes = np.array([math.prod(s) * size for s in shapes], dtype=np.uint64)
         self.staged = None  # (staging buffer, its first `total` elements, views shaped as shapes)
 
 
-def _layout(sig):
-    """The groups of a list with signature sig = (codes, shapes): one per dtype, in order of
-    first appearance."""
-    codes, shapes = sig
+def _layout(codes, shapes):
+    """The groups of a list of these dtype codes and shapes: one per dtype, in order of first
+    appearance."""
     if codes.count(codes[0]) == len(codes):
         return [_Group(codes[0], None, shapes)]
     members = {}
@@ -837,9 +837,9 @@ _IS_CPU, _DTYPE_OF, _SHAPE_OF = (attrgetter(a) for a in ("is_cpu", "dtype", "sha
 
 def _scan(tensors, what):
     """(signature, addresses) of a grouped call's tensors, after checking them all. signature:
-    (dtype codes, shapes), a tuple of each; addresses: each tensor's data address (None where
-    it is not contiguous; no list at all for GPU tensors), for the C++ gather / scatter, which
-    costs ~0.1 us a tensor where torch._foreach_copy_ costs ~0.4 us.
+    their dtypes and shapes as tensor_meta.py's bytes; addresses: their data addresses (a uint64
+    array; None for GPU tensors or when one is not contiguous), for the C++ gather / scatter,
+    which costs ~0.1 us a tensor where torch._foreach_copy_ costs ~0.4 us.
 
     At 100 x 1 KiB these reads are most of what the grouped call adds to one fused allreduce:
     a list of dense CPU tensors is read in one native call (tensor_meta.py: ~0.2 us a tensor).
@@ -858,10 +858,9 @@ def _scan(tensors, what):
             codes = (_DTYPE_CODE[first],) * len(dtypes) if dtypes.count(first) == len(dtypes) \
                 else tuple(map(_DTYPE_CODE.__getitem__, dtypes))
             shapes = tuple(map(_SHAPE_OF, tensors))
-            ptrs = list(map(torch.Tensor.data_ptr, tensors))
-            if not all(map(torch.Tensor.is_contiguous, tensors)):
-                ptrs = [p if t.is_contiguous() else None for p, t in zip(ptrs, tensors)]
-            return (codes, shapes), ptrs
+            ptrs = list(map(torch.Tensor.data_ptr, tensors))  # raises where not strided
+            contiguous = all(map(torch.Tensor.is_contiguous, tensors))
+            return _meta.signature(codes, shapes), _meta.addresses(ptrs) if contiguous else None
     except (AttributeError, KeyError, TypeError, RuntimeError):
         pass
     for i, t in enumerate(tensors):
@@ -871,7 +870,8 @@ def _scan(tensors, what):
                              f"{tensors[0].device}; a group's tensors share one device")
     # GPU lists get here, and CPU tensors whose storage has no address to read (wrapper
     # subclasses, whose data_ptr raises): torch copies them, no addresses needed
-    return (tuple(_DTYPE_CODE[t.dtype] for t in tensors), tuple(t.shape for t in tensors)), None
+    return _meta.signature([_DTYPE_CODE[t.dtype] for t in tensors],
+                           [t.shape for t in tensors]), None
 
 
 def _grouped_call(tensors, op, average, name, pre, post, inplace, async_, process_set=None):
@@ -899,7 +899,7 @@ def _grouped_call(tensors, op, average, name, pre, post, inplace, async_, proces
         if known is None:
             if len(st.layouts) >= _LAYOUTS_KEPT:
                 st.layouts.clear()
-            known = st.layouts[key] = (_layout(sig), hash(sig))
+            known = st.layouts[key] = (_layout(*_meta.decode(sig)), zlib.crc32(sig))
         groups, layout = known
         planned = []
         for g, group in enumerate(groups):
@@ -916,14 +916,13 @@ def _grouped_call(tensors, op, average, name, pre, post, inplace, async_, proces
         for group, p, desc in planned:
             members = group.members
             srcs = tensors if members is None else [tensors[i] for i in members]
-            ptrs = all_ptrs if members is None or all_ptrs is None else \
-                [all_ptrs[i] for i in members]
+            ptrs = all_ptrs if members is None or all_ptrs is None else all_ptrs[members]
             table = _agree(st, desc, what)
             flat, views = _staged(st, group, _everyone(table), tensors[0].device)
             dtype = _DTYPES[group.code]
             # torch copies instead when the wire dtype is wider, a tensor is not contiguous,
             # or they are on a GPU (ptrs is None then)
-            if flat.dtype != dtype or ptrs is None or None in ptrs:
+            if flat.dtype != dtype:
                 ptrs = None
             if ptrs is not None:
                 _C.gather(flat.data_ptr(), ptrs, group.nbytes)

@@ -1,13 +1,21 @@
-"""Reads a list of tensors' dtypes, shapes and data addresses in one native call (torch_meta.cc),
-for the grouped calls: through torch's Python API each tensor costs ~0.8 us of attribute reads,
-which at 100 small tensors was more than the fused allreduce itself.
+"""The signature of a list of tensors (their dtypes and shapes, as bytes) and their data
+addresses, for the grouped calls; read in one native call (torch_meta.cc) where it can be: through
+torch's Python API each tensor costs ~0.8 us of attribute reads, which at 100 small tensors was
+more than the fused allreduce itself.
 
 The native reader uses PyTorch's stable C shim (aoti_torch_*), found at run time in the
 libtorch_cpu that torch loaded, and torch._C._aoti's handles to the tensors. Where either is
 missing (another torch), or MLFABRIC_TORCH_META=0, scan() returns None and ops._scan reads the
-tensors through Python as before: the results are the same (tested)."""
-import os
+tensors through Python, building the same signature with signature(): the results are the same
+(tested), so ranks taking either path agree.
 
+A signature is int64 words, [dtype code, ndim, dims...] per tensor: compared and hashed as bytes
+(cheaper than tuples of shapes), decoded back into (codes, shapes) only where needed."""
+import functools
+import os
+from array import array
+
+import numpy as np
 import torch
 
 from .. import _C
@@ -31,10 +39,10 @@ def available(dtype_names):
 
 
 def scan(tensors):
-    """((dtype codes, shapes), addresses) of a list of dense CPU tensors, as ops._scan gives
-    them (addresses: None for a tensor that is not contiguous); None where the native reader is
-    off or cannot read them all (a non-tensor, a GPU or sparse tensor, a dtype mlfabric does not
-    move): the caller's checks then say which."""
+    """(signature, addresses) of a list of dense CPU tensors (addresses: a uint64 array of their
+    data pointers, None when one is not contiguous); None where the native reader is off or
+    cannot read them all (a non-tensor, a GPU or sparse tensor, a dtype mlfabric does not move):
+    the caller's checks then say which."""
     if not _SCAN:
         return None
     try:
@@ -42,3 +50,31 @@ def scan(tensors):
     except (TypeError, RuntimeError):  # not a list of tensors
         return None
     return _C.torch_scan(handles)
+
+
+def signature(codes, shapes):
+    """The signature scan() would give for these dtype codes and shapes."""
+    words = array("q")
+    for code, shape in zip(codes, shapes):
+        words.append(code)
+        words.append(len(shape))
+        words.extend(shape)
+    return words.tobytes()
+
+
+def addresses(ptrs):
+    """Data addresses as scan() gives them: a uint64 array, None if one is None."""
+    return None if None in ptrs else np.array(ptrs, dtype=np.uint64)
+
+
+@functools.lru_cache(maxsize=256)
+def decode(sig):
+    """(dtype codes, shapes) of a signature, each a tuple (shapes: tuples of ints)."""
+    words = array("q", sig).tolist()
+    codes, shapes, at = [], [], 0
+    while at < len(words):
+        ndim = words[at + 1]
+        codes.append(words[at])
+        shapes.append(tuple(words[at + 2:at + 2 + ndim]))
+        at += 2 + ndim
+    return tuple(codes), tuple(shapes)

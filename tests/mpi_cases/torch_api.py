@@ -291,6 +291,33 @@ def case_grouped_allreduce():
               "grouped average")
 
 
+def case_grouped_lists_read_natively_or_through_python_agree():
+    """A rank whose native reader of tensor metadata is off (another torch, or
+    MLFABRIC_TORCH_META=0) reads its lists through torch's Python API: the same signature, so
+    its grouped calls agree with the others' (exact sums), and lists that differ still fail on
+    every rank, whichever way each rank read its own."""
+    from mlfabric.torch import tensor_meta
+    n, r = hvd.size(), hvd.rank()
+    saved = tensor_meta._SCAN
+    if r % 2 == 0:
+        tensor_meta._SCAN = False
+    try:
+        def make(q):
+            return [torch.full((3, 2), float(q + 1)), torch.full((4,), q + 1, dtype=torch.int32),
+                    torch.arange(10, dtype=torch.float64).view(2, 5).t() * (q + 1), torch.ones(())]
+        want = [sum(make(q)[i] for q in range(n)) for i in range(4)]
+        for got, w in zip(hvd.grouped_allreduce(make(r), op=hvd.Sum), want):
+            assert got.shape == w.shape and torch.equal(got, w), (got, w)
+        if n > 1:  # the same total size, another split on rank 0
+            xs = make(r)
+            if r == 0:
+                xs[0] = xs[0].view(2, 3)
+            with pytest.raises(hvd.MismatchError):
+                hvd.grouped_allreduce_(xs, op=hvd.Sum)
+    finally:
+        tensor_meta._SCAN = saved
+
+
 def case_grouped_allreduce_staging_and_outputs():
     """grouped_allreduce stages through reusable buffers: the same list reduced again (its views
     cached), another list, dtypes widened on the wire, a 0-d, an empty and a non-contiguous
