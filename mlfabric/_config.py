@@ -14,6 +14,9 @@ MLFABRIC_NCCL_LIB  the libnccl to load for GPU arrays (default: the loader's, th
                    nvidia-nccl wheel's).
 MLFABRIC_NCCL_SHARE_GPU
                    1 lets several ranks share one GPU through NCCL's socket transport (tests).
+MLFABRIC_TORCH_META
+                   0 makes mlfabric.torch read its grouped calls' tensors through torch's Python
+                   API instead of PyTorch's C shim (default 1; the results are the same).
 """
 import os
 
@@ -56,6 +59,13 @@ def shm_enabled():
     raw = os.environ.get("MLFABRIC_SHM", "1").strip()
     if raw not in ("0", "1"):
         raise MlfabricError(f"MLFABRIC_SHM must be 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
+def torch_meta_enabled():
+    raw = os.environ.get("MLFABRIC_TORCH_META", "1").strip()
+    if raw not in ("0", "1"):
+        raise MlfabricError(f"MLFABRIC_TORCH_META must be 0 or 1, got {raw!r}")
     return raw == "1"
 
 

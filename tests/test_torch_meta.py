@@ -81,3 +81,17 @@ def test_every_handle_is_released():
     for _ in range(100):
         assert tensor_meta.scan(tensors) is not None
     assert {t._use_count() for t in tensors} == {1}
+
+
+def test_the_setting_turns_it_off_and_a_bad_value_is_an_error(monkeypatch):
+    from mlfabric.errors import MlfabricError
+    names = [ops._dtype_name(c) for c in range(len(ops._DTYPES))]
+    monkeypatch.setattr(tensor_meta, "_SCAN", None)
+    monkeypatch.setenv("MLFABRIC_TORCH_META", "0")
+    assert not tensor_meta.available(names) and tensor_meta.scan([torch.ones(2)]) is None
+    tensors = [torch.ones(2, 3), torch.zeros(4, dtype=torch.int64)]
+    assert decoded(ops._scan(tensors, "x")) == python_scan(tensors)
+    monkeypatch.setattr(tensor_meta, "_SCAN", None)
+    monkeypatch.setenv("MLFABRIC_TORCH_META", "yes")
+    with pytest.raises(MlfabricError, match="MLFABRIC_TORCH_META must be 0 or 1, got 'yes'"):
+        tensor_meta.available(names)

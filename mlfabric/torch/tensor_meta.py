@@ -18,7 +18,7 @@ from array import array
 import numpy as np
 import torch
 
-from .. import _C
+from .. import _C, _config
 
 _SCAN = None  # torch._C._aoti's handle maker once the shim is open; False: not available
 
@@ -29,7 +29,7 @@ def available(dtype_names):
     global _SCAN
     if _SCAN is None:
         _SCAN = False
-        if os.environ.get("MLFABRIC_TORCH_META", "1") != "0":
+        if _config.torch_meta_enabled():
             handles = getattr(getattr(torch._C, "_aoti", None),
                               "unsafe_alloc_void_ptrs_from_tensors", None)
             lib = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
