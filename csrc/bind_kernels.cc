@@ -127,6 +127,18 @@ void bind_kernels(py::module_& m) {
       },
       py::arg("src"), py::arg("dsts").noconvert(), py::arg("nbytes").noconvert(), nogil());
   m.def(
+      "copy_pieces",
+      [](const U64& dsts, const U64& srcs, const U64& nbytes) {
+        if (dsts.size() != srcs.size() || srcs.size() != nbytes.size())
+          throw py::value_error("copy_pieces: dsts, srcs and nbytes differ in length");
+        const uint64_t *d = dsts.data(), *s = srcs.data(), *b = nbytes.data();
+        for (py::ssize_t i = 0; i < srcs.size(); ++i) mlf::copy(ptr(d[i]), ptr(s[i]), b[i]);
+      },
+      py::arg("dsts").noconvert(), py::arg("srcs").noconvert(), py::arg("nbytes").noconvert(),
+      nogil(),
+      "Copy srcs[i] to dsts[i] (nbytes[i] bytes each; uint64 arrays): a grouped allgather's "
+      "pieces, from rank-major to each output's, in one call.");
+  m.def(
       "gather",
       [](uintptr_t dst, const std::vector<uintptr_t>& srcs, const std::vector<size_t>& nbytes) {
         if (srcs.size() != nbytes.size())

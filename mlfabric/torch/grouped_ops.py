@@ -27,21 +27,21 @@ from .compression import Compression
 from .ops import (_ACTIVE, _ALLGATHER, _CORE_OPS, _DTYPE_CODE, _DTYPES, _REDUCESCATTER,
                   _ROW_HASH, _STATE, Average, _agree, _check_differentiable, _check_name,
                   _compression, _control, _desc, _disagreement, _gather, _groups, _issue,
-                  _LAYOUTS_KEPT, _clone_all, _layout, _ReducePlan, _resolve_op, _scan,
-                  _state, _what, _wire)
+                  _LAYOUTS_KEPT, _clone_all, _layout, _recorded, _ReducePlan, _resolve_op,
+                  _scan, _state, _what, _wire)
 from .ops import _grouped_call as _grouped_allreduce_call
 
 
 def _check_list(tensors, what):
-    """(dtype codes, shapes with 0-d as (1,), data addresses: a list of ints, or None as
-    ops._scan gives them) of a grouped call's list, after checking it."""
+    """(dtype codes, shapes with 0-d as (1,), data addresses as ops._scan gives them: a uint64
+    array, or None) of a grouped call's list, after checking it."""
     if not isinstance(tensors, (list, tuple)):
         raise TypeError(f"{what}: tensors must be a list of tensors, got {type(tensors).__name__}")
     if not tensors:
         raise ValueError(f"{what}: needs at least one tensor")
     sig, ptrs = _scan(tensors, what)
     codes, shapes = _meta.decode(sig)
-    return codes, tuple(s or (1,) for s in shapes), None if ptrs is None else ptrs.tolist()
+    return codes, tuple(s or (1,) for s in shapes), ptrs
 
 
 def _list_desc(kind, code, op, shape, name, codes, shapes, tensor, rows=True):
@@ -83,39 +83,63 @@ def _grouped_allgather_call(tensors, name, async_, with_rows=False, process_set=
 
     def plan(st):
         _check_name(name)
-        codes, shapes, _ = _check_list(tensors, what)
+        codes, shapes, ptrs = _check_list(tensors, what)
         # the rows travel through host memory whatever the device (tensor=None): no NCCL
         # launch and device sync for 8 bytes a tensor, and its waits stay bounded
-        return codes, shapes, _list_desc(_ALLGATHER, _DTYPE_CODE[torch.int64], 0,
-                                         (1, len(tensors)), name, codes, shapes, None)
+        return codes, shapes, ptrs, _list_desc(_ALLGATHER, _DTYPE_CODE[torch.int64], 0,
+                                               (1, len(tensors)), name, codes, shapes, None)
 
     def job(st, planned):
-        codes, shapes, desc = planned
+        codes, shapes, ptrs, desc = planned
         table = _agree_list(st, desc, what)
         mine = torch.tensor([[s[0] for s in shapes]], dtype=torch.int64)
         rows = np.zeros((st.ctx.size, len(tensors)), np.int64)  # each rank's rows of each
         rows[table[:, _STATE] == _ACTIVE] = _gather(table, mine)[0].numpy()
-        per_rank, totals = rows.tolist(), rows.sum(0).tolist()  # Python ints: cheaper in loops
         outs = [None] * len(tensors)
         for g, group in enumerate(_layout(codes, shapes)):
-            members = group.members or range(len(tensors))
+            members = group.members or list(range(len(tensors)))
             dtype = _DTYPES[group.code]
             wire = _wire(dtype)
-            lens = [math.prod(shapes[i][1:]) for i in members]
-            flat = torch.cat([tensors[i].detach().reshape(-1).to(wire) for i in members])
+            lens = np.array([math.prod(shapes[i][1:]) for i in members], np.int64)
+            direct = ptrs is not None and wire == dtype  # CPU, contiguous, not widened
+            if direct:  # packed by C++ from the tensors' addresses: no torch op a tensor
+                flat = torch.empty(group.total, dtype=dtype)
+                _C.gather(flat.data_ptr(), ptrs[members], group.nbytes)
+            else:
+                flat = torch.cat([tensors[i].detach().reshape(-1).to(wire) for i in members])
             gdesc = _desc(_ALLGATHER, group.code, shape=(flat.numel(),),
                           name=None if name is None else f"{name}.{g}", tensor=tensors[0])
             got = _gather(_agree(st, gdesc, what), flat.view(-1, 1))[0].view(-1)
             # got: each rank's members back to back, in rank order (a joined rank's are empty)
-            pieces = got.split([of[i] * n for of in per_rank for i, n in zip(members, lens)])
-            for j, i in enumerate(members):
-                # each output its own tensor, not a view (see ops._own)
-                out = got.new_empty((totals[i], *shapes[i][1:]))
-                torch.cat(pieces[j::len(members)], out=out.view(-1))
+            elems = rows[:, members] * lens  # (rank, member): elements of each piece
+            totals = rows[:, members].sum(0).tolist()
+            # each output its own tensor, not a view (see ops._own)
+            gathered = [got.new_empty((totals[j], *shapes[i][1:]))
+                        for j, i in enumerate(members)]
+            if direct:
+                _unpack(got, gathered, elems, wire.itemsize)
+            else:
+                pieces = got.split(elems.ravel().tolist())
+                for j, out in enumerate(gathered):
+                    torch.cat(pieces[j::len(members)], out=out.view(-1))
+            for i, out in zip(members, gathered):
                 outs[i] = out if wire == dtype else out.to(dtype)
         return (outs, rows) if with_rows else outs
 
     return _issue(what, plan, job, async_, _first(tensors), tensors, process_set)
+
+
+def _unpack(got, outs, elems, itemsize):
+    """Copy the pieces of got (rank-major: elems[r, j] elements of member j from rank r) into
+    outs (member j's from every rank, in rank order) in one C++ call."""
+    at = (np.cumsum(elems.ravel()) - elems.ravel()).reshape(elems.shape)  # offsets in got
+    within = np.cumsum(elems, axis=0) - elems  # offsets in each output
+    dsts = np.array(list(map(torch.Tensor.data_ptr, outs)), np.uint64) + \
+        (within * itemsize).astype(np.uint64)
+    srcs = np.uint64(got.data_ptr()) + (at * itemsize).astype(np.uint64)
+    # member-major, so each output's pieces are written one after the other
+    _C.copy_pieces(np.ascontiguousarray(dsts.T).ravel(), np.ascontiguousarray(srcs.T).ravel(),
+                   np.ascontiguousarray((elems * itemsize).astype(np.uint64).T).ravel())
 
 
 def _first(tensors):
@@ -154,7 +178,9 @@ def grouped_allgather(tensors, name=None, process_set=None):
     if _first(tensors) is None or not all(isinstance(t, torch.Tensor) for t in tensors):
         # the error, on every rank
         return _grouped_allgather_call(tensors, name, False, process_set=process_set)
-    return list(_GroupedAllgatherFn.apply(name, process_set, *tensors))
+    if _recorded(*tensors):
+        return list(_GroupedAllgatherFn.apply(name, process_set, *tensors))
+    return _grouped_allgather_call(list(tensors), name, False, process_set=process_set)
 
 
 def grouped_allgather_async(tensors, name=None, process_set=None):
@@ -197,16 +223,16 @@ def _grouped_reducescatter_call(tensors, op, name, pre, post, async_, process_se
             _agree_list(st, desc, what, rows=False)
             dtype = _DTYPES[group.code]
             wire = _wire(dtype)
-            mine = None if ptrs is None or wire != dtype else [ptrs[i] for i in group.members]
-            if mine is not None:
+            direct = ptrs is not None and wire == dtype
+            if direct:
                 # CPU, contiguous, not widened: C++ copies each rank's rows of each member (and
                 # the padding, from zeros) straight into the rank-major buffer, from their
                 # addresses: no Python tensor a member (at 100 small tensors those cost more than
                 # the copies, the garbage collector's visits included)
                 buf = torch.empty((st.ctx.size, group.width), dtype=wire)
-                pad = group.zeros(wire)
-                _C.gather(buf.data_ptr(), [pad if j < 0 else mine[j] + at
-                                           for j, at in group.pieces], group.piece_bytes)
+                srcs = np.where(group.piece_member < 0, np.uint64(group.zeros(wire)),
+                                ptrs[group.members][group.piece_member] + group.piece_offset)
+                _C.gather(buf.data_ptr(), srcs, group.piece_bytes)
             else:
                 # the members back to back and one zero (the padding's source), gathered
                 # rank-major in one index_select
@@ -220,11 +246,15 @@ def _grouped_reducescatter_call(tensors, op, name, pre, post, async_, process_se
                 else buf[st.ctx.rank]
             if p.after != 1.0:
                 got.mul_(p.after)
-            views = [piece.view(shape) for piece, shape in
-                     zip(got[:sum(group.mine_lens)].split(group.mine_lens), group.mine)]
-            # each output its own tensor, not a view of got (see ops._own): one call
-            for i, out in zip(group.members, _clone_all(views) if wire == dtype else
-                              [v.to(dtype) for v in views]):
+            if direct:  # each output its own tensor (see ops._own), filled by one C++ call
+                mine = [got.new_empty(shape) for shape in group.mine]
+                _C.scatter(got.data_ptr(), np.array(list(map(torch.Tensor.data_ptr, mine)),
+                                                    np.uint64), group.mine_bytes)
+            else:
+                views = [piece.view(shape) for piece, shape in
+                         zip(got[:sum(group.mine_lens)].split(group.mine_lens), group.mine)]
+                mine = _clone_all(views) if wire == dtype else [v.to(dtype) for v in views]
+            for i, out in zip(group.members, mine):
                 outs[i] = out
         return outs
 
@@ -234,12 +264,15 @@ def _grouped_reducescatter_call(tensors, op, name, pre, post, async_, process_se
 class _ScatterGroup:
     """The tensors of one dtype in a grouped reducescatter's list and how they travel: each
     member's rows split as reducescatter splits them, rank r's rows of every member in row r of
-    a (size, width) buffer, zero-padded. pieces / piece_bytes: that buffer's contents in order,
-    as (member j, byte offset in it) or (-1, 0) for padding, and their lengths (for the C++
-    gather); order(): for each place in the buffer, the index of its element in the members
-    laid back to back, the index one past them a zero (for torch's index_select)."""
-    __slots__ = ("code", "members", "width", "mine", "mine_lens", "pieces", "piece_bytes",
-                 "blocks", "starts", "device", "_order", "_zeros")
+    a (size, width) buffer, zero-padded. piece_member / piece_offset / piece_bytes: that
+    buffer's contents in order, as member j (-1 for padding), the byte offset in it, and their
+    lengths (uint64 arrays, for the C++ gather); mine / mine_bytes: this rank's block of each
+    member, its shape and bytes; order(): for each place in the buffer, the index of its element
+    in the members laid back to back, the index one past them a zero (for torch's
+    index_select)."""
+    __slots__ = ("code", "members", "width", "mine", "mine_lens", "mine_bytes", "piece_member",
+                 "piece_offset", "piece_bytes", "blocks", "starts", "device", "_order",
+                 "_zeros")
 
     def __init__(self, group, shapes, n, me, device):
         self.code, self.device = group.code, device
@@ -250,16 +283,22 @@ class _ScatterGroup:
         self.width = max(sum(b) for b in self.blocks)
         self.starts = np.cumsum([0] + [shapes[i][0] * k for i, k in zip(self.members, lens)])
         size = _DTYPES[group.code].itemsize
-        self.pieces, self.piece_bytes, done = [], [], [0] * len(self.members)
+        member, offset, nbytes, done = [], [], [], [0] * len(self.members)
         for b in self.blocks:
             for j, k in enumerate(b):
-                self.pieces.append((j, done[j] * size))
-                self.piece_bytes.append(k * size)
+                member.append(j)
+                offset.append(done[j] * size)
+                nbytes.append(k * size)
                 done[j] += k
-            self.pieces.append((-1, 0))
-            self.piece_bytes.append((self.width - sum(b)) * size)
+            member.append(-1)
+            offset.append(0)
+            nbytes.append((self.width - sum(b)) * size)
+        self.piece_member = np.array(member, np.int64)
+        self.piece_offset = np.array(offset, np.uint64)
+        self.piece_bytes = np.array(nbytes, np.uint64)
         self.mine = [(rs[me], *shapes[i][1:]) for rs, i in zip(rows, self.members)]
         self.mine_lens = self.blocks[me]
+        self.mine_bytes = np.array(self.mine_lens, np.uint64) * np.uint64(size)
         self._order = self._zeros = None
 
     def zeros(self, wire):
@@ -311,8 +350,13 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=A
     if _first(tensors) is None or not all(isinstance(t, torch.Tensor) for t in tensors):
         return _grouped_reducescatter_call(tensors, op, name, 1.0, 1.0, False, process_set)
     pairs = [compression.compress(t) for t in tensors]
-    outs = _GroupedReducescatterFn.apply(op, name, prescale_factor, postscale_factor,
-                                         process_set, *[c for c, _ in pairs])
+    sent = [c for c, _ in pairs]
+    if _recorded(*sent):
+        outs = _GroupedReducescatterFn.apply(op, name, prescale_factor, postscale_factor,
+                                             process_set, *sent)
+    else:
+        outs = _grouped_reducescatter_call(sent, op, name, prescale_factor, postscale_factor,
+                                           False, process_set)
     return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs)]
 
 
