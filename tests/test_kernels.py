@@ -485,3 +485,33 @@ def test_env_selects_isa():
                          check=True)
     assert out.stdout.strip() == ISAS[-1]
     assert "MLFABRIC_ISA=sse9" in out.stderr
+
+
+@pytest.mark.parametrize("arrays", [True, False])
+def test_gather_scatter_and_copy_pieces_move_the_bytes_they_are_told(arrays):
+    # the grouped calls' copies: pieces back to back (gather), out again (scatter), and
+    # arbitrary pieces to arbitrary places (copy_pieces; uint64 arrays only)
+    rng = np.random.default_rng(5)
+    pieces = [rng.integers(0, 255, n, dtype=np.uint8) for n in (5, 0, 17, 1, 64)]
+    sizes = [p.nbytes for p in pieces]
+
+    def addresses(bufs):
+        a = [b.ctypes.data for b in bufs]
+        return np.array(a, np.uint64) if arrays else a
+
+    nbytes = np.array(sizes, np.uint64) if arrays else sizes
+    flat = np.zeros(sum(sizes), np.uint8)
+    _C.gather(flat.ctypes.data, addresses(pieces), nbytes)
+    assert np.array_equal(flat, np.concatenate(pieces))
+    back = [np.zeros_like(p) for p in pieces]
+    _C.scatter(flat.ctypes.data, addresses(back), nbytes)
+    assert all(np.array_equal(a, b) for a, b in zip(back, pieces))
+    with pytest.raises(ValueError, match="differ in length"):
+        _C.gather(flat.ctypes.data, addresses(pieces), nbytes[:-1])
+    if arrays:
+        out = [np.zeros_like(p) for p in reversed(pieces)]
+        _C.copy_pieces(addresses(out), addresses(list(reversed(pieces))),
+                       np.array(sizes[::-1], np.uint64))
+        assert all(np.array_equal(a, b) for a, b in zip(out, reversed(pieces)))
+        with pytest.raises(ValueError, match="differ in length"):
+            _C.copy_pieces(addresses(out), addresses(pieces)[:-1], nbytes)
