@@ -95,3 +95,22 @@ def test_the_setting_turns_it_off_and_a_bad_value_is_an_error(monkeypatch):
     monkeypatch.setenv("MLFABRIC_TORCH_META", "yes")
     with pytest.raises(MlfabricError, match="MLFABRIC_TORCH_META must be 0 or 1, got 'yes'"):
         tensor_meta.available(names)
+
+
+def test_a_reader_that_disagrees_with_torch_is_not_used(monkeypatch):
+    # as if another torch's shim read differently (say, other dtype numbers): checked once, at
+    # start, against torch's own reads; the Python path stays in charge
+    import types
+    from mlfabric import _C
+    names = [ops._dtype_name(c) for c in range(len(ops._DTYPES))]
+
+    def shifted(handles):  # the right shapes, every dtype code off by one
+        sig, ptrs = _C.torch_scan(handles)
+        codes, shapes = tensor_meta.decode(sig)
+        return tensor_meta.signature([c + 1 for c in codes], shapes), ptrs
+
+    for scan, on in ((_C.torch_scan, True), (shifted, False)):
+        monkeypatch.setattr(tensor_meta, "_SCAN", None)
+        monkeypatch.setattr(tensor_meta, "_C", types.SimpleNamespace(
+            torch_shim_open=_C.torch_shim_open, torch_scan=scan))
+        assert tensor_meta.available(names) is on

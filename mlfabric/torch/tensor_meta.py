@@ -24,18 +24,35 @@ _SCAN = None  # torch._C._aoti's handle maker once the shim is open; False: not 
 
 
 def available(dtype_names):
-    """Whether the native reader works here (opened on first use). dtype_names: mlfabric's
-    dtype codes' names, in code order."""
+    """Whether the native reader works here (opened on first use, and checked once against
+    torch's own reads: a torch whose shim or handles behave otherwise keeps the Python path).
+    dtype_names: mlfabric's dtype codes' names, in code order."""
     global _SCAN
     if _SCAN is None:
         _SCAN = False
+        names = list(dtype_names)
         if _config.torch_meta_enabled():
             handles = getattr(getattr(torch._C, "_aoti", None),
                               "unsafe_alloc_void_ptrs_from_tensors", None)
             lib = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
-            if handles is not None and _C.torch_shim_open(lib, list(dtype_names)):
+            if handles is not None and _C.torch_shim_open(lib, names) and \
+                    _agrees_with_torch(handles, names):
                 _SCAN = handles
     return bool(_SCAN)
+
+
+def _agrees_with_torch(handles, names):
+    """Whether the native reader reads a probe list as torch's Python API does."""
+    probe = [torch.zeros((2, c + 1), dtype=getattr(torch, n)) for c, n in enumerate(names)]
+    want = signature(range(len(names)), [t.shape for t in probe])
+    try:
+        got = _C.torch_scan(handles(probe))
+        strided = _C.torch_scan(handles([probe[0], probe[2].t()]))  # (3, 2), not contiguous
+    except (TypeError, RuntimeError, ValueError):
+        return False
+    return got is not None and got[0] == want and got[1] is not None and \
+        got[1].tolist() == [t.data_ptr() for t in probe] and strided is not None and \
+        strided[1] is None and decode(strided[0]) == ((0, 2), ((2, 1), (3, 2)))
 
 
 def scan(tensors):
