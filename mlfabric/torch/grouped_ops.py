@@ -134,12 +134,16 @@ def _unpack(got, outs, elems, itemsize):
     outs (member j's from every rank, in rank order) in one C++ call."""
     at = (np.cumsum(elems.ravel()) - elems.ravel()).reshape(elems.shape)  # offsets in got
     within = np.cumsum(elems, axis=0) - elems  # offsets in each output
-    dsts = np.array(list(map(torch.Tensor.data_ptr, outs)), np.uint64) + \
-        (within * itemsize).astype(np.uint64)
+    dsts = _addresses(outs) + (within * itemsize).astype(np.uint64)
     srcs = np.uint64(got.data_ptr()) + (at * itemsize).astype(np.uint64)
     # member-major, so each output's pieces are written one after the other
     _C.copy_pieces(np.ascontiguousarray(dsts.T).ravel(), np.ascontiguousarray(srcs.T).ravel(),
                    np.ascontiguousarray((elems * itemsize).astype(np.uint64).T).ravel())
+
+
+def _addresses(tensors):
+    """The data addresses of (contiguous CPU) tensors, a uint64 array for the C++ copies."""
+    return np.array(list(map(torch.Tensor.data_ptr, tensors)), np.uint64)
 
 
 def _first(tensors):
@@ -248,8 +252,7 @@ def _grouped_reducescatter_call(tensors, op, name, pre, post, async_, process_se
                 got.mul_(p.after)
             if direct:  # each output its own tensor (see ops._own), filled by one C++ call
                 mine = [got.new_empty(shape) for shape in group.mine]
-                _C.scatter(got.data_ptr(), np.array(list(map(torch.Tensor.data_ptr, mine)),
-                                                    np.uint64), group.mine_bytes)
+                _C.scatter(got.data_ptr(), _addresses(mine), group.mine_bytes)
             else:
                 views = [piece.view(shape) for piece, shape in
                          zip(got[:sum(group.mine_lens)].split(group.mine_lens), group.mine)]
