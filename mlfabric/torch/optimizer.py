@@ -24,10 +24,15 @@ How it works:
 - a hook after each gradient accumulation (register_post_accumulate_grad_hook) counts the
   backward passes of its parameter; when the last parameter of a bucket has had
   backward_passes_per_step passes, the bucket (and any ready buckets after it) starts an async
-  allreduce, so communication overlaps the rest of backward;
-- synchronize() starts the buckets still waiting (parameters without a gradient contribute
-  zeros and get a zero gradient, as in Horovod) and waits for all; step() calls it unless inside
-  skip_synchronize(), then runs the wrapped step();
+  allreduce, so communication overlaps the rest of backward. The last bucket (the first
+  layers', whose gradients come last) is not started by hooks: synchronize() runs it, on the
+  calling thread. After the first reduction its parameters keep one hook between them, the
+  sentinel, for the guards below (a small model is one bucket: 100 small gradients then cost
+  no Python hooks at all);
+- synchronize() waits for the started buckets, runs the others (parameters without a gradient
+  contribute zeros and get a zero gradient, as in Horovod); step() calls it unless inside
+  skip_synchronize(), then runs the wrapped step(). A second call before the next backward
+  pass does nothing: the buckets' version counters tell whether gradients came since;
 - sparse gradients (nn.Embedding(sparse=True)) are reduced by sparse.py's sparse allreduce
   (allgathers of their indices and values: only the rows touched travel) and .grad becomes the
   reduced sparse tensor; the rest of their bucket is reduced as usual, in one allreduce per run
@@ -45,6 +50,7 @@ happens among that set's ranks only (its size divides, its shared memory holds t
 """
 import contextlib
 import functools
+import operator
 import weakref
 import zlib
 
@@ -100,11 +106,12 @@ class _Bucket:
 
 
 class _Slot:
-    """A parameter's place: its bucket, its view of the bucket, its backward passes to go."""
-    __slots__ = ("bucket", "view", "delay")
+    """A parameter's place: its bucket (None in the last bucket, see _mlf_finish_setup), its
+    backward passes to go."""
+    __slots__ = ("bucket", "delay")
 
-    def __init__(self, bucket, view, delay):
-        self.bucket, self.view, self.delay = bucket, view, delay
+    def __init__(self, bucket, delay):
+        self.bucket, self.delay = bucket, delay
 
 
 def _hook(ref, index, param):
@@ -205,16 +212,28 @@ class _DistributedOptimizer:
             hooks[:] = [f for f in hooks if not (getattr(f, "func", None) is _unshare
                                                  and f.args[0]() is None)]
             hooks.append(functools.partial(_unshare, weakref.ref(self)))
-        self._mlf_slots = [_Slot(b, v, self._mlf_passes)
-                           for b in self._mlf_buckets for v in b.views]
-        self._mlf_done = 0              # parameters through all their passes since the reset
+        # Hooks start buckets early, to overlap backward. The last bucket (the first layers'
+        # gradients, the last to come) gains nothing from them: synchronize(), right after
+        # backward, starts it on the calling thread. Its parameters' hooks only serve the
+        # guards (too many backward passes, zero_grad() before step()), and a hook costs ~1-2
+        # us of Python a gradient where the whole reduction of 100 small gradients takes ~30.
+        # So after the first reduction only one of them stays hooked, the sentinel: the one
+        # whose gradient came last (_mlf_trim).
+        tail = self._mlf_buckets[-1] if self._mlf_buckets else None
+        params = [p for b in self._mlf_buckets for p in b.params]
+        self._mlf_slots = [_Slot(None if b is tail else b, self._mlf_passes)
+                           for b in self._mlf_buckets for _ in b.params]
+        self._mlf_live = self._mlf_slots  # the slots whose hooks are registered
+        self._mlf_last = None           # the last bucket's slot that came last so far
+        self._mlf_sentinel = None       # that slot, kept hooked once the others were removed
+        self._mlf_done = 0              # hooked parameters through all their passes
         self._mlf_next = 0              # the next bucket to start
         self._mlf_synchronized = False  # reduced since the last backward pass / step()
+        self._mlf_versions = None       # the buckets' version counters after that reduction
         self._mlf_should_sync = True    # False inside skip_synchronize()
         ref = weakref.ref(self)
-        slot_params = [p for b in self._mlf_buckets for p in b.params]
         self._mlf_hooks = [p.register_post_accumulate_grad_hook(functools.partial(_hook, ref, i))
-                           for i, p in enumerate(slot_params)]
+                           for i, p in enumerate(params)]
 
     # --- reduction ---------------------------------------------------------------------------
 
@@ -232,30 +251,35 @@ class _DistributedOptimizer:
         if slot.delay == 0:
             self._mlf_done += 1
             b = slot.bucket
+            if b is None:  # the last bucket: synchronize() starts it
+                self._mlf_last = slot
+                return
             b.waiting -= 1
             if not b.waiting and b.index == self._mlf_next:
-                self._mlf_start(force=False)
+                self._mlf_start_ready()
 
-    def _mlf_start(self, force):
-        """Start buckets in bucket order: each one once it is ready (or now, if force)."""
+    def _mlf_start_ready(self):
+        """Start the buckets that are ready, in bucket order, up to the first that is not."""
         buckets = self._mlf_buckets
-        while self._mlf_next < len(buckets):
-            b = buckets[self._mlf_next]
-            if b.waiting and not force:
-                return
-            self._mlf_next += 1
-            sparse = _gather(b, self._mlf_sparse_as_dense)
-            calls = {i: _sparse.start(g, b.names[i], self._mlf_op, self._mlf_process_set)
-                     for i, g in sparse}
-            # the dense members (all of them, but for sparse gradients) in one allreduce per
-            # run of neighbours; sparse positions are part of what every rank must agree on
-            layout = (b.index, self._mlf_layout) if not calls else \
-                (b.index, self._mlf_layout, tuple(calls))
-            b.pending = ([self._mlf_allreduce(b, lo, hi, layout)
-                          for lo, hi in _dense_runs(b, calls)], calls)
+        while self._mlf_next < len(buckets) - 1 and not buckets[self._mlf_next].waiting:
+            self._mlf_launch(buckets[self._mlf_next], True)
 
-    def _mlf_allreduce(self, b, lo, hi, layout):
-        """Start the allreduce of elements [lo, hi) of bucket b (all of it, mostly)."""
+    def _mlf_launch(self, b, async_):
+        """Start bucket b's reduction (the next in bucket order); async_=False: run it now."""
+        self._mlf_next = b.index + 1
+        sparse = _gather(b, self._mlf_sparse_as_dense)
+        calls = {i: _sparse.start(g, b.names[i], self._mlf_op, self._mlf_process_set)
+                 for i, g in sparse}
+        # the dense members (all of them, but for sparse gradients) in one allreduce per run
+        # of neighbours; sparse positions are part of what every rank must agree on
+        layout = (b.index, self._mlf_layout) if not calls else \
+            (b.index, self._mlf_layout, tuple(calls))
+        b.pending = ([self._mlf_allreduce(b, lo, hi, layout, async_)
+                      for lo, hi in _dense_runs(b, calls)], calls)
+
+    def _mlf_allreduce(self, b, lo, hi, layout, async_):
+        """Start the allreduce of elements [lo, hi) of bucket b (all of it, mostly): (its
+        handle, None) if async_, else run it: (None, the result)."""
         whole = lo == 0 and hi == b.flat.numel()
         flat, post = (b.flat if whole else b.flat[lo:hi]), 1.0
         if self._mlf_predivide != 1.0:
@@ -269,28 +293,38 @@ class _DistributedOptimizer:
             sent = flat
         else:
             sent, cctx = self._mlf_compression.compress(flat)
-        handle = ops._allreduce_call(sent, self._mlf_op, None, b.name, 1.0, post, True, True,
-                                     layout=layout, process_set=self._mlf_process_set)
-        return handle, sent, cctx, flat
+        out = ops._allreduce_call(sent, self._mlf_op, None, b.name, 1.0, post, True, async_,
+                                  layout=layout, process_set=self._mlf_process_set)
+        return (out, None) if async_ else (None, out), sent, cctx, flat
 
     def synchronize(self):
         """Finish reducing the gradients (they are then in .grad). Called by step() unless
         inside skip_synchronize(); calling it again before the next backward pass does nothing.
         With op=Adasum gradients stay local (step() reduces the parameters' deltas): nothing to
         do."""
-        if self._mlf_synchronized or self._mlf_op == ops.Adasum:
-            return
-        self._mlf_start(force=True)
+        if self._mlf_op == ops.Adasum or (self._mlf_synchronized and
+                                          self._mlf_versions == self._mlf_bucket_versions()):
+            return  # (the last bucket has no hooks: a backward pass since shows in its version)
         error = None
         for b in self._mlf_buckets:
-            if b.pending is None:  # its start failed (the error was raised then)
+            here = b.index >= self._mlf_next  # (then every .grad is its view: _gather)
+            if here and error is None:
+                # not started by the hooks (the last bucket, always): run it here, now that the
+                # buckets before it are done (waited for in this loop, in order), so on this
+                # thread, with no hand-off to the queue's
+                try:
+                    self._mlf_launch(b, False)
+                except Exception as exc:  # noqa: BLE001 - every rank stops here; as below
+                    error = exc
+            if b.pending is None:  # not started (its start failed, or an earlier one did)
                 continue
             runs, calls = b.pending
             b.pending = None
             failed = False
-            for handle, sent, cctx, flat in runs:
+            for (handle, reduced), sent, cctx, flat in runs:
                 try:
-                    reduced = ops.synchronize(handle)
+                    if handle is not None:
+                        reduced = ops.synchronize(handle)
                 except Exception as exc:  # noqa: BLE001 - wait for every bucket, then raise
                     error, failed = error or exc, True
                     continue
@@ -303,7 +337,7 @@ class _DistributedOptimizer:
                     b.params[i].grad = call.wait()
                 except Exception as exc:  # noqa: BLE001 - as above
                     error, failed = error or exc, True
-            if failed:
+            if failed or (not calls and (here or _all_views(b))):
                 continue
             for i, (p, view) in enumerate(zip(b.params, b.views)):
                 if i in calls:
@@ -318,9 +352,34 @@ class _DistributedOptimizer:
         if error is not None:
             raise error
         self._mlf_synchronized = True
+        self._mlf_versions = self._mlf_bucket_versions()
+        if self._mlf_sentinel is None:
+            self._mlf_trim()
+
+    def _mlf_trim(self):
+        """Once a reduction has seen the last bucket's gradients come: keep the hook of the
+        one that came last (the sentinel), remove the others'. The guards then watch the
+        sentinel and the other buckets' parameters; in a model whose only bucket's sentinel
+        gets no gradient in some step, that step goes unguarded (its reduction is still right:
+        synchronize() sees the new gradients in the bucket's version counter)."""
+        keep = self._mlf_last
+        if keep is None:  # no gradient came to the last bucket yet (or no bucket): next time
+            return
+        live = []
+        for slot, hook in zip(self._mlf_slots, self._mlf_hooks):
+            if slot.bucket is None and slot is not keep:
+                hook.remove()
+            else:
+                live.append(slot)
+        self._mlf_live, self._mlf_sentinel = live, keep
+
+    def _mlf_bucket_versions(self):
+        """The buckets' version counters: autograd accumulating into a bucket view (and any
+        other in-place change) moves them; the reduction itself (in C++) does not."""
+        return [b.flat._version for b in self._mlf_buckets]
 
     def _mlf_reset(self):
-        for s in self._mlf_slots:
+        for s in self._mlf_live:
             s.delay = self._mlf_passes
         for b in self._mlf_buckets:
             b.waiting = len(b.params)
@@ -454,6 +513,8 @@ def _gather(b, sparse_as_dense):
     gradient). A member whose gradients came sparse before and that has none now contributes
     an empty sparse gradient (zeros, as a dense one would), so every rank still issues the
     same calls."""
+    if _all_views(b):  # the usual case, from the second step on
+        return []
     moved, views, grads, absent, sparse = [], [], [], [], []
     for i, (p, view) in enumerate(zip(b.params, b.views)):
         g = p.grad
@@ -483,6 +544,15 @@ def _gather(b, sparse_as_dense):
     for p, view in moved:
         p.grad = view
     return sparse
+
+
+_GRAD = operator.attrgetter("grad")
+
+
+def _all_views(b):
+    """Whether every .grad of bucket b is its view of the bucket; a loop in C (~5 us for 100
+    parameters, where a Python loop takes ~25 on the 2-core VM)."""
+    return all(map(operator.is_, map(_GRAD, b.params), b.views))
 
 
 def _empty_sparse(p, sparse_dim):

@@ -3,6 +3,7 @@ reference computed locally (every rank can regenerate every rank's input), async
 forms, uneven allgather, alltoall with splits, autograd, join with uneven data, the object
 helpers, mismatch errors on every rank, and DistributedOptimizer against single-process training
 on the concatenated batch."""
+import copy
 import os
 
 import numpy as np
@@ -1410,6 +1411,43 @@ def case_distributed_optimizer_hooks_in_any_order():
     (total / n).backward()
     ropt.step()
     assert _max_diff(model, ref) < 1e-10
+
+
+def case_distributed_optimizer_after_the_first_step():
+    """From the first reduction on, of the last bucket's parameters (this whole small model)
+    only the one whose gradient came last keeps a hook: the guards still hold, and a backward
+    pass touching only unhooked parameters after synchronize() is still reduced by step()."""
+    n, r = hvd.size(), hvd.rank()
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(),
+                                torch.nn.Linear(7, 3)).double()
+    ref = copy.deepcopy(model)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(n, 6, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    for step in range(3):
+        opt.zero_grad()
+        (model(x[r]) ** 2).sum().backward()
+        opt.synchronize()
+        extra = (n + 1) / 2 if step == 2 else 0.0
+        if step == 2:  # only the last layer's bias, not the hooked parameter (the first layer's)
+            (model[2].bias * (r + 1)).sum().backward()
+        opt.step()
+        ropt.zero_grad()
+        (sum((ref(x[q]) ** 2).sum() for q in range(n)) / n
+         + (ref[2].bias * extra).sum()).backward()
+        ropt.step()
+        assert _max_diff(model, ref) < 1e-10, f"step {step}: {_max_diff(model, ref)}"
+    hooked = [p for p in model.parameters() if getattr(p, "_post_accumulate_grad_hooks", None)]
+    assert len(hooked) == 1 and hooked[0] in (model[0].weight, model[0].bias), len(hooked)
+    opt.zero_grad()
+    model(x[r]).sum().backward()
+    with pytest.raises(hvd.MlfabricError, match="zero_grad"):
+        opt.zero_grad()
+    with pytest.raises(hvd.MlfabricError, match="backward_passes_per_step"):
+        model(x[r]).sum().backward()
+    opt.step()
+    _still_works()
 
 
 def case_distributed_optimizer_guards():
