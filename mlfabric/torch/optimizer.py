@@ -51,6 +51,7 @@ happens among that set's ranks only (its size divides, its shared memory holds t
 import contextlib
 import functools
 import operator
+import types
 import weakref
 import zlib
 
@@ -214,26 +215,31 @@ class _DistributedOptimizer:
             hooks.append(functools.partial(_unshare, weakref.ref(self)))
         # Hooks start buckets early, to overlap backward. The last bucket (the first layers'
         # gradients, the last to come) gains nothing from them: synchronize(), right after
-        # backward, starts it on the calling thread. Its parameters' hooks only serve the
-        # guards (too many backward passes, zero_grad() before step()), and a hook costs ~1-2
-        # us of Python a gradient where the whole reduction of 100 small gradients takes ~30.
-        # So after the first reduction only one of them stays hooked, the sentinel: the one
-        # whose gradient came last (_mlf_trim).
+        # backward, starts it on the calling thread. Its parameters' Python hooks only serve
+        # the guards (too many backward passes, zero_grad() before step()), and one costs ~1-2
+        # us a gradient where the whole reduction of 100 small gradients takes ~30. So after
+        # the first reduction only one of them keeps it, the sentinel (_mlf_watch); every one
+        # keeps a mark instead, a hook that runs no Python: functools.partial of setattr
+        # records the parameter in _mlf_seen, so synchronize() knows whether (and which)
+        # gradients came to the last bucket since the last reduction.
         tail = self._mlf_buckets[-1] if self._mlf_buckets else None
-        params = [p for b in self._mlf_buckets for p in b.params]
+        self._mlf_params = [p for b in self._mlf_buckets for p in b.params]
         self._mlf_slots = [_Slot(None if b is tail else b, self._mlf_passes)
                            for b in self._mlf_buckets for _ in b.params]
         self._mlf_live = self._mlf_slots  # the slots whose hooks are registered
-        self._mlf_last = None           # the last bucket's slot that came last so far
-        self._mlf_sentinel = None       # that slot, kept hooked once the others were removed
+        self._mlf_last = None           # the last bucket's hooked slot that came, since reset
+        self._mlf_sentinel = None       # its one slot still hooked, once the others were removed
+        self._mlf_seen = types.SimpleNamespace(param=None)  # its last gradient since the reset
         self._mlf_done = 0              # hooked parameters through all their passes
         self._mlf_next = 0              # the next bucket to start
         self._mlf_synchronized = False  # reduced since the last backward pass / step()
-        self._mlf_versions = None       # the buckets' version counters after that reduction
         self._mlf_should_sync = True    # False inside skip_synchronize()
         ref = weakref.ref(self)
         self._mlf_hooks = [p.register_post_accumulate_grad_hook(functools.partial(_hook, ref, i))
-                           for i, p in enumerate(params)]
+                           for i, p in enumerate(self._mlf_params)]
+        mark = functools.partial(setattr, self._mlf_seen, "param")
+        marks = [p.register_post_accumulate_grad_hook(mark) for p in (tail.params if tail else ())]
+        weakref.finalize(self, _remove_hooks, marks)  # (they do not hold the optimizer)
 
     # --- reduction ---------------------------------------------------------------------------
 
@@ -303,19 +309,27 @@ class _DistributedOptimizer:
         With op=Adasum gradients stay local (step() reduces the parameters' deltas): nothing to
         do."""
         if self._mlf_op == ops.Adasum or (self._mlf_synchronized and
-                                          self._mlf_versions == self._mlf_bucket_versions()):
-            return  # (the last bucket has no hooks: a backward pass since shows in its version)
-        error = None
-        for b in self._mlf_buckets:
-            here = b.index >= self._mlf_next  # (then every .grad is its view: _gather)
-            if here and error is None:
-                # not started by the hooks (the last bucket, always): run it here, now that the
-                # buckets before it are done (waited for in this loop, in order), so on this
-                # thread, with no hand-off to the queue's
+                                          self._mlf_seen.param is None):
+            return  # no gradient since (the hooks clear _mlf_synchronized; marks set seen)
+        buckets, error, stopped = self._mlf_buckets, None, False
+        # The buckets before the last that the hooks did not start (a parameter had no gradient
+        # yet): started now, all before waiting for any. A start that fails does so on every
+        # rank at the same bucket (_issue's rejection round), so all stop there.
+        while self._mlf_next < len(buckets) - 1:
+            try:
+                self._mlf_launch(buckets[self._mlf_next], True)
+            except Exception as exc:  # noqa: BLE001 - raised after waiting for the started
+                error, stopped = exc, True
+                break
+        for b in buckets:
+            here = b.index == self._mlf_next and not stopped  # the last bucket, run here
+            if here:
+                # now that the buckets before it are done (waited for in this loop, in order):
+                # on this thread, with no hand-off to the queue's
                 try:
                     self._mlf_launch(b, False)
-                except Exception as exc:  # noqa: BLE001 - every rank stops here; as below
-                    error = exc
+                except Exception as exc:  # noqa: BLE001 - as above
+                    error, stopped = error or exc, True
             if b.pending is None:  # not started (its start failed, or an earlier one did)
                 continue
             runs, calls = b.pending
@@ -337,6 +351,7 @@ class _DistributedOptimizer:
                     b.params[i].grad = call.wait()
                 except Exception as exc:  # noqa: BLE001 - as above
                     error, failed = error or exc, True
+            # (run here: _gather has just made every .grad its view)
             if failed or (not calls and (here or _all_views(b))):
                 continue
             for i, (p, view) in enumerate(zip(b.params, b.views)):
@@ -348,35 +363,35 @@ class _DistributedOptimizer:
                     else:
                         with torch.no_grad():
                             p.grad.copy_(view)
+        fired, last = self._mlf_last, self._mlf_seen.param
         self._mlf_reset()
         if error is not None:
             raise error
         self._mlf_synchronized = True
-        self._mlf_versions = self._mlf_bucket_versions()
-        if self._mlf_sentinel is None:
-            self._mlf_trim()
+        self._mlf_watch(fired, last)
 
-    def _mlf_trim(self):
-        """Once a reduction has seen the last bucket's gradients come: keep the hook of the
-        one that came last (the sentinel), remove the others'. The guards then watch the
-        sentinel and the other buckets' parameters; in a model whose only bucket's sentinel
-        gets no gradient in some step, that step goes unguarded (its reduction is still right:
-        synchronize() sees the new gradients in the bucket's version counter)."""
-        keep = self._mlf_last
-        if keep is None:  # no gradient came to the last bucket yet (or no bucket): next time
-            return
-        live = []
-        for slot, hook in zip(self._mlf_slots, self._mlf_hooks):
-            if slot.bucket is None and slot is not keep:
-                hook.remove()
-            else:
-                live.append(slot)
-        self._mlf_live, self._mlf_sentinel = live, keep
-
-    def _mlf_bucket_versions(self):
-        """The buckets' version counters: autograd accumulating into a bucket view (and any
-        other in-place change) moves them; the reduction itself (in C++) does not."""
-        return [b.flat._version for b in self._mlf_buckets]
+    def _mlf_watch(self, fired, last):
+        """After a reduction, the last bucket's Python hooks (fired: its hooked slot that came
+        last, last: its parameter whose gradient came last). The first time gradients came to
+        it, keep the hook of the one that came last (the sentinel) and remove the others'.
+        Later, where gradients came but not to the sentinel (a branch not taken), move the hook
+        to the one that came last. The guards watch the sentinel and the other buckets."""
+        if last is None or (self._mlf_sentinel is not None and fired is not None):
+            return  # nothing came to the last bucket, or the sentinel saw it
+        params, slots, hooks = self._mlf_params, self._mlf_slots, self._mlf_hooks
+        tail = len(params) - len(self._mlf_buckets[-1].params)  # the last bucket's first slot
+        i = next(k for k in range(tail, len(params)) if params[k] is last)
+        if self._mlf_sentinel is None:  # the first time: every one of them is hooked
+            for k in range(tail, len(params)):
+                if k != i:
+                    hooks[k].remove()
+        else:
+            hooks[slots.index(self._mlf_sentinel)].remove()
+            hooks[i] = last.register_post_accumulate_grad_hook(
+                functools.partial(_hook, weakref.ref(self), i))
+        slots[i].delay = self._mlf_passes
+        self._mlf_sentinel = slots[i]
+        self._mlf_live = slots[:tail] + [slots[i]]
 
     def _mlf_reset(self):
         for s in self._mlf_live:
@@ -385,6 +400,7 @@ class _DistributedOptimizer:
             b.waiting = len(b.params)
         self._mlf_done = 0
         self._mlf_next = 0
+        self._mlf_last = self._mlf_seen.param = None
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -496,6 +512,11 @@ def _bucket_buffers(st, buckets, shared):
         return flats
 
     return st.run("DistributedOptimizer (gradient buckets)", job)
+
+
+def _remove_hooks(handles):
+    for h in handles:
+        h.remove()
 
 
 def _unshare(ref):

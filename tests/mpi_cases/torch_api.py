@@ -1415,31 +1415,56 @@ def case_distributed_optimizer_hooks_in_any_order():
 
 def case_distributed_optimizer_after_the_first_step():
     """From the first reduction on, of the last bucket's parameters (this whole small model)
-    only the one whose gradient came last keeps a hook: the guards still hold, and a backward
-    pass touching only unhooked parameters after synchronize() is still reduced by step()."""
+    only one keeps a Python hook (the sentinel, for the guards); the others only mark that a
+    gradient came. op=Sum, so that a second reduction would show: gradients clipped in place
+    between synchronize() and step() are not reduced again; a gradient made afresh after
+    synchronize() (p.grad = None, then backward) is, and the sentinel, which that pass did not
+    reach, moves to the parameter it did; a step without gradients for the first layer reduces
+    zeros there; the guards still hold."""
     n, r = hvd.size(), hvd.rank()
     torch.manual_seed(5)
     model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(),
                                 torch.nn.Linear(7, 3)).double()
     ref = copy.deepcopy(model)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
-    ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+                                   op=hvd.Sum)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9)
     x = torch.randn(n, 6, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
-    for step in range(3):
+    h = torch.randn(n, 6, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+
+    def hooked():  # parameters with a Python hook (a mark is a functools.partial of setattr)
+        return [p for p in model.parameters()
+                if any(getattr(f, "func", None) is not setattr
+                       for f in (getattr(p, "_post_accumulate_grad_hooks", None) or {}).values())]
+
+    for step in range(4):
         opt.zero_grad()
-        (model(x[r]) ** 2).sum().backward()
+        ropt.zero_grad(set_to_none=False)  # (ours: zeros where no gradient came, Horovod's rule)
+        if step < 3:
+            (model(x[r]) ** 2).sum().backward()
+            sum((ref(x[q]) ** 2).sum() for q in range(n)).backward()
+        else:  # only the last layer: no gradient for the first
+            (model[2](h[r]) ** 2).sum().backward()
+            sum((ref[2](h[q]) ** 2).sum() for q in range(n)).backward()
         opt.synchronize()
-        extra = (n + 1) / 2 if step == 2 else 0.0
-        if step == 2:  # only the last layer's bias, not the hooked parameter (the first layer's)
+        if step == 1:  # clipped in place, the same on every rank: step() must not reduce again
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        if step == 2:  # a fresh gradient after synchronize(): step() reduces everything again
+            model[2].bias.grad = None
             (model[2].bias * (r + 1)).sum().backward()
+            with torch.no_grad():
+                for p in ref.parameters():
+                    p.grad.mul_(n)  # (op=Sum: the sums summed again)
+                ref[2].bias.grad.fill_(n * (n + 1) / 2)
         opt.step()
-        ropt.zero_grad()
-        (sum((ref(x[q]) ** 2).sum() for q in range(n)) / n
-         + (ref[2].bias * extra).sum()).backward()
         ropt.step()
         assert _max_diff(model, ref) < 1e-10, f"step {step}: {_max_diff(model, ref)}"
-    hooked = [p for p in model.parameters() if getattr(p, "_post_accumulate_grad_hooks", None)]
-    assert len(hooked) == 1 and hooked[0] in (model[0].weight, model[0].bias), len(hooked)
+        assert len(hooked()) == 1, f"step {step}: {len(hooked())} parameters hooked"
+        # the sentinel: a first-layer parameter (their gradients come last), until step 2's
+        # second backward pass reaches only the last layer's bias
+        want = list(model[0].parameters()) if step < 2 else [model[2].bias]
+        assert any(hooked()[0] is p for p in want), f"step {step}: the sentinel moved wrongly"
     opt.zero_grad()
     model(x[r]).sum().backward()
     with pytest.raises(hvd.MlfabricError, match="zero_grad"):
