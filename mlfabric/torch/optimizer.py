@@ -26,13 +26,14 @@ How it works:
   backward_passes_per_step passes, the bucket (and any ready buckets after it) starts an async
   allreduce, so communication overlaps the rest of backward. The last bucket (the first
   layers', whose gradients come last) is not started by hooks: synchronize() runs it, on the
-  calling thread. After the first reduction its parameters keep one hook between them, the
-  sentinel, for the guards below (a small model is one bucket: 100 small gradients then cost
-  no Python hooks at all);
-- synchronize() waits for the started buckets, runs the others (parameters without a gradient
-  contribute zeros and get a zero gradient, as in Horovod); step() calls it unless inside
-  skip_synchronize(), then runs the wrapped step(). A second call before the next backward
-  pass does nothing: the buckets' version counters tell whether gradients came since;
+  calling thread. After the first reduction its parameters keep one Python hook between them,
+  the sentinel, for the guards below, and each a mark that runs no Python (a small model is one
+  bucket: 100 small gradients then cost one Python hook);
+- synchronize() starts the buckets the hooks did not, waits for them in order, and runs the
+  last (parameters without a gradient contribute zeros and get a zero gradient, as in
+  Horovod); step() calls it unless inside skip_synchronize(), then runs the wrapped step(). A
+  second call with no gradient since (hooks and marks tell) does nothing: gradients clipped in
+  place in between are not reduced again;
 - sparse gradients (nn.Embedding(sparse=True)) are reduced by sparse.py's sparse allreduce
   (allgathers of their indices and values: only the rows touched travel) and .grad becomes the
   reduced sparse tensor; the rest of their bucket is reduced as usual, in one allreduce per run
