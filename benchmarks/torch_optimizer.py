@@ -25,6 +25,10 @@ MPI job, variants alternating round by round so that all of them see the same ma
                           `small` elements / on one parameter of N x small, and local-N /
                           local-1 the same backward with no optimizer: opt - local is what the
                           optimizer's reduction adds
+            local-N+one   local-N, then hvd.allreduce_ of one tensor of the fused size: a fused
+                          allreduce in the optimizer's place, right after backward (the peers'
+                          backward passes ending when they do); opt-N adds / (local-N+one -
+                          local-N) is the optimizer's own overhead over that
           Every result is checked against the float64 mean over ranks (`wrong` counts misses).
 
     mpirun -n 2 python benchmarks/torch_optimizer.py [--experiments step,fusion]
@@ -66,7 +70,7 @@ from mlfabric.torch import ops as hvd_ops
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEP_VARIANTS = ("alone", "local", "hvd", "ddp-gloo", "ddp-mlfabric")
 FUSION_VARIANTS = ("one", "grouped", "cat+one", "unfused", "unfused-async", "opt-N", "local-N",
-                   "opt-1", "local-1")
+                   "opt-1", "local-1", "local-N+one")
 # The issue's targets.
 SCALING_MAX = 1.2   # hvd step at 2 ranks / single-process step, compute-bound model
 FUSION_MAX = 2.0    # 100 small tensors fused / one tensor of the same size
@@ -353,7 +357,7 @@ def exp_fusion(comm, args, small):
     ramp = torch.arange(total, dtype=torch.float64) / total
     expected = (size + 1) / 2 + ramp
     start = (rank + 1 + ramp).float()
-    one = start.clone()
+    one, one_after = start.clone(), start.clone()
     pieces = {name: [t.clone() for t in start.split(small)]
               for name in ("grouped", "cat+one", "unfused", "unfused-async")}
 
@@ -392,11 +396,15 @@ def exp_fusion(comm, args, small):
         "local-N": lambda: backward(*local_n, False),
         "opt-1": lambda: backward(*opt_1, True),
         "local-1": lambda: backward(*local_1, False),
+        # one fused allreduce where the optimizer's runs (right after a backward pass, the peer's
+        # backward ending when it does, the library's code out of cache): opt-N's own overhead
+        # is what opt-N adds beyond this
+        "local-N+one": lambda: (backward(*local_n, False), hvd.allreduce_(one_after)),
     }
     times = time_rounds(comm, work, FUSION_VARIANTS, args.rounds, args.iters)
     # Averages of averages keep the mean: every copy must hold the float64 mean over ranks.
     wrong = {}
-    for name, got in [("one", one)] + [(n, torch.cat(ts)) for n, ts in pieces.items()]:
+    for name, got in [("one", one), ("local-N+one", one_after)] + [(n, torch.cat(ts)) for n, ts in pieces.items()]:
         wrong[name] = int((got.double() - expected).abs().gt(1e-5 * expected).sum())
     for name, (params, _) in (("opt-N", opt_n), ("opt-1", opt_1)):
         g = torch.cat([p.grad.reshape(-1) for p in params]).double()
@@ -413,11 +421,14 @@ def exp_fusion(comm, args, small):
                                  "per_round_us": [t * 1e6 for t in per_round]}
     v = {n: out["variants"][n]["median_us"] for n in FUSION_VARIANTS}
     added_n, added_1 = v["opt-N"] - v["local-N"], v["opt-1"] - v["local-1"]
-    out["optimizer_added_us"] = {"opt-N": added_n, "opt-1": added_1}
+    one_after = v["local-N+one"] - v["local-N"]
+    out["optimizer_added_us"] = {"opt-N": added_n, "opt-1": added_1,
+                                 "one after backward": one_after}
     out["ratios"] = {"grouped / one": v["grouped"] / v["one"],
                      "cat+one / one": v["cat+one"] / v["one"],
                      "opt-N added / one": added_n / v["one"],
                      "opt-N added / opt-1 added": added_n / max(added_1, 1e-9),
+                     "opt-N added / one after backward": added_n / max(one_after, 1e-9),
                      "unfused / one": v["unfused"] / v["one"],
                      "unfused-async / one": v["unfused-async"] / v["one"]}
     out["wrong"] = {k: sum(w[k] for w in all_wrong) for k in all_wrong[0]}

@@ -447,9 +447,9 @@ def case_broadcast_parameters_mixing_gpu_and_host_tensors():
 
 
 def case_broadcast_optimizer_state_of_cuda_parameters():
-    """The root's Adam state (moments on its GPU) is sent as host copies (pickled as CUDA
-    tensors it would land on the root's GPU index on every rank) and loaded onto each rank's
-    own parameters' GPU, with the root's values."""
+    """The root's Adam state (moments on its GPU) is sent as host copies, broadcast as tensors
+    (pickled as CUDA tensors it would land on the root's GPU index on every rank), and loaded
+    onto each rank's own parameters' GPU, with the root's values."""
     from mlfabric.torch import functions
     n, r = hvd.size(), hvd.rank()
     model = torch.nn.Linear(4, 3).to(GPU)
@@ -469,10 +469,10 @@ def case_broadcast_optimizer_state_of_cuda_parameters():
         hvd.broadcast_optimizer_state(opt, root_rank=n - 1)
     finally:
         functions.broadcast_object = real
-    if r == n - 1:
-        moments = [t for s in sent[0]["state"].values() for t in s.values()
+    if r == n - 1:  # what went pickled: the structure, with no tensor in it
+        pickled = [t for s in sent[0]["state"].values() for t in s.values()
                    if isinstance(t, torch.Tensor)]
-        assert moments and not any(t.is_cuda for t in moments), [t.device for t in moments]
+        assert sent[0]["state"] and not pickled, [t.device for t in pickled]
     assert opt.param_groups[0]["lr"] == 0.01 * n
     state = opt.state_dict()["state"]
     assert sorted(state) == [0, 1]

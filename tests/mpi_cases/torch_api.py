@@ -1048,6 +1048,103 @@ def case_broadcast_parameters_and_optimizer_state():
     assert not fresh.state_dict()["state"]
 
 
+class _OddStateOptimizer(torch.optim.SGD):
+    """SGD whose state holds what a custom optimizer may: tensors of several dtypes and shapes
+    (0-dim, empty), nested in lists, tuples and dicts, beside a sparse tensor, a tensor that
+    requires grad and plain Python values (no str: torch's load_state_dict turns one into the
+    text of a generator)."""
+
+    def fill(self, seed):
+        g = torch.Generator().manual_seed(seed)
+        for i, p in enumerate(self.param_groups[0]["params"]):
+            self.state[p] = {
+                "moments": [torch.randn(p.shape, generator=g, dtype=torch.float64),
+                            torch.randn(3, generator=g).to(torch.bfloat16)],
+                "pair": (torch.tensor(seed + i, dtype=torch.int64), torch.empty(0, 5)),
+                "nested": {"mask": torch.rand(4, generator=g) > 0.5, "count": seed + i,
+                           "scale": 0.5 * (seed + i), "none": None},
+                "sparse": torch.sparse_coo_tensor([[0, 2]], torch.randn(2, generator=g), (4,),
+                                                  check_invariants=True),
+                "tracked": torch.randn(2, generator=g).requires_grad_(),
+                "step": torch.tensor(float(seed)),
+            }
+
+
+def _flat_state(opt):
+    """[(path, value)] of an optimizer's state, tensors as (dtype, shape, float64 values)."""
+    out = []
+
+    def walk(path, v):
+        if isinstance(v, torch.Tensor):
+            dense = v.to_dense() if v.layout != torch.strided else v
+            out.append((path, str(v.dtype), tuple(v.shape), v.layout, v.requires_grad,
+                        dense.detach().to(torch.float64).flatten().tolist()))
+        elif isinstance(v, dict):
+            for k in v:
+                walk(f"{path}.{k}", v[k])
+        elif isinstance(v, (list, tuple)):
+            out.append((path, type(v).__name__, len(v)))
+            for k, x in enumerate(v):
+                walk(f"{path}[{k}]", x)
+        else:
+            out.append((path, v))
+    walk("state", opt.state_dict()["state"])
+    return out
+
+
+def case_broadcast_optimizer_state_sends_tensors_as_tensors():
+    """broadcast_optimizer_state's tensors travel as tensors (fused per dtype), the rest
+    pickled: every rank ends with exactly the root's state, whatever it holds, each tensor with
+    storage of its own, and the pickled part carries no tensor the collectives can move."""
+    from mlfabric.torch import functions
+    n, r = hvd.size(), hvd.rank()
+    root = n // 2
+    model = Net(seed=5).double()
+    opt = _OddStateOptimizer(model.parameters(), lr=0.1 * (r + 1), momentum=0.5)
+    opt.fill(seed=10 * r)
+    sent = []
+    real = functions.broadcast_object
+
+    def spy(obj, root_rank=0, name=None):
+        sent.append(obj)
+        return real(obj, root_rank, name)
+    functions.broadcast_object = spy
+    try:
+        hvd.broadcast_optimizer_state(opt, root_rank=root)
+    finally:
+        functions.broadcast_object = real
+    if r == root:
+        pickled = [t for path, t in _walk_values(sent[0]) if isinstance(t, torch.Tensor)]
+        # only what the collectives cannot move: the sparse and the grad-tracking tensors
+        assert sorted(t.layout != torch.strided or t.requires_grad for t in pickled) == \
+            [True] * (2 * len(opt.state)), pickled
+    assert opt.param_groups[0]["lr"] == 0.1 * (root + 1)
+    reference = _OddStateOptimizer(model.parameters(), lr=0.1 * (root + 1), momentum=0.5)
+    reference.fill(seed=10 * root)  # what the root held, rebuilt here
+    if r != root:  # torch's load_state_dict casts floating state to the parameter's dtype
+        reference.load_state_dict(copy.deepcopy(reference.state_dict()))
+    assert _flat_state(opt) == _flat_state(reference)
+    assert str(opt.state_dict()["param_groups"]) == str(reference.state_dict()["param_groups"])
+    storages = [t.untyped_storage().data_ptr() for s in opt.state.values()
+                for t in (s["moments"][0], s["step"])]
+    assert len(set(storages)) == len(storages)  # no state tensor is a view of another's memory
+    model(torch.ones(2, 5, dtype=torch.float64)).sum().backward()
+    opt.step()  # the loaded state works with this rank's parameters
+
+
+def _walk_values(obj, path="", out=None):
+    out = [] if out is None else out
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            _walk_values(v, f"{path}.{k}", out)
+    elif isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Tensor):
+        for k, v in enumerate(obj):
+            _walk_values(v, f"{path}[{k}]", out)
+    else:
+        out.append((path, obj))
+    return out
+
+
 # --- mismatches -----------------------------------------------------------------------------------
 
 def _expect_mismatch(fn, *needles):
