@@ -14,7 +14,8 @@ import mlfabric.torch as hvd
 
 from .common import same_everywhere, values
 from .torch_api import (B, Net, _SparseNet, _adasum_reference, _data, _loss, _max_diff,
-                        _rows_of, _sparse, _train_reference, reference)
+                        _rows_of, _sparse, _train_reference, broadcast_optimizer_state_pickling,
+                        reference)
 from .torch_api import check as host_check
 
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64")
@@ -450,7 +451,6 @@ def case_broadcast_optimizer_state_of_cuda_parameters():
     """The root's Adam state (moments on its GPU) is sent as host copies, broadcast as tensors
     (pickled as CUDA tensors it would land on the root's GPU index on every rank), and loaded
     onto each rank's own parameters' GPU, with the root's values."""
-    from mlfabric.torch import functions
     n, r = hvd.size(), hvd.rank()
     model = torch.nn.Linear(4, 3).to(GPU)
     opt = torch.optim.Adam(model.parameters(), lr=0.01 * (r + 1))
@@ -458,17 +458,7 @@ def case_broadcast_optimizer_state_of_cuda_parameters():
         for p in model.parameters():
             p.grad = torch.full_like(p, 0.5)
         opt.step()
-    sent = []
-    real = functions.broadcast_object
-
-    def spy(obj, root_rank=0, name=None):
-        sent.append(obj)
-        return real(obj, root_rank, name)
-    functions.broadcast_object = spy
-    try:
-        hvd.broadcast_optimizer_state(opt, root_rank=n - 1)
-    finally:
-        functions.broadcast_object = real
+    sent = broadcast_optimizer_state_pickling(opt, n - 1)
     if r == n - 1:  # what went pickled: the structure, with no tensor in it
         pickled = [t for s in sent[0]["state"].values() for t in s.values()
                    if isinstance(t, torch.Tensor)]

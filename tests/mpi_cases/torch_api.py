@@ -1096,23 +1096,12 @@ def case_broadcast_optimizer_state_sends_tensors_as_tensors():
     """broadcast_optimizer_state's tensors travel as tensors (fused per dtype), the rest
     pickled: every rank ends with exactly the root's state, whatever it holds, each tensor with
     storage of its own, and the pickled part carries no tensor the collectives can move."""
-    from mlfabric.torch import functions
     n, r = hvd.size(), hvd.rank()
     root = n // 2
     model = Net(seed=5).double()
     opt = _OddStateOptimizer(model.parameters(), lr=0.1 * (r + 1), momentum=0.5)
     opt.fill(seed=10 * r)
-    sent = []
-    real = functions.broadcast_object
-
-    def spy(obj, root_rank=0, name=None):
-        sent.append(obj)
-        return real(obj, root_rank, name)
-    functions.broadcast_object = spy
-    try:
-        hvd.broadcast_optimizer_state(opt, root_rank=root)
-    finally:
-        functions.broadcast_object = real
+    sent = broadcast_optimizer_state_pickling(opt, root)
     if r == root:
         pickled = [t for path, t in _walk_values(sent[0]) if isinstance(t, torch.Tensor)]
         # only what the collectives cannot move: the sparse and the grad-tracking tensors
@@ -1130,6 +1119,23 @@ def case_broadcast_optimizer_state_sends_tensors_as_tensors():
     assert len(set(storages)) == len(storages)  # no state tensor is a view of another's memory
     model(torch.ones(2, 5, dtype=torch.float64)).sum().backward()
     opt.step()  # the loaded state works with this rank's parameters
+
+
+def broadcast_optimizer_state_pickling(opt, root):
+    """hvd.broadcast_optimizer_state(opt, root), returning the objects it sent pickled (through
+    broadcast_object)."""
+    from mlfabric.torch import functions
+    sent, real = [], functions.broadcast_object
+
+    def spy(obj, root_rank=0, name=None):
+        sent.append(obj)
+        return real(obj, root_rank, name)
+    functions.broadcast_object = spy
+    try:
+        hvd.broadcast_optimizer_state(opt, root_rank=root)
+    finally:
+        functions.broadcast_object = real
+    return sent
 
 
 def _walk_values(obj, path="", out=None):
