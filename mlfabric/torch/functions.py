@@ -14,7 +14,7 @@ import zlib
 import numpy as np
 import torch
 
-from ..errors import MismatchError
+from ..errors import MismatchError, MlfabricError
 from . import ops
 
 try:  # Horovod pickles with cloudpickle (lambdas, local classes); fall back to pickle
@@ -42,13 +42,20 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=None):
     """root_rank's obj on every rank (pickled; the root gets its own obj back). root_rank is a
     global rank, also with a process_set."""
     name = name or "broadcast_object"
+    words, nbytes, error = None, 0, None
     if ops._state().ctx.rank == root_rank:
-        words, nbytes = _to_words(obj)
-    else:
-        words, nbytes = None, 0
+        try:
+            words, nbytes = _to_words(obj)
+        except Exception as exc:  # noqa: BLE001 - the others hear of it (size -1), then raise
+            nbytes, error = -1, exc
     size = ops.broadcast_(torch.tensor([nbytes], dtype=torch.int64), root_rank, f"{name}.size",
                           process_set)
+    if error is not None:
+        raise error
     nbytes = int(size[0])
+    if nbytes < 0:
+        raise MlfabricError(f"{name}: the root rank {root_rank} could not pickle its object "
+                            "(its own error says why)")
     if words is None:
         words = torch.empty((nbytes + 7) // 8, dtype=torch.int64)
     ops.broadcast_(words, root_rank, f"{name}.data", process_set)
@@ -58,9 +65,19 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=None):
 def allgather_object(obj, name=None, process_set=None):
     """Every rank's obj (of process_set), as a list in rank order (pickled)."""
     name = name or "allgather_object"
-    words, nbytes = _to_words(obj)
+    words, nbytes, error = torch.empty(0, dtype=torch.int64), -1, None
+    try:
+        words, nbytes = _to_words(obj)
+    except Exception as exc:  # noqa: BLE001 - the others hear of it (size -1), then raise
+        error = exc
     sizes = ops.allgather(torch.tensor([nbytes], dtype=torch.int64), f"{name}.sizes",
                           process_set)
+    if error is not None:
+        raise error
+    failed = [r for r, n in enumerate(sizes.tolist()) if n < 0]
+    if failed:
+        raise MlfabricError(f"{name}: rank(s) {failed} of the set could not pickle their object "
+                            "(their own errors say why)")
     gathered = ops.allgather(words, f"{name}.data", process_set)
     out, off = [], 0
     for n in sizes.tolist():
@@ -159,8 +176,8 @@ def broadcast_parameters(params, root_rank):
 
 def broadcast_optimizer_state(optimizer, root_rank):
     """Make every rank's optimizer state and hyperparameters root_rank's (its state_dict(),
-    loaded with load_state_dict(); its tensors broadcast as tensors, the rest pickled). The optimizers must have the same parameter groups (a
-    MismatchError on every rank otherwise). An optimizer whose state is still empty stays empty
+    loaded with load_state_dict(); its tensors broadcast as tensors, the rest pickled). The
+    optimizers must have the same parameter groups (a MismatchError on every rank otherwise). An optimizer whose state is still empty stays empty
     everywhere and is then created identically on every rank by its first step()."""
     what = "broadcast_optimizer_state"
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -174,56 +191,95 @@ def broadcast_optimizer_state(optimizer, root_rank):
     if summary[0] == "invalid":
         raise TypeError(summary[1])
     # The state's structure and small values travel pickled; its tensors (Adam's moments: twice
-    # the model) travel as tensors, fused per dtype, with no pickling copies (~9x faster for a
-    # 4M-parameter model's Adam state on the 2-core VM).
+    # the model) travel as tensors, fused per dtype, with no pickling copies (~7x faster for a
+    # 4M-parameter model's Adam state, 2 ranks on the 2-core VM: BENCHMARKS.md).
     root = ops._state().ctx.rank == root_rank
-    skeleton, tensors = _take_tensors(_on_host(optimizer.state_dict())) if root else (None, [])
+    skeleton, tensors, error = None, [], None
+    if root:
+        try:
+            skeleton, tensors = _take_tensors(_on_host(optimizer.state_dict()))
+        except Exception as exc:  # noqa: BLE001 - the others hear of it, then raise
+            skeleton, error = _RootFailed(f"{type(exc).__name__}: {exc}"), exc
     skeleton = broadcast_object(skeleton, root_rank, what)
-    if not root:
-        tensors = [torch.empty(slot.shape, dtype=slot.dtype) for slot in _slots(skeleton)]
+    if error is not None:
+        raise error
+    if isinstance(skeleton, _RootFailed):
+        raise MlfabricError(f"{what}: the root rank {root_rank} could not read its optimizer's "
+                            f"state ({skeleton})")
+    if not root:  # with the root's strides: fused optimizers pair state and parameter by memory
+        tensors = [torch.empty_strided(slot.shape, slot.stride, dtype=slot.dtype)
+                   for slot in _slots(skeleton)]
     if tensors:
         ops._grouped_broadcast_call(tensors, root_rank, f"{what}.tensors")
     if not root:  # load_state_dict moves each state tensor to its parameter's device
         optimizer.load_state_dict(_put_tensors(skeleton, tensors))
 
 
+class _RootFailed(str):
+    """What the root sends in place of its state when reading it failed: its error's text."""
+
+
 class _TensorSlot(tuple):
-    """Where a tensor of a broadcast state_dict was: its position in the tensors sent, dtype and
-    shape (a tuple subclass so that the helpers below walk it as a leaf, not a container)."""
+    """Where a tensor of a broadcast state_dict was: its position in the tensors sent, dtype,
+    shape and strides (a tuple subclass so that the helpers below walk it as a leaf, not a
+    container)."""
     index = property(lambda self: self[0])
     dtype = property(lambda self: self[1])
     shape = property(lambda self: self[2])
+    stride = property(lambda self: self[3])
 
 
 def _sendable(t):
-    """A plain dense host tensor of a dtype the collectives move; anything else stays
+    """A plain dense host tensor of a dtype the collectives move, its memory one block with no
+    gaps or overlaps (then its strides can be made again elsewhere); anything else stays
     pickled."""
-    return (type(t) is torch.Tensor and t.layout == torch.strided and not t.requires_grad
-            and t.device.type == "cpu" and t.dtype in ops._DTYPE_CODE)
+    return (type(t) is torch.Tensor and t.layout == torch.strided and not t.is_nested
+            and not t.is_quantized and not t.requires_grad and t.device.type == "cpu"
+            and t.dtype in ops._DTYPE_CODE and _dense(t))
 
 
-def _take_tensors(obj, tensors=None):
-    """(obj with each sendable tensor replaced by a _TensorSlot, those tensors in slot order)."""
-    tensors = [] if tensors is None else tensors
-    if isinstance(obj, torch.Tensor) and _sendable(obj):
-        tensors.append(obj)
-        return _TensorSlot((len(tensors) - 1, obj.dtype, tuple(obj.shape))), tensors
-    if isinstance(obj, dict):
-        return {k: _take_tensors(v, tensors)[0] for k, v in obj.items()}, tensors
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
-        return type(obj)(*(_take_tensors(v, tensors)[0] for v in obj)), tensors
-    if isinstance(obj, (list, tuple)) and type(obj) is not _TensorSlot:
-        return type(obj)(_take_tensors(v, tensors)[0] for v in obj), tensors
-    return obj, tensors
+def _dense(t):
+    """Whether t's elements fill one block of memory with no gaps or overlaps, in some order of
+    its dimensions (contiguous, channels_last, transposed, ...)."""
+    if t.numel() == 0:
+        return True
+    size = 1
+    for stride, n in sorted(zip(t.stride(), t.shape)):
+        if n != 1 and stride != size:
+            return False
+        size *= n
+    return True
+
+
+def _take_tensors(obj):
+    """(obj with each sendable tensor replaced by a _TensorSlot, those tensors in slot order).
+    A tensor found twice (the same object) gets one slot, so it stays one tensor, as pickle
+    keeps it."""
+    tensors, slots = [], {}
+
+    def take(o):
+        if isinstance(o, torch.Tensor) and _sendable(o):
+            if id(o) not in slots:
+                slots[id(o)] = _TensorSlot((len(tensors), o.dtype, tuple(o.shape), o.stride()))
+                tensors.append(o)
+            return slots[id(o)]
+        if isinstance(o, dict):
+            return {k: take(v) for k, v in o.items()}
+        if isinstance(o, tuple) and hasattr(o, "_fields"):  # a namedtuple
+            return type(o)(*(take(v) for v in o))
+        if isinstance(o, (list, tuple)):
+            return type(o)(take(v) for v in o)
+        return o
+    return take(obj), tensors
 
 
 def _slots(obj):
-    """The _TensorSlots in obj, in slot order."""
-    found = []
+    """The distinct _TensorSlots in obj, in slot order."""
+    found = {}
 
     def walk(o):
         if type(o) is _TensorSlot:
-            found.append(o)
+            found[o.index] = o
         elif isinstance(o, dict):
             for v in o.values():
                 walk(v)
@@ -231,7 +287,7 @@ def _slots(obj):
             for v in o:
                 walk(v)
     walk(obj)
-    return sorted(found, key=lambda slot: slot.index)
+    return [found[i] for i in range(len(found))]
 
 
 def _put_tensors(obj, tensors):

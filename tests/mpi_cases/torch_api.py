@@ -1067,7 +1067,10 @@ class _OddStateOptimizer(torch.optim.SGD):
                                                   check_invariants=True),
                 "tracked": torch.randn(2, generator=g).requires_grad_(),
                 "step": torch.tensor(float(seed)),
+                "transposed": torch.randn(3, 2, generator=g, dtype=torch.float64).t(),
+                "strided": torch.randn(6, generator=g, dtype=torch.float64)[::2],  # pickled
             }
+            self.state[p]["alias"] = self.state[p]["moments"][0]  # one tensor, twice
 
 
 def _flat_state(opt):
@@ -1078,6 +1081,7 @@ def _flat_state(opt):
         if isinstance(v, torch.Tensor):
             dense = v.to_dense() if v.layout != torch.strided else v
             out.append((path, str(v.dtype), tuple(v.shape), v.layout, v.requires_grad,
+                        v.stride() if v.layout == torch.strided else None,
                         dense.detach().to(torch.float64).flatten().tolist()))
         elif isinstance(v, dict):
             for k in v:
@@ -1104,9 +1108,9 @@ def case_broadcast_optimizer_state_sends_tensors_as_tensors():
     sent = broadcast_optimizer_state_pickling(opt, root)
     if r == root:
         pickled = [t for path, t in _walk_values(sent[0]) if isinstance(t, torch.Tensor)]
-        # only what the collectives cannot move: the sparse and the grad-tracking tensors
-        assert sorted(t.layout != torch.strided or t.requires_grad for t in pickled) == \
-            [True] * (2 * len(opt.state)), pickled
+        # only what the collectives cannot move: the sparse, grad-tracking and gapped tensors
+        assert sorted(t.layout != torch.strided or t.requires_grad or t.stride() == (2,)
+                      for t in pickled) == [True] * (3 * len(opt.state)), pickled
     assert opt.param_groups[0]["lr"] == 0.1 * (root + 1)
     reference = _OddStateOptimizer(model.parameters(), lr=0.1 * (root + 1), momentum=0.5)
     reference.fill(seed=10 * root)  # what the root held, rebuilt here
@@ -1117,8 +1121,68 @@ def case_broadcast_optimizer_state_sends_tensors_as_tensors():
     storages = [t.untyped_storage().data_ptr() for s in opt.state.values()
                 for t in (s["moments"][0], s["step"])]
     assert len(set(storages)) == len(storages)  # no state tensor is a view of another's memory
+    assert all(s["alias"] is s["moments"][0] for s in opt.state.values())  # still one tensor
+    from mlfabric.torch.functions import _sendable  # (a nested tensor has no single shape)
+    assert not _sendable(torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]))
     model(torch.ones(2, 5, dtype=torch.float64)).sum().backward()
     opt.step()  # the loaded state works with this rank's parameters
+
+
+def case_broadcast_optimizer_state_keeps_strides():
+    """A channels_last parameter's Adam moments are channels_last too; every rank's loaded
+    state keeps the root's strides, which fused Adam needs (it pairs state and parameter
+    elements by memory position): one identical step after the broadcast leaves every rank with
+    the same weights."""
+    n, r = hvd.size(), hvd.rank()
+    torch.manual_seed(7 + r)
+    conv = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    opt = torch.optim.Adam(conv.parameters(), lr=0.1, fused=True)
+    if r == n - 1:  # only the root has state
+        for p in conv.parameters():
+            p.grad = torch.randn(p.shape).to(memory_format=torch.channels_last) \
+                if p.dim() == 4 else torch.randn(p.shape)
+        opt.step()
+    hvd.broadcast_parameters(conv.state_dict(), root_rank=n - 1)
+    hvd.broadcast_optimizer_state(opt, root_rank=n - 1)
+    for p in conv.parameters():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert opt.state[p][key].stride() == p.stride(), (key, opt.state[p][key].stride())
+    g = torch.Generator().manual_seed(99)
+    for p in conv.parameters():
+        p.grad = torch.randn(p.shape, generator=g).contiguous(
+            memory_format=torch.channels_last if p.dim() == 4 else torch.contiguous_format)
+    opt.step()
+    same_everywhere(torch.cat([p.detach().reshape(-1) for p in conv.parameters()]),
+                    "weights after one step from the broadcast state")
+
+
+def case_object_failures_on_one_rank_fail_everywhere():
+    """An object the root cannot pickle, one that one rank of an allgather cannot, and an
+    optimizer whose state the root cannot read: that rank raises its own error, every other
+    rank an MlfabricError saying which rank failed, none waits; the ranks stay in step."""
+    import threading
+    n, r = hvd.size(), hvd.rank()
+    root = n - 1
+    with pytest.raises(TypeError if r == root else hvd.MlfabricError) as info:
+        hvd.broadcast_object(threading.Lock() if r == root else None, root_rank=root)
+    if r != root:
+        assert f"root rank {root} could not pickle" in str(info.value), info.value
+    with pytest.raises(TypeError if r == 0 else hvd.MlfabricError) as info:
+        hvd.allgather_object(threading.Lock() if r == 0 else r)
+    if r != 0:
+        assert "rank(s) [0]" in str(info.value), info.value
+
+    class Broken(torch.optim.SGD):
+        def state_dict(self):
+            if hvd.rank() == root:
+                raise RuntimeError("state on a device that is gone")
+            return super().state_dict()
+    opt = Broken(Net(seed=1).parameters(), lr=0.1)
+    with pytest.raises(RuntimeError) as info:
+        hvd.broadcast_optimizer_state(opt, root_rank=root)
+    want = "state on a device that is gone" if r == root else f"root rank {root} could not read"
+    assert want in str(info.value), info.value
+    _still_works()
 
 
 def broadcast_optimizer_state_pickling(opt, root):
