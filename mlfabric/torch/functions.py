@@ -177,8 +177,9 @@ def broadcast_parameters(params, root_rank):
 def broadcast_optimizer_state(optimizer, root_rank):
     """Make every rank's optimizer state and hyperparameters root_rank's (its state_dict(),
     loaded with load_state_dict(); its tensors broadcast as tensors, the rest pickled). The
-    optimizers must have the same parameter groups (a MismatchError on every rank otherwise). An optimizer whose state is still empty stays empty
-    everywhere and is then created identically on every rank by its first step()."""
+    optimizers must have the same parameter groups (a MismatchError on every rank otherwise).
+    An optimizer whose state is still empty stays empty everywhere and is then created
+    identically on every rank by its first step()."""
     what = "broadcast_optimizer_state"
     if not isinstance(optimizer, torch.optim.Optimizer):
         summary = ("invalid", f"optimizer must be a torch.optim.Optimizer, got "
