@@ -112,8 +112,9 @@ def main(argv):
             print(f"\n# Adam state, {state_bytes / 1e6:.1f} MB ({args.layers} x {hidden}^2 "
                   f"layers), {comm.size} ranks: median ms per call")
             for v in VARIANTS:
+                flag = f"  WRONG: {wrong[v]}" if wrong[v] else ""
                 print(f"{v:>9}: {med[v]:8.1f}  (rounds {min(times[v]) * 1e3:.1f}.."
-                      f"{max(times[v]) * 1e3:.1f}){'  WRONG: ' + str(wrong[v]) if wrong[v] else ''}")
+                      f"{max(times[v]) * 1e3:.1f}){flag}")
             print("  " + ", ".join(f"{k}: {x:.2f}" for k, x in results[-1]["ratios"].items()))
     dist.destroy_process_group()
     return finish_run(comm, "benchmarks/torch_broadcast_state.py", argv, args, results,

@@ -404,7 +404,8 @@ def exp_fusion(comm, args, small):
     times = time_rounds(comm, work, FUSION_VARIANTS, args.rounds, args.iters)
     # Averages of averages keep the mean: every copy must hold the float64 mean over ranks.
     wrong = {}
-    for name, got in [("one", one), ("local-N+one", one_after)] + [(n, torch.cat(ts)) for n, ts in pieces.items()]:
+    for name, got in [("one", one), ("local-N+one", one_after)] + [
+            (n, torch.cat(ts)) for n, ts in pieces.items()]:
         wrong[name] = int((got.double() - expected).abs().gt(1e-5 * expected).sum())
     for name, (params, _) in (("opt-N", opt_n), ("opt-1", opt_1)):
         g = torch.cat([p.grad.reshape(-1) for p in params]).double()
