@@ -252,71 +252,57 @@ def _dense(t):
     return True
 
 
+def _rebuild(obj, leaf):
+    """obj (a state_dict: dicts, lists, tuples, namedtuples) rebuilt with leaf(x) in place of
+    each tensor and _TensorSlot x."""
+    if isinstance(obj, torch.Tensor) or type(obj) is _TensorSlot:
+        return leaf(obj)
+    if isinstance(obj, dict):
+        return {k: _rebuild(v, leaf) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+        return type(obj)(*(_rebuild(v, leaf) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_rebuild(v, leaf) for v in obj)
+    return obj
+
+
 def _take_tensors(obj):
     """(obj with each sendable tensor replaced by a _TensorSlot, those tensors in slot order).
     A tensor found twice (the same object) gets one slot, so it stays one tensor, as pickle
     keeps it."""
     tensors, slots = [], {}
 
-    def take(o):
-        if isinstance(o, torch.Tensor) and _sendable(o):
-            if id(o) not in slots:
-                slots[id(o)] = _TensorSlot((len(tensors), o.dtype, tuple(o.shape), o.stride()))
-                tensors.append(o)
-            return slots[id(o)]
-        if isinstance(o, dict):
-            return {k: take(v) for k, v in o.items()}
-        if isinstance(o, tuple) and hasattr(o, "_fields"):  # a namedtuple
-            return type(o)(*(take(v) for v in o))
-        if isinstance(o, (list, tuple)):
-            return type(o)(take(v) for v in o)
-        return o
-    return take(obj), tensors
+    def take(t):
+        if not _sendable(t):
+            return t
+        if id(t) not in slots:
+            slots[id(t)] = _TensorSlot((len(tensors), t.dtype, tuple(t.shape), t.stride()))
+            tensors.append(t)
+        return slots[id(t)]
+    return _rebuild(obj, take), tensors
 
 
 def _slots(obj):
     """The distinct _TensorSlots in obj, in slot order."""
     found = {}
 
-    def walk(o):
-        if type(o) is _TensorSlot:
-            found[o.index] = o
-        elif isinstance(o, dict):
-            for v in o.values():
-                walk(v)
-        elif isinstance(o, (list, tuple)):
-            for v in o:
-                walk(v)
-    walk(obj)
+    def note(x):  # (tensors that went pickled are leaves too)
+        if type(x) is _TensorSlot:
+            found[x.index] = x
+        return x
+    _rebuild(obj, note)
     return [found[i] for i in range(len(found))]
 
 
 def _put_tensors(obj, tensors):
     """obj with each _TensorSlot replaced by its tensor."""
-    if type(obj) is _TensorSlot:
-        return tensors[obj.index]
-    if isinstance(obj, dict):
-        return {k: _put_tensors(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_put_tensors(v, tensors) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_put_tensors(v, tensors) for v in obj)
-    return obj
+    return _rebuild(obj, lambda x: tensors[x.index] if type(x) is _TensorSlot else x)
 
 
 def _on_host(obj):
-    """obj (a state_dict: dicts, lists, tuples, tensors) with host copies of its GPU tensors:
-    pickled as they are, they would land on the root's GPU index on every rank, which another
-    rank may not have, or not use."""
-    if isinstance(obj, torch.Tensor):
-        return obj.cpu() if obj.is_cuda else obj
-    if isinstance(obj, dict):
-        return {k: _on_host(v) for k, v in obj.items()}
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
-        return type(obj)(*(_on_host(v) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_on_host(v) for v in obj)
-    return obj
+    """obj (a state_dict) with host copies of its GPU tensors: pickled as they are, they would
+    land on the root's GPU index on every rank, which another rank may not have, or not use."""
+    return _rebuild(obj, lambda t: t.cpu() if t.is_cuda else t)
 
 
 def _describe_groups(root, other):
