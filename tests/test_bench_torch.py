@@ -53,10 +53,11 @@ def test_tiny_run(n, tmp_path):
     for r in doc["fusion"]:
         assert r["total_bytes"] == 10 * r["elements"] * 4
         assert set(r["variants"]) == {"one", "grouped", "cat+one", "unfused", "unfused-async",
-                                      "opt-N", "local-N", "opt-1", "local-1"}
+                                      "opt-N", "local-N", "opt-1", "local-1", "local-N+one"}
         assert all(v["median_us"] > 0 for v in r["variants"].values())
         assert set(r["wrong"]) == {"one", "grouped", "cat+one", "unfused", "unfused-async",
-                                   "opt-N", "opt-1"}
+                                   "opt-N", "opt-1", "local-N+one"}
+        assert r["optimizer_added_us"]["one after backward"] is not None
         assert not any(r["wrong"].values()), r["wrong"]
         assert r["ratios"]["grouped / one"] > 0
 
