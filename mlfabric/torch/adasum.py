@@ -58,22 +58,27 @@ def call(tensor, name, pre, post, inplace, async_, process_set=None):
         code = ops._check_tensor(tensor, what)
         if not tensor.dtype.is_floating_point:
             raise TypeError(f"{what}: needs a floating tensor, got {tensor.dtype}")
+        if inplace:
+            ops._check_writable(tensor, what)
+        factors = (ops._factor(pre, what, "prescale_factor"),
+                   ops._factor(post, what, "postscale_factor"))
         shape = tuple(tensor.shape)
         # an allgather of one row per rank; the whole shape (and the op) must agree
         desc = ops._desc(ops._ALLGATHER, code, shape=(1, math.prod(shape)), name=name,
                          tensor=tensor)
         desc[ops._ROW_HASH] = ops._hash(("adasum", shape))
-        return desc
+        return desc, factors
 
-    def job(st, desc):
+    def job(st, planned):
+        desc, (pre_f, post_f) = planned
         table = ops._agree(st, desc, what)
         src = tensor.detach()
         mine = src.reshape(1, src.numel())
-        if float(pre) != 1.0:
-            mine = mine * pre
+        if pre_f != 1.0:
+            mine = mine * pre_f
         out = tree(list(ops._gather(table, mine)[0].to(torch.float64)))
-        if float(post) != 1.0:
-            out = out * post
+        if post_f != 1.0:
+            out = out * post_f
         out = out.view(src.shape).to(src.dtype)
         if inplace:
             src.copy_(out)

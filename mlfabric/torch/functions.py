@@ -38,6 +38,22 @@ def _from_words(words, nbytes):
     return pickle.loads(words.numpy().tobytes()[:nbytes])
 
 
+def _unpickled_everywhere(what, failed, process_set):
+    """One allgather of whether each rank could unpickle what it received: raises this
+    rank's own error, or an MlfabricError naming the ranks that failed, on every rank alike.
+    Every rank takes part, so that no rank goes on to its next call while another, having
+    failed, does not (broadcast_optimizer_state's tensors follow its pickled part)."""
+    flags = ops.allgather(torch.tensor([failed is not None], dtype=torch.int64),
+                          f"{what}.unpickled", process_set)
+    if failed is not None:
+        raise failed
+    bad = flags.nonzero().flatten().tolist()
+    if bad:
+        ranks = ops._state(process_set).ranks
+        raise MlfabricError(f"{what}: rank(s) {[ranks[i] for i in bad] if ranks else bad} could "
+                            "not unpickle the object (their own errors say why)")
+
+
 def broadcast_object(obj, root_rank=0, name=None, process_set=None):
     """root_rank's obj on every rank (pickled; the root gets its own obj back). root_rank is a
     global rank, also with a process_set."""
@@ -59,7 +75,20 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=None):
     if words is None:
         words = torch.empty((nbytes + 7) // 8, dtype=torch.int64)
     ops.broadcast_(words, root_rank, f"{name}.data", process_set)
-    return obj if ops._state().ctx.rank == root_rank else _from_words(words, nbytes)
+    if ops._state().ctx.rank == root_rank:
+        loaded, error = obj, None
+    else:
+        loaded, error = _loads(words, nbytes)
+    _unpickled_everywhere(name, error, process_set)
+    return loaded
+
+
+def _loads(words, nbytes):
+    """(the object, None), or (None, the error unpickling it)."""
+    try:
+        return _from_words(words, nbytes), None
+    except Exception as exc:  # noqa: BLE001 - raised after the others hear of it
+        return None, exc
 
 
 def allgather_object(obj, name=None, process_set=None):
@@ -79,21 +108,37 @@ def allgather_object(obj, name=None, process_set=None):
         raise MlfabricError(f"{name}: rank(s) {failed} of the set could not pickle their object "
                             "(their own errors say why)")
     gathered = ops.allgather(words, f"{name}.data", process_set)
-    out, off = [], 0
+    out, off, error = [], 0, None
     for n in sizes.tolist():
         k = (n + 7) // 8
-        out.append(_from_words(gathered[off:off + k], n))
+        obj, error = _loads(gathered[off:off + k], n)
+        if error is not None:
+            break
+        out.append(obj)
         off += k
+    _unpickled_everywhere(name, error, process_set)
     return out
 
 
 # --- consistency checks ---------------------------------------------------------------------------
 
-def _same_everywhere(summary, root_rank, what, describe):
+def _same_everywhere(summary, root_rank, what, describe, error=None):
     """Raise MismatchError on every rank when a rank's summary differs from root_rank's.
 
     summary: a picklable description of what this rank holds (or ('invalid', message) from a
-    rank whose input is unusable); describe(root_summary, other_summary) says how they differ."""
+    rank whose input is unusable, error: its exception, raised there instead, after the check);
+    describe(root_summary, other_summary) says how they differ."""
+    try:
+        _compare_summaries(summary, root_rank, what, describe)
+    except MismatchError:
+        if error is not None:
+            raise error from None
+        raise
+    if error is not None:  # every rank's input was unusable
+        raise error
+
+
+def _compare_summaries(summary, root_rank, what, describe):
     h = zlib.crc32(pickle.dumps(summary))
     root = root_rank if isinstance(root_rank, int) and not isinstance(root_rank, bool) else -1
     got = ops.allgather(torch.tensor([[h, root]], dtype=torch.int64), f"{what}.summary_hash")
@@ -141,13 +186,15 @@ def _named(params):
     """[(name, tensor)] from a state_dict (sorted by name, as Horovod) or an iterable of
     (name, tensor) pairs or tensors."""
     if isinstance(params, dict):
-        return sorted(params.items())
-    if isinstance(params, torch.Tensor) or not hasattr(params, "__iter__"):
+        pairs = sorted(params.items())
+    elif isinstance(params, torch.Tensor) or not hasattr(params, "__iter__"):
         raise TypeError(f"params must be a state_dict or (name, tensor) pairs such as "
                         f"model.named_parameters(), got {type(params).__name__}")
+    else:
+        pairs = [p if isinstance(p, tuple) and len(p) == 2 else (f"params[{i}]", p)
+                 for i, p in enumerate(params)]
     out = []
-    for i, p in enumerate(params):
-        name, t = p if isinstance(p, tuple) and len(p) == 2 else (f"params[{i}]", p)
+    for name, t in pairs:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"parameter {name!r} is a {type(t).__name__}, not a tensor")
         out.append((str(name), t))
@@ -162,13 +209,11 @@ def broadcast_parameters(params, root_rank):
     try:
         named = _named(params)
         summary = [(n, str(t.dtype).replace("torch.", ""), tuple(t.shape)) for n, t in named]
-    except TypeError as exc:
+    except Exception as exc:  # noqa: BLE001 - every rank hears of it in the check below
         named, summary, error = None, ("invalid", str(exc)), exc
     else:
         error = None
-    _same_everywhere(summary, root_rank, what, _describe_params)
-    if error is not None:  # every rank agrees, so every rank holds this error
-        raise error
+    _same_everywhere(summary, root_rank, what, _describe_params, error)
     # In place, fused into buffers per dtype. Tied weights (one tensor under two names) are
     # simply written twice with the same values.
     ops._grouped_broadcast_call([t.detach() for _, t in named], root_rank, what)
@@ -188,9 +233,8 @@ def broadcast_optimizer_state(optimizer, root_rank):
         summary = [type(optimizer).__name__] + [
             [(str(p.dtype).replace("torch.", ""), tuple(p.shape)) for p in g["params"]]
             for g in optimizer.param_groups]
-    _same_everywhere(summary, root_rank, what, _describe_groups)
-    if summary[0] == "invalid":
-        raise TypeError(summary[1])
+    _same_everywhere(summary, root_rank, what, _describe_groups,
+                     TypeError(summary[1]) if summary[0] == "invalid" else None)
     # The state's structure and small values travel pickled; its tensors (Adam's moments: twice
     # the model) travel as tensors, fused per dtype, with no pickling copies (~7x faster for a
     # 4M-parameter model's Adam state, 2 ranks on the 2-core VM: BENCHMARKS.md).

@@ -125,6 +125,28 @@ def _check_tensor(t, what, arg="tensor"):
     return _DTYPE_CODE[t.dtype]
 
 
+def _check_writable(t, what, arg="tensor"):
+    """t can take a result in place: no two of its elements share memory (an expanded tensor's
+    do: torch refuses to write there). Checked before the call, as a rank that failed only when
+    writing, after its peers moved on, would leave them waiting (or a later call paired wrongly)."""
+    if not t.is_contiguous() and any(s == 0 and n > 1 for s, n in zip(t.stride(), t.shape)):
+        raise ValueError(f"{what}: {arg} cannot receive the result in place: elements of it share "
+                         "memory (an expanded tensor?); pass a tensor of its own (.clone())")
+
+
+def _factor(value, what, arg):
+    """A finite scaling factor as a float, or the error saying why not."""
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{what}: {arg} must be a number, got {value!r:.40}") from None
+    except OverflowError:  # an int beyond float's range
+        f = math.inf
+    if not math.isfinite(f):
+        raise ValueError(f"{what}: {arg} must be a finite number, got {value!r:.40}")
+    return f
+
+
 def _check_rows(tensor, name, what):
     """The checks of a call that splits tensor's dimension 0 (name, tensor, at least one
     dimension): its dtype code."""
@@ -440,11 +462,16 @@ def _issue(what, plan, job, async_, tensor=None, group=None, process_set=None):
     group: all of them, where there are several; process_set: the ranks taking part (None: all).
 
     A rank whose arguments are bad still takes part in the control round, as 'rejected', so its
-    peers fail at once with a MismatchError naming it; then it raises its own error."""
-    st = _state(process_set)
+    peers fail at once with a MismatchError naming it; then it raises its own error. Any error
+    of plan() counts: one that escaped here would leave the peers waiting for this rank."""
+    try:
+        st = _state(process_set)
+    except (TypeError, ValueError) as exc:
+        _reject_call(process_set, what, async_)
+        raise exc
     try:
         planned = plan(st)
-    except (TypeError, ValueError, MlfabricError) as exc:
+    except Exception as exc:
         _reject(st, what, async_)
         raise exc
     recording = _timeline._ACTIVE  # once: stop_timeline() may run on another thread
@@ -551,6 +578,20 @@ class _GpuCall:
         return _on_caller_stream(*self.handle.wait(), self.device)
 
 
+def _reject_call(process_set, what, async_):
+    """_reject() on process_set's ranks, where this rank can tell which they are: when
+    process_set is not a ProcessSet at all, the global set's (the call can only have been meant
+    for a set this rank knows nothing of, and a peer calling on the global set hears of it); an
+    unregistered set, or one without this rank, has no round to take part in."""
+    try:
+        st = _state(process_set)
+    except TypeError:
+        st = _state()
+    except ValueError:
+        return
+    _reject(st, what, async_)
+
+
 def _reject(st, what, async_):
     desc = np.zeros(_W, np.int64)
     desc[_STATE] = _REJECTED
@@ -602,7 +643,7 @@ class _ReducePlan:
         floating = dtype.is_floating_point
         if op == Average and not floating:
             raise TypeError(f"{what}: op Average needs a floating tensor, got {dtype}; use op=Sum")
-        pre, post = float(pre), float(post)
+        pre, post = _factor(pre, what, "prescale_factor"), _factor(post, what, "postscale_factor")
         if (pre != 1.0 or post != 1.0) and not floating:
             raise TypeError(f"{what}: prescale_factor / postscale_factor need a floating tensor, "
                             f"got {dtype}")
@@ -650,6 +691,8 @@ def _allreduce_call(tensor, op, average, name, pre, post, inplace, async_, layou
     def plan(st):
         _check_name(name)
         code = _check_tensor(tensor, what)
+        if inplace:
+            _check_writable(tensor, what)
         p = _ReducePlan(resolved or _resolve_op(op, average), tensor.dtype, pre, post,
                         st.ctx.size, what)
         return p, _desc(_ALLREDUCE, code, _CORE_OPS.index(p.core), shape=tensor.shape, name=name,
@@ -706,7 +749,7 @@ def _compression(what, compression, process_set=None):
     try:
         return _check_compression(compression)
     except TypeError as exc:
-        _reject(_state(process_set), what, False)
+        _reject_call(process_set, what, False)
         raise exc
 
 
@@ -889,6 +932,9 @@ def _grouped_call(tensors, op, average, name, pre, post, inplace, async_, proces
             raise ValueError(f"{what}: needs at least one tensor")
         resolved = _resolve_op(op, average)
         sig, ptrs = _scan(tensors, what)
+        if inplace and ptrs is None:  # (addresses: every tensor is contiguous, so writable)
+            for i, t in enumerate(tensors):
+                _check_writable(t, what, f"tensors[{i}]")
         # Every group's descriptor carries the whole list's dtypes and shapes, hashed once
         # (Python's hash of a tuple of ints is the same in every process), so ranks whose lists
         # differ fail at the first group instead of issuing different numbers of calls. The
@@ -1183,6 +1229,8 @@ def _broadcast_call(tensor, root_rank, name, inplace, async_, process_set=None):
     def plan(st):
         _check_name(name)
         code = _check_tensor(tensor, what)
+        if inplace:
+            _check_writable(tensor, what)
         return _desc(_BROADCAST, code, root=st.root(root_rank, what), shape=tensor.shape,
                      name=name, tensor=tensor)
 
@@ -1291,6 +1339,7 @@ def _grouped_broadcast_call(tensors, root_rank, name, process_set=None):
         root = st.root(root_rank, what)
         for i, t in enumerate(tensors):
             _check_tensor(t, what, f"tensors[{i}]")
+            _check_writable(t, what, f"tensors[{i}]")
         signature = tuple((str(t.dtype), tuple(t.shape)) for t in tensors)  # as grouped
         planned = []
         for b, members in enumerate(fuse(tensors, fusion_threshold())):
@@ -1404,14 +1453,15 @@ def join(device=-1):
     that joined last (of several joining in the same round, the highest). In the others' GPU
     calls a joined rank takes part on GPU `device` if >= 0, else on its NCCL communicator's GPU,
     else on the current one (as of this call)."""
-    gpu = device if device >= 0 else None
-    if gpu is None and torch.cuda.is_available() and torch.cuda.is_initialized():
-        gpu = torch.cuda.current_device()   # taken here: the job runs on another thread
+    def plan(st):
+        if isinstance(device, bool) or not isinstance(device, (int, np.integer)):
+            raise TypeError(f"join: device must be a GPU index (or -1), got {device!r}")
+        gpu = int(device) if device >= 0 else None
+        if gpu is None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            gpu = torch.cuda.current_device()   # taken here: the job runs on another thread
+        return gpu
 
-    def job(st, _):
-        return _joined_loop(st, gpu)
-
-    return _issue("join", lambda st: None, job, False)
+    return _issue("join", plan, _joined_loop, False)
 
 
 def _joined_loop(st, gpu):

@@ -131,9 +131,7 @@ class _DistributedOptimizer:
         # A rank whose arguments are bad still takes part in the construction round, so that its
         # peers fail at once (MismatchError naming it) instead of waiting for it.
         self._mlf_process_set = process_set
-        st = ops._state(process_set) if _context.initialized() else None  # not in it: raises
-        if _respawn.joining:  # a replacement, built before its first sync: the others make no
-            st = None         # construction round (and its buckets stay private, as theirs)
+        st = _construction_state(process_set)
         try:
             op, params, names = self._mlf_check(named_parameters, compression,
                                                 backward_passes_per_step, op,
@@ -152,7 +150,7 @@ class _DistributedOptimizer:
             threshold = ops.fusion_threshold()
             plan = ops.fuse(order, threshold, min(FIRST_BUCKET, threshold)) if groups is None \
                 else _grouped_plan(order, groups)
-        except (TypeError, ValueError, MlfabricError) as exc:
+        except Exception as exc:  # noqa: BLE001 - the peers hear of any, then it is raised
             _construction_round(st, 0, torch.device("cpu"), exc)  # raises exc, after the round
             raise
         self._mlf_op = op
@@ -187,6 +185,7 @@ class _DistributedOptimizer:
         op = ops._resolve_op(op, None)
         if op not in (ops.Average, ops.Sum, ops.Adasum):
             raise ValueError(f"DistributedOptimizer supports op Average, Sum or Adasum, got {op}")
+        ops._factor(gradient_predivide_factor, "DistributedOptimizer", "gradient_predivide_factor")
         if gradient_predivide_factor != 1.0 and op != ops.Average:
             raise ValueError("gradient_predivide_factor needs op=Average")
         if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
@@ -465,6 +464,15 @@ class _DistributedOptimizer:
                     g.zero_()
 
 
+def _construction_state(process_set):
+    """The state whose ranks make a DistributedOptimizer's construction round (raising where
+    this rank is not in process_set), or None: not initialised, or a replacement rank built
+    before its first sync (the others make no construction round, and its buckets stay
+    private, as theirs)."""
+    st = ops._state(process_set) if _context.initialized() else None
+    return None if _respawn.joining else st
+
+
 def _construction_round(st, layout, device, problem):
     """Every rank's construction, compared: one allgather of (the model's hash, whether it is on
     a GPU, whether this rank's arguments were fine), in the calls' queue, in order with them.
@@ -724,10 +732,14 @@ def _wrap(optimizer, named_parameters, compression, backward_passes_per_step, op
           gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set,
           local_layers):
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got "
-                        f"{type(optimizer).__name__}")
-    if isinstance(optimizer, _DistributedOptimizer):
-        raise ValueError("this optimizer is already a DistributedOptimizer")
+        problem = TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got "
+                            f"{type(optimizer).__name__}")
+    elif isinstance(optimizer, _DistributedOptimizer):
+        problem = ValueError("this optimizer is already a DistributedOptimizer")
+    else:
+        problem = None
+    if problem is not None:  # in the construction round, so that the peers hear of it
+        _construction_round(_construction_state(process_set), 0, torch.device("cpu"), problem)
     cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)  # shares param_groups, state and hooks

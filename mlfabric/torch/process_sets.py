@@ -100,10 +100,15 @@ def _on_init(process_sets):
 def add_process_set(process_set):
     """Register process_set (a ProcessSet or a list of ranks) and return it. Collective: every
     rank calls it with the same ranks, in the same order relative to its other calls."""
-    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
-    what = f"add_process_set({ps.ranks})"
+    try:
+        ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+        what, bad = f"add_process_set({ps.ranks})", None
+    except TypeError as exc:  # raised in plan(), so that the peers hear of it
+        what, bad = f"add_process_set({process_set!r:.60})", exc
 
     def plan(st):
+        if bad is not None:
+            raise bad
         n = st.ctx.size
         if not ps.ranks:
             raise ValueError(f"{what}: a process set needs at least one rank")
@@ -137,14 +142,14 @@ def add_process_set(process_set):
 def remove_process_set(process_set):
     """Unregister process_set and free what it holds; True when it was registered (the global
     set is never removed: False). Collective: every rank calls it, after the set's calls."""
-    if not isinstance(process_set, ProcessSet):
-        raise TypeError(f"remove_process_set needs a ProcessSet, got "
-                        f"{type(process_set).__name__}")
-    if process_set.process_set_id == 0:
+    if isinstance(process_set, ProcessSet) and process_set.process_set_id == 0:
         return False
-    what = f"remove_process_set({process_set.ranks})"
+    what = f"remove_process_set({getattr(process_set, 'ranks', process_set)!r:.60})"
 
     def plan(st):
+        if not isinstance(process_set, ProcessSet):
+            raise TypeError(f"remove_process_set needs a ProcessSet, got "
+                            f"{type(process_set).__name__}")
         if process_set._registered() is None:
             raise ValueError(f"{what}: not registered in this initialisation")
         return _set_desc(1, process_set.ranks)

@@ -15,7 +15,7 @@ values' allgather.
 import numpy as np
 import torch
 
-from ..errors import MismatchError, MlfabricError
+from ..errors import MismatchError
 from . import ops
 
 
@@ -86,12 +86,12 @@ def _check(tensor, name, op, what):
 def start(tensor, name=None, op=ops.Average, process_set=None):
     """Issue the sparse allreduce of tensor: its _SparseCall (wait() gives the result)."""
     what = ops._what("sparse_allreduce", name)
-    st = ops._state(process_set)
     try:
+        st = ops._state(process_set)
         op = _check(tensor, name, op, what)
-    except (TypeError, ValueError, MlfabricError):
+    except Exception:
         for _ in range(2):  # the peers' two allgathers fail with a MismatchError naming this rank
-            ops._reject(st, what, True)
+            ops._reject_call(process_set, what, True)
         raise
     sparse_dim = tensor.sparse_dim()
     head = torch.tensor([tensor.shape[:sparse_dim]], dtype=torch.int64, device=tensor.device)

@@ -12,6 +12,7 @@ import sys
 import time
 import traceback
 
+import pytest
 from mpi4py import MPI
 
 
@@ -31,8 +32,9 @@ def main():
         try:
             fn()
             err = None
-        except Exception:  # noqa: BLE001 - every failure is reported, then agreed on
-            err = traceback.format_exc()
+        except (Exception, pytest.fail.Exception):  # noqa: BLE001 - every failure is reported,
+            err = traceback.format_exc()            # then agreed on (pytest's "DID NOT RAISE"
+            #                                         is a BaseException: it would end this rank)
         errs = world.allgather(err)
         bad = [r for r, e in enumerate(errs) if e]
         if world.rank == 0:
