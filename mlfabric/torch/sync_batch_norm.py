@@ -22,7 +22,26 @@ function. In training mode with more than one rank:
   that differ between ranks are a MismatchError everywhere. A failed call leaves the module's
   buffers and counter as they were.
 In eval mode, or with one rank, it is plain batch norm (torch's own code, no communication): eval
-mode needs no init() and ranks may call it any number of times.
+mode needs no init() and ranks may call it any number of times (inference on one rank is fine).
+
+Ranks in different modes (model.train() on some ranks only) are a user error that a rank in eval
+mode cannot see: it normalises with its running statistics and goes on. A rank in training mode
+meets that rank's next collective in its statistics' allreduce, whose descriptor (a name and a
+tag no other call has) cannot agree with any other call's:
+- the eval rank issues another collective (an allreduce, a barrier, DistributedOptimizer's
+  gradient allreduces, a SyncBatchNorm layer of another num_features...): at once a MismatchError
+  on every rank, on the training ranks from this layer, naming it and asking whether it is in
+  training mode on every rank; on the eval rank from that other call, with ops' message (what
+  the ranks disagree on: e.g. a shape (3, C) against its own, even where the two read the same).
+  Each rank has then used up one call; the calls after those pair as before.
+- the eval rank issues no further collective (it stopped, or waits outside mlfabric): the
+  training ranks raise PeerTimeoutError after MLFABRIC_TIMEOUT seconds, asking the same; the
+  communicator is unusable afterwards, as after any timeout (a peer that never comes cannot be
+  told from a slow one sooner).
+The same holds for the backward allreduce (a peer whose forward ran in eval mode or without
+autograd has no backward to run). Not told apart: two SyncBatchNorm layers of the same
+num_features (a rank whose first layer is in eval mode and second in training mode pairs the
+second with the others' first).
 
 Differences from Horovod: CPU tensors work too (Horovod's needs CUDA); momentum=None is the
 cumulative average (as torch's); with track_running_stats=False, eval mode normalises with this
@@ -40,7 +59,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 import mlfabric as _mf
 
-from ..errors import MismatchError, NotInitializedError
+from ..errors import MismatchError, NotInitializedError, PeerTimeoutError
 from . import ops
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -48,6 +67,12 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # else at this point (a different layer order, a gradient bucket) fails with a clear message.
 _FWD = "SyncBatchNorm statistics"
 _BWD = "SyncBatchNorm gradient statistics"
+# Part of the allreduces' descriptor (the control round compares it): a peer's unnamed allreduce
+# of a float64 (3, C) tensor would otherwise pair with the statistics and exchange data silently.
+_LAYOUT = "mlfabric.torch.SyncBatchNorm"
+# What most likely happened when a peer is not in the same call (see the module docstring).
+_MODES = ("Is SyncBatchNorm in training mode on every rank? In eval mode it communicates "
+          "nothing, so a rank in eval mode (model.train() called on some ranks only)")
 
 
 def _layout(x):
@@ -71,16 +96,25 @@ def _centered(x, mean, shape, acc):
 
 
 def _sum_over_ranks(t, name, what):
-    """In-place Sum allreduce of t, a MismatchError that says which layer on every rank."""
+    """In-place Sum allreduce of t; a MismatchError / PeerTimeoutError that says which layer and
+    what most likely went wrong."""
     try:
-        return ops.allreduce_(t, op=ops.Sum, name=name)
+        return ops._allreduce_call(t, ops.Sum, None, name, 1.0, 1.0, True, False,
+                                   layout=_LAYOUT)
     except MismatchError as exc:
         # (a rank that rejected its input has its own error; the advice is for the others)
-        hint = "" if "rejected their arguments" in str(exc) else (
-            ". Every rank must run the same SyncBatchNorm layers (same num_features) in the "
+        if "rejected their arguments" in str(exc):
+            raise MismatchError(f"{what}: {exc}") from exc
+        raise MismatchError(
+            f"{what} in training mode: {exc}. {_MODES} is already at its next collective, "
+            "which met this layer's allreduce here. "
+            "Every rank must also run the same SyncBatchNorm layers (same num_features) in the "
             "same order (the statistics travel as a (3, num_features) tensor forward, "
-            "(2, num_features) backward)")
-        raise MismatchError(f"{what}: {exc}{hint}") from exc
+            "(2, num_features) backward)") from exc
+    except PeerTimeoutError as exc:
+        raise PeerTimeoutError(
+            f"{what} in training mode: {exc}. {_MODES} never joins this layer's allreduce (nor "
+            "does a rank that stopped)") from exc
 
 
 class _SyncBatchNormFn(torch.autograd.Function):
@@ -163,8 +197,9 @@ class SyncBatchNorm(_BatchNorm):
     as torch.nn.BatchNorm2d's: eps, momentum (None: cumulative moving average), affine,
     track_running_stats. In training mode with size() > 1 the batch statistics are those of
     every rank's batch together (one allreduce forward, one backward; every rank must call it,
-    in the same order as its other collectives); in eval mode, or with one rank, it is plain
-    batch norm. The weight and bias gradients are this rank's own (see the module docstring).
+    in the same order as its other collectives, so in the same mode on every rank); in eval
+    mode, or with one rank, it is plain batch norm, without communication. The weight and bias
+    gradients are this rank's own. Ranks in different modes: see the module docstring.
     """
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True,

@@ -5,6 +5,8 @@ gradient, the local weight/bias gradients (and their sum over ranks), running st
 several steps; uneven, empty and single-row batches; eval mode without communication; errors
 on every rank for mismatched layers; a rank inside join(); DistributedOptimizer training against
 single-process training."""
+import os
+import time
 import zlib
 from unittest import mock
 
@@ -311,6 +313,44 @@ def case_mismatched_layers_fail_on_every_rank():
     _still_works()
 
 
+def case_ranks_in_different_modes_fail_on_every_rank():
+    """model.train() on some ranks only (a user error): a rank in eval mode communicates nothing
+    and goes on, so the training ranks' statistics allreduce meets its next collective. Whatever
+    that is, at once a MismatchError on every rank: on the training ranks from the layer, asking
+    whether it is in training mode everywhere; on the eval ranks from their call. Never a silent
+    pairing (an unnamed float64 (3, C) allreduce has the statistics' very shape and dtype).
+    Afterwards the ranks are in step. One rank: both modes are plain batch norm."""
+    n, r = hvd.size(), hvd.rank()
+    x = torch.from_numpy(_batch(r, _uneven(r), (), "float64", "modes")[0])
+    if n == 1:
+        m, ref = SyncBatchNorm(C).double(), _reference_bn(())
+        close(m(x), ref(x), "float64", "one rank, training mode")
+        m.eval()
+        ref.eval()
+        close(m(x), ref(x), "float64", "one rank, eval mode")
+        _still_works()
+        return
+    evals = [q for q in range(n) if q % 2]  # odd and even sizes: [1], [1], [1, 3]
+    nexts = (  # the eval ranks' next collective, what every rank's error says
+        (lambda: hvd.allreduce(torch.full((3, C), 100.0, dtype=torch.float64), op=hvd.Sum),
+         "disagree on shape"),
+        (lambda: hvd.allreduce(torch.ones(2), name="metric"), "names differ"),
+        (hvd.barrier, "disagree on call: allreduce on rank(s)"),
+    )
+    for call, needle in nexts:
+        m = SyncBatchNorm(C).double()
+        if r in evals:
+            m.eval()
+            close(m(x), _reference_bn(()).eval()(x), "float64", "eval rank's output")
+            _expect(hvd.MismatchError, call, needle)
+        else:
+            _expect(hvd.MismatchError, lambda: m(x), "SyncBatchNorm(3) in training mode",
+                    needle, "Is SyncBatchNorm in training mode on every rank?")
+            # the failed call left the module as it was
+            assert m.num_batches_tracked.item() == 0 and not m.running_mean.any()
+        _still_works()  # in step again: an allreduce's sum, a training step
+
+
 # --- empty and tiny batches -----------------------------------------------------------------------
 
 def case_a_rank_with_no_rows_takes_part():
@@ -421,3 +461,31 @@ def case_distributed_optimizer_matches_single_process():
             assert diff < 1e-10, f"conv={conv} {k}: differs by {diff}"
         same_everywhere(torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
                         f"conv={conv} weights")
+
+
+
+# --- last: a timeout leaves mlfabric unusable ----------------------------------------------------
+
+def case_timeout_eval_rank_without_further_collective():
+    """A rank in eval mode that issues no further collective (here: it waits in the runner's MPI
+    call, outside mlfabric): the training ranks raise PeerTimeoutError from the layer within
+    MLFABRIC_TIMEOUT (3 s), asking whether it is in training mode on every rank. Run alone, by
+    test_torch_sync_bn_mode_mismatch_times_out (SYNC_BN_TIMEOUT_CASE=1); else a no-op."""
+    if os.environ.get("SYNC_BN_TIMEOUT_CASE") != "1":
+        return
+    hvd.init()
+    n, r = hvd.size(), hvd.rank()
+    if n == 1:
+        return
+    m = SyncBatchNorm(C).double()
+    x = torch.from_numpy(_batch(r, _uneven(r), (), "float64", "timeout")[0])
+    if r % 2:
+        m.eval()
+        m(x)
+        return
+    t0 = time.monotonic()
+    _expect(hvd.PeerTimeoutError, lambda: m(x), "SyncBatchNorm(3) in training mode",
+            "Is SyncBatchNorm in training mode on every rank?")
+    waited = time.monotonic() - t0
+    assert 2.5 < waited < 10, waited
+    assert m.num_batches_tracked.item() == 0
