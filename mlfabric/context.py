@@ -8,10 +8,12 @@ import atexit
 import contextlib
 import functools
 import threading
+import time
 
+import numpy as np
 from mpi4py import MPI
 
-from . import _config, respawn
+from . import _config, exit_guard, respawn
 from .comm.executor import Executor
 from .errors import MlfabricError, NotInitializedError
 
@@ -30,6 +32,8 @@ _local = _ThreadContext()
 # another context in force, so until then get() and allreduce's direct path skip the
 # thread-local read (~0.1 us, a twentieth of a small allreduce's latency here).
 _subs = False
+# (request, buffers) of exit agreements given up on (close()): MPI may still write into them
+_parked = []
 
 
 class Context:
@@ -43,6 +47,9 @@ class Context:
         except MlfabricError:
             self.comm.Free()
             raise
+        # close()'s agreement only: a collective a timeout left unfinished on self.comm would
+        # be matched against it
+        self.exit_comm = self.comm.Dup()
         self.node_comm = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         self.local_rank, self.local_size = self.node_comm.rank, self.node_comm.size
         # Every rank's place on its host, once: one host for everyone (then every collective
@@ -68,17 +75,59 @@ class Context:
         self.abandoned = False  # set when peers are known dead (elastic reset): see broken()
 
     def close(self):
+        """Free what the context holds when every rank closes it in step; True if it did."""
         self.executor.shutdown()
         if self.nccl is not None:
             self.nccl.close()  # not collective: an aborted one is not destroyed again
-        if self.broken():
-            return  # freeing windows and communicators is collective: it could wait forever
+        if self._out_of_step():
+            # Freeing windows and communicators is collective: it would wait forever on a peer
+            # that never frees them (it timed out, or raised before a collective and is waiting
+            # in its own free). MPI_Finalize may likewise wait on a peer that never gets there.
+            exit_guard.out_of_step()
+            return False
         for fn in self.on_close:
             fn()
         if self.shm is not None:
             self.shm.close()
         self.node_comm.Free()
+        self.exit_comm.Free()
         self.comm.Free()
+        return True
+
+    def _out_of_step(self):
+        """Whether some rank closes this context out of step with the others: it timed out
+        (broken()), or an exception went uncaught there (its peers may be waiting for it in a
+        collective, and time out: a rank that raised before a collective must not wait for them
+        in a free, nor they for it). Every rank gets the same answer when all of them get here:
+        one MAX reduction, on which an out-of-step rank waits at most 2 x MLFABRIC_TIMEOUT (its
+        peers may need MLFABRIC_TIMEOUT to notice); a rank in step waits as long as it takes
+        (a peer may legitimately still be working), as in the collective frees it used to go
+        straight to.
+
+        Not MPI_Abort on an uncaught exception (as `python -m mpi4py` does): it would kill the
+        peers before they report anything, and it would end elastic jobs whose survivors are
+        meant to go on without the failed rank (torch.elastic, ULFM)."""
+        if self.size == 1:
+            return self.broken()
+        if self.abandoned or _has_failed(self.comm):
+            return True  # a member is dead (abandoned: the elastic reset's): nothing can finish
+        mine = int(self.broken() or exit_guard.uncaught())
+        send, recv = np.array([mine], np.int32), np.zeros(1, np.int32)
+        try:
+            req = self.exit_comm.Iallreduce(send, recv, op=MPI.MAX)
+            if not mine:
+                req.Wait()
+                return bool(recv[0])
+            deadline, pause = time.monotonic() + 2 * _config.timeout_s(), 1e-4
+            while not req.Test():
+                if time.monotonic() > deadline:
+                    _parked.append((req, send, recv))
+                    return True
+                time.sleep(pause)
+                pause = min(2 * pause, 0.05)
+        except MPI.Exception:  # e.g. ULFM's MPI_ERR_PROC_FAILED: a peer is dead
+            return True
+        return bool(recv[0])
 
     def broken(self):
         """True after a timeout or engine failure: peers may be gone, so nothing collective."""
@@ -86,6 +135,14 @@ class Context:
         return bool(self.abandoned or (self.shm is not None and self.shm.engine.any_failed)
                     or p2p.abandoned()
                     or (self.nccl is not None and self.nccl.failed not in (None, "closed")))
+
+
+def _has_failed(comm):
+    """Whether ULFM knows a member of comm has died (False without ULFM)."""
+    try:
+        return comm.Get_failed().Get_size() > 0
+    except (AttributeError, NotImplementedError, MPI.Exception):
+        return False
 
 
 def _check_same_settings(comm):
@@ -160,10 +217,8 @@ def sub_context(comm):
 
 def close_sub_context(ctx):
     """Close a sub_context() and free the communicator it was made on (collective over its
-    ranks; skipped when it is broken: a dead member would hold the free up)."""
-    broken = ctx.broken()
-    ctx.close()
-    if not broken:
+    ranks; skipped when they close it out of step: a dead member would hold the free up)."""
+    if ctx.close():
         ctx.user_comm.Free()
 
 

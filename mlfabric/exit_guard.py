@@ -1,4 +1,5 @@
-"""A bounded exit once a peer has died.
+"""A bounded exit once a peer has died, or once this process's collectives got out of step with its
+peers' (a PeerTimeoutError, an uncaught exception: see context.Context.close).
 
 Open MPI's MPI_Finalize ends with a fence over every process the job started, the dead
 included; under ULFM that fence sometimes never completes (about 1 run in 7 of a 3-rank job on
@@ -17,24 +18,39 @@ import sys
 from . import _C
 from ._config import timeout_s
 
-_armed = False       # a peer died: bound the exit
+_armed = False       # a peer died (or ranks got out of step): bound the exit
 _uncaught = False    # an exception reached sys.excepthook
 
 
 def peer_failed():
     """Record that a peer of this process died, so its exit is bounded (idempotent)."""
     global _armed
-    if _armed:
-        return
     _armed = True
-    previous = sys.excepthook
 
+
+def out_of_step():
+    """Record that this process's collectives and its peers' no longer match (a timeout, an
+    uncaught exception here or on a peer): MPI_Finalize waits for every process of the job, some
+    of which may never get there, so the exit is bounded as after a peer's death (idempotent)."""
+    peer_failed()
+
+
+def uncaught():
+    """Whether an exception went uncaught in the main program (asked at exit). sys.last_value
+    too: Python sets it before calling the hook, and a hook set after ours never calls ours.
+    Not seen: SystemExit (Python does not show its status to exit handlers)."""
+    return _uncaught or getattr(sys, "last_value", None) is not None
+
+
+def _excepthook_wrapper(previous):
     def excepthook(*exc):
         global _uncaught
         _uncaught = True
         previous(*exc)
+    return excepthook
 
-    sys.excepthook = excepthook
+
+sys.excepthook = _excepthook_wrapper(sys.excepthook)
 
 
 def _world_has_failed():
@@ -56,11 +72,11 @@ def _at_exit():
     if not (_armed or _world_has_failed()):
         return
     seconds = timeout_s()
-    status = 1 if _uncaught else 0
+    status = 1 if uncaught() else 0
     _C.arm_exit_watchdog(seconds, status, (
-        f"mlfabric: exit not done {seconds:g} s (MLFABRIC_TIMEOUT) after a peer failure: Open "
-        "MPI's MPI_Finalize can wait forever on a dead process under ULFM; exiting without it, "
-        f"status {status}\n"))
+        f"mlfabric: exit not done {seconds:g} s (MLFABRIC_TIMEOUT) after a peer failure or a "
+        "timeout: Open MPI's MPI_Finalize waits for every process of the job, which a dead or "
+        f"out-of-step one may never reach; exiting without it, status {status}\n"))
 
 
 # Registered when mlfabric is imported, before its own exit handlers (context.finalize, the

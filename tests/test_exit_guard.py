@@ -79,3 +79,90 @@ def test_ranks_that_never_met_the_dead_one_exit_bounded_too():
     assert out.count("RESULT known 1") == 2, out
     assert out.count("exit not done 1 s (MLFABRIC_TIMEOUT) after a peer failure") == 2, out
     assert proc.returncode == 0, out
+
+
+# One rank fails alone: it raises before a collective (so never enters it), exits after catching
+# its error, or hangs; the others wait in the collective until MLFABRIC_TIMEOUT, raise
+# PeerTimeoutError, and let it propagate or catch it. Each rank used to go on to free mlfabric's
+# windows and communicators at exit (collective): the failed rank waited there for peers that
+# never came (they had timed out), and they in MPI_Finalize for it, so mpirun never ended.
+ONE_RANK_FAILS = """\
+import sys, time
+api, fail, wait = sys.argv[1:4]
+if api == "torch":
+    import torch, mlfabric.torch as mf
+    call = lambda: mf.allreduce(torch.ones(3))
+else:
+    import numpy as np, mlfabric as mf
+    call = lambda: mf.allreduce(np.ones(3))
+mf.init()
+if mf.rank() == mf.size() - 1:
+    if fail == "raise":
+        raise RuntimeError("the failing rank's own error")
+    if fail == "sysexit":
+        raise SystemExit("the failing rank's own SystemExit")
+    if fail == "catch":
+        try:
+            raise RuntimeError("caught")
+        except RuntimeError:
+            print("FAILED RANK caught its error", flush=True)
+    if fail == "hang":
+        time.sleep(3600)
+    sys.exit(0)
+try:
+    call()
+except mf.PeerTimeoutError as e:
+    print(f"RANK {mf.rank()} PeerTimeoutError: {e}", flush=True)
+    if wait == "propagate":
+        raise
+"""
+
+
+def _run_job(n, args, timeout):
+    """mpirun -n n python args (MLFABRIC_TIMEOUT=2): (status, output, seconds), or fail naming
+    the output so far if it is still running after `timeout` s (then it is killed, ranks too)."""
+    import signal
+    from .mpi_util import mpi_env, mpirun_path
+    cmd = [mpirun_path(), "--oversubscribe", "-n", str(n), sys.executable, *args]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=mpi_env({"MLFABRIC_TIMEOUT": "2"}), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # mpirun ends its ranks
+        try:
+            out, _ = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+        pytest.fail(f"mpirun still running after {timeout} s:\n{out}")
+    return proc.returncode, out, time.monotonic() - start
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n, api, fail, wait, status", [
+    (2, "core", "raise", "propagate", "nonzero"),
+    (2, "core", "sysexit", "propagate", "nonzero"),
+    (2, "core", "catch", "propagate", "nonzero"),
+    (2, "core", "catch", "catch", 0),
+    (2, "core", "hang", "propagate", "nonzero"),
+    (2, "core", "hang", "catch", "nonzero"),
+    (3, "core", "raise", "propagate", "nonzero"),
+    (3, "torch", "raise", "propagate", "nonzero"),
+    (2, "torch", "catch", "catch", 0),
+])
+def test_one_rank_failing_alone_ends_the_job(n, api, fail, wait, status):
+    """The job ends within a bound (MLFABRIC_TIMEOUT is 2 s: its peers' timeout, the exit
+    agreement, the exit watchdog; mpirun then ends a rank left hanging), non-zero when a rank
+    exited with an error, and the output names the errors."""
+    code, out, took = _run_job(n, ["-c", ONE_RANK_FAILS, api, fail, wait], timeout=120)
+    assert code != 0 if status == "nonzero" else code == status, (code, out)
+    assert out.count("PeerTimeoutError: ") >= n - 1, out
+    if fail == "raise":
+        assert "RuntimeError: the failing rank's own error" in out, out
+    if fail == "sysexit":
+        assert "the failing rank's own SystemExit" in out, out
+    if fail == "catch":
+        assert "FAILED RANK caught its error" in out, out
