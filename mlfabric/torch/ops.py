@@ -53,7 +53,7 @@ from .. import context as _context
 from .. import shared as _shared
 from ..comm import nccl as _nccl
 from ..comm.executor import Executor
-from ..errors import MismatchError, MlfabricError
+from ..errors import MismatchError, MlfabricError, PeerTimeoutError
 from . import adasum as _adasum
 from . import tensor_meta as _meta
 from . import timeline as _timeline
@@ -294,7 +294,13 @@ def _disagreement(table, what):
     for field, key, show in checks:
         groups = _groups(table, active, key)
         if len(groups) > 1:
-            parts = "; ".join(f"{show(table[g[0]])} on rank(s) {g}" for g in groups)
+            shown = [show(table[g[0]]) for g in groups]
+            if field == "shape" and len(set(shown)) == 1:  # the hash covers the layout too
+                return (f"{what}: the ranks issued different calls of the same shape {shown[0]} "
+                        f"(ranks grouped by call: {' | '.join(map(str, groups))}): a grouped "
+                        "call's list, a DistributedOptimizer's bucket or a SyncBatchNorm layer "
+                        "on some, another call on the others")
+            parts = "; ".join(f"{v} on rank(s) {g}" for v, g in zip(shown, groups))
             return f"{what}: ranks disagree on {field}: {parts}"
     if kind == _BROADCAST:
         root = int(table[active[0], _ROOT])
@@ -435,7 +441,11 @@ def _control(st, desc):
 
 def _agree(st, desc, what):
     """Control round of an active rank: the table, or the MismatchError every rank raises."""
-    table = _control(st, desc)
+    try:
+        table = _control(st, desc)
+    except PeerTimeoutError as exc:  # its own words name the engine's allgather, not the call
+        raise PeerTimeoutError(f"{what}: in the control round (the ranks agreeing on the call): "
+                               f"{exc}") from exc
     msg = _disagreement(table, what)
     if msg is not None:
         raise MismatchError(msg)

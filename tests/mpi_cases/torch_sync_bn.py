@@ -333,7 +333,7 @@ def case_ranks_in_different_modes_fail_on_every_rank():
     evals = [q for q in range(n) if q % 2]  # odd and even sizes: [1], [1], [1, 3]
     nexts = (  # the eval ranks' next collective, what every rank's error says
         (lambda: hvd.allreduce(torch.full((3, C), 100.0, dtype=torch.float64), op=hvd.Sum),
-         "disagree on shape"),
+         "different calls of the same shape"),
         (lambda: hvd.allreduce(torch.ones(2), name="metric"), "names differ"),
         (hvd.barrier, "disagree on call: allreduce on rank(s)"),
     )
