@@ -2,8 +2,13 @@
 background thread, all in the order they were issued (every rank must issue collectives in the
 same order, as in MPI). Owns Handle (wait/done) and that ordering; knows nothing of what a call
 does. The heavy parts of a call (the C++ engine, MPI) release the GIL, so a call on the
-background thread overlaps the caller's Python work."""
+background thread overlaps the caller's Python work.
+
+A call running on the background thread may also do the work of like calls queued right behind it
+(tensor fusion: see mlfabric.torch.ops): it reads their tags (queued), takes them out of the queue
+(take) and finishes their handles (finish), all on that thread."""
 import collections
+import itertools
 import threading
 
 from ..errors import MlfabricError
@@ -48,8 +53,9 @@ class Executor:
         # caller's thread (only the issuing thread submits, so it stays zero until it does).
         self.pending = 0
 
-    def submit(self, what, fn):
-        """Queue fn() behind every call issued before it; return its Handle."""
+    def submit(self, what, fn, tag=None):
+        """Queue fn() behind every call issued before it; return its Handle. tag: what a
+        running call may read of this one through queued() (None: nothing to fuse with)."""
         handle = Handle(what)
         with self._cv:
             if self._closed:
@@ -58,7 +64,7 @@ class Executor:
                 self._thread = threading.Thread(target=self._loop, name="mlfabric-comm",
                                                 daemon=True)
                 self._thread.start()
-            self._queue.append((fn, handle))
+            self._queue.append((fn, handle, tag))
             self.pending += 1
             self._cv.notify_all()
         return handle
@@ -78,7 +84,7 @@ class Executor:
                     self._cv.wait()
                 if not self._queue:
                     return
-                fn, handle = self._queue.popleft()
+                fn, handle, _ = self._queue.popleft()
             try:
                 handle._finish(result=fn())
             except BaseException as exc:  # noqa: BLE001 - handed to the waiter
@@ -86,6 +92,28 @@ class Executor:
             with self._cv:
                 self.pending -= 1
                 self._cv.notify_all()
+
+    def queued(self, limit):
+        """The tags of up to `limit` calls queued behind the running one, oldest first, up to
+        the first without a tag. For the running call only: the calls stay queued (and in this
+        order, as only this thread takes them out) until it takes them."""
+        with self._cv:
+            tags = [tag for _, _, tag in itertools.islice(self._queue, limit)]
+        n = tags.index(None) if None in tags else len(tags)
+        return tags[:n]
+
+    def take(self, k):
+        """Take the next k queued calls out of the queue, for the running call to do their
+        work: their Handles, each to be finished through finish()."""
+        with self._cv:
+            return [self._queue.popleft()[1] for _ in range(k)]
+
+    def finish(self, handle, result=None, error=None):
+        """Finish a handle from take()."""
+        handle._finish(result=result, error=error)
+        with self._cv:
+            self.pending -= 1
+            self._cv.notify_all()
 
     def shutdown(self):
         """Let queued calls finish, then stop the thread."""

@@ -8,7 +8,8 @@ Owns:
   belongs to: process_sets.py), in the order it was issued (as on every rank: mlfabric matches
   collectives by order, not by name). A blocking call runs on the
   caller's thread when nothing is queued; *_async calls run on the queue's thread, so
-  communication overlaps the caller's work (the engine releases the GIL).
+  communication overlaps the caller's work (the engine releases the GIL). Async allreduces of
+  CPU tensors queued behind a running one are fused with it (see _fused_job).
 - the control round. In front of every call each rank contributes a small descriptor of it (kind,
   dtype, op, root, shape, name; see _desc) to an allgather. From the table every rank decides the
   same thing: go ahead, or raise MismatchError naming the ranks and what each passed (so every
@@ -173,11 +174,15 @@ def _identity(core, wire, n, device):
 
 # --- the control round ----------------------------------------------------------------------------
 
-_W = 21  # int64 words per descriptor
 (_STATE, _JOINED_AT, _KIND, _DTYPE, _OP, _ROOT, _ROWS, _ROW_LEN, _NDIM, _SHAPE_HASH, _ROW_HASH,
  _NAME_HASH) = range(12)
 _DIMS, _MAX_DIMS = 12, 8  # words 12..19: the first dimensions, for messages
 _DEVICE = 20  # 0: the tensors are on the CPU, 1: on a GPU (they move over NCCL)
+# An async allreduce's offer to fuse the like calls queued behind it (see _fused_job): how many
+# (_FUSE_N), and a hash of their descriptors after the first 1, 2, 4, ... 128 of them.
+_FUSE_N, _FUSE_LEVELS = 21, 8
+_FUSE_H = 22  # words 22..29
+_W = 30  # int64 words per descriptor
 # equal when all agree
 _SAME = [_KIND, _DTYPE, _OP, _ROOT, _ROW_LEN, _ROW_HASH, _NAME_HASH, _DEVICE]
 _ACTIVE, _JOINED, _REJECTED = 1, 0, -1
@@ -347,9 +352,9 @@ class _State:
         """fn() in issue order on this state's queue (on the calling thread when it is idle)."""
         return self.queue.run(what, self._within(fn))
 
-    def submit(self, what, fn):
-        """fn() in issue order on the queue's thread: its Handle."""
-        return self.queue.submit(what, self._within(fn))
+    def submit(self, what, fn, tag=None):
+        """fn() in issue order on the queue's thread: its Handle (tag: see Executor.submit)."""
+        return self.queue.submit(what, self._within(fn), tag)
 
     def root(self, root_rank, what):
         """root_rank (a global rank, as in Horovod, also in a process set) as a rank of this
@@ -466,10 +471,11 @@ def _check_name(name):
         raise TypeError(f"name must be a string or None, got {type(name).__name__}")
 
 
-def _issue(what, plan, job, async_, tensor=None, group=None, process_set=None):
+def _issue(what, plan, job, async_, tensor=None, group=None, process_set=None, tag=None):
     """Validate (plan() -> its result, or raise) and run job(st, planned) in order. tensor: one
     of the call's tensors; for a CUDA one, job runs on mlfabric's stream (see _on_side_stream);
-    group: all of them, where there are several; process_set: the ranks taking part (None: all).
+    group: all of them, where there are several; process_set: the ranks taking part (None: all);
+    tag: tag(planned), what an async call queued behind a running one shows it (_fused_job).
 
     A rank whose arguments are bad still takes part in the control round, as 'rejected', so its
     peers fail at once with a MismatchError naming it; then it raises its own error. Any error
@@ -491,7 +497,8 @@ def _issue(what, plan, job, async_, tensor=None, group=None, process_set=None):
     if gpu:
         job = _on_side_stream(st, job, tensor.device, group or (tensor,))
     if async_:
-        handle = st.submit(what, lambda: job(st, planned))
+        shown = tag(planned) if tag is not None and recording is None and not gpu else None
+        handle = st.submit(what, lambda: job(st, planned), shown)
         hid = next(st.ids)
         st.handles[hid] = _GpuCall(handle, tensor.device, job) if gpu else handle
         return hid
@@ -687,6 +694,115 @@ def _wire_copy(t, plan):
     return buf
 
 
+# --- tensor fusion of queued async allreduces --------------------------------------------------
+# Horovod fuses the allreduces that are ready at the same time into one buffer. Here an async
+# allreduce of a CPU tensor that starts while like calls (the same dtype, op and scaling) are
+# queued behind it does their work too: one control round and one allreduce for them all, where
+# each call would cost both (100 async calls of 1 KiB: ~120 us each on the 2-core VM). Ranks may
+# have queued different numbers of them by then, so each offers in its descriptor how many it has
+# (_FUSE_N) and a running hash of their descriptors after 1, 2, 4, ... of them (_FUSE_H). From
+# the table every rank picks the same number: the largest power of 2 that every rank has queued
+# and whose hashes all agree (64-bit: crc32 and adler32). The calls fused are then those every
+# rank would have described next, word for word, so fusion changes how the data moves, never what
+# is checked: calls that would not agree are left queued, to fail in their own round.
+
+class _Fusible:
+    """What an async allreduce shows the call running ahead of it (its Executor tag)."""
+    __slots__ = ("key", "desc", "tensor", "inplace", "nbytes")
+
+    def __init__(self, plan, desc, tensor, inplace):
+        self.key = (tensor.dtype, plan.core, plan.pre, plan.after)
+        self.desc, self.tensor, self.inplace = desc, tensor, inplace
+        self.nbytes = tensor.numel() * tensor.element_size()
+
+
+def _followers(st, head):
+    """The fusible calls queued right behind head, within the fusion threshold."""
+    budget = _fusion_budget() - head.nbytes
+    out = []
+    for tag in st.queue.queued(1 << (_FUSE_LEVELS - 1)):
+        budget -= tag.nbytes
+        if tag.key != head.key or budget < 0:
+            break
+        out.append(tag)
+    return out
+
+
+def _fusion_budget():
+    try:
+        return fusion_threshold()
+    except MlfabricError:
+        return 0  # a bad setting: no fusion here (DistributedOptimizer reports it)
+
+
+def _offer(desc, followers):
+    """Write the fusion words of desc: len(followers) and their prefix hashes."""
+    desc[_FUSE_N] = len(followers)
+    a, b = 0, 1
+    for i, tag in enumerate(followers, 1):
+        data = tag.desc.tobytes()
+        a, b = zlib.crc32(data, a), zlib.adler32(data, b)
+        if i & (i - 1) == 0:  # a power of 2
+            desc[_FUSE_H + i.bit_length() - 1] = (a << 31) ^ b
+
+
+def _fused_count(table):
+    """How many queued calls every rank fuses behind this one (from the table alone)."""
+    n = int(table[:, _FUSE_N].min())
+    if n <= 0 or not (table[:, _STATE] == _ACTIVE).all():
+        return 0  # a joined rank takes part in one call at a time
+    for level in range(n.bit_length() - 1, -1, -1):
+        hashes = table[:, _FUSE_H + level]
+        if (hashes == hashes[0]).all():
+            return 1 << level
+    return 0
+
+
+def _fused_job(st, head, plan, what):
+    """An async allreduce's job: its control round, offering the like calls queued behind it;
+    then one allreduce for it and those that every rank fuses. Their handles finish here."""
+    followers = _followers(st, head)
+    desc = head.desc
+    if followers:
+        _offer(desc, followers)
+    table = _agree(st, desc, what)
+    taken = st.queue.take(_fused_count(table)) if followers else []
+    if not taken:
+        return _reduce_members([head], plan)[0]
+    try:
+        results = _reduce_members([head] + followers[:len(taken)], plan)
+    except BaseException as exc:
+        for handle in taken:
+            st.queue.finish(handle, error=exc)
+        raise
+    for handle, result in zip(taken, results[1:]):
+        st.queue.finish(handle, result=result)
+    return results[0]
+
+
+def _reduce_members(members, plan):
+    """Allreduce the tensors of these calls (after the control round) as one wire buffer: each
+    call's result."""
+    srcs = [m.tensor.detach() for m in members]
+    if len(srcs) == 1 and members[0].inplace and srcs[0].is_contiguous() and plan.pre == 1.0 \
+            and _wire(srcs[0].dtype) == srcs[0].dtype:
+        _allreduce_flat(srcs[0].view(-1), plan)  # straight into the tensor
+        return [members[0].tensor]
+    flat = torch.cat([s.reshape(-1) for s in srcs]).to(_wire(srcs[0].dtype))
+    if plan.pre != 1.0:
+        flat.mul_(plan.pre)
+    _allreduce_flat(flat, plan)
+    results = []
+    for m, src, piece in zip(members, srcs, flat.split([s.numel() for s in srcs])):
+        piece = piece.view(src.shape)
+        if m.inplace:
+            src.copy_(piece)
+            results.append(m.tensor)
+        else:
+            results.append(piece.to(src.dtype))
+    return results
+
+
 def _allreduce_call(tensor, op, average, name, pre, post, inplace, async_, layout=None,
                     process_set=None):
     """layout: what else every rank's call must agree on (DistributedOptimizer: the model)."""
@@ -710,6 +826,8 @@ def _allreduce_call(tensor, op, average, name, pre, post, inplace, async_, layou
 
     def job(st, planned):
         p, desc = planned
+        if async_ and not tensor.is_cuda:
+            return _fused_job(st, _Fusible(p, desc, tensor, inplace), p, what)
         src = tensor.detach()
         if inplace and src.is_contiguous() and _wire(src.dtype) == src.dtype and p.pre == 1.0:
             _reduce_flat(st, src.view(-1), desc, what, p)  # straight into the tensor
@@ -721,7 +839,10 @@ def _allreduce_call(tensor, op, average, name, pre, post, inplace, async_, layou
             return tensor
         return buf if buf.dtype == src.dtype else buf.to(src.dtype)
 
-    return _issue(what, plan, job, async_, tensor, process_set=process_set)
+    def tag(planned):
+        return None if tensor.is_cuda else _Fusible(*planned, tensor, inplace)
+
+    return _issue(what, plan, job, async_, tensor, process_set=process_set, tag=tag)
 
 
 def _recorded(*tensors):
@@ -1301,7 +1422,8 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=None):
 
 def fusion_threshold():
     """MLFABRIC_FUSION_THRESHOLD: the most bytes fused into one buffer (DistributedOptimizer's
-    gradient buckets after the first, broadcast_parameters); default 4 MiB; 0 turns fusion off.
+    gradient buckets after the first, broadcast_parameters, queued async allreduces); default
+    4 MiB; 0 turns fusion off.
     Every rank must use the same value. A bucket waits for all its gradients, so smaller buckets
     overlap more of backward; each costs a control round and an allreduce call, which with
     buckets in shared memory (zero-copy) is cheap enough that 4 MiB beat DDP's 25 MiB (the

@@ -155,6 +155,120 @@ def case_allreduce_defaults_scaling_noncontiguous():
     assert hvd.allreduce(torch.ones(3), op=hvd.Sum).tolist() == [n] * 3
 
 
+# --- tensor fusion of queued async allreduces ------------------------------------------------------
+
+def _rounds():
+    from mlfabric.torch import ops
+    return ops._state().rounds
+
+
+def _slow_head():
+    """An async allreduce of 16 MB (above the fusion threshold: it fuses nothing): while it runs,
+    the calls issued after it queue up behind it on every rank. Its handle."""
+    return hvd.allreduce_async_(torch.ones(4 << 20), op=hvd.Sum)
+
+
+def case_async_allreduces_fuse_and_each_gets_its_result():
+    n, r = hvd.size(), hvd.rank()
+    # 100 like calls behind a slow one: fused (fewer control rounds than calls), each exact.
+    stack = np.stack([values(q, 100 * 7, "float64", "sum") for q in range(n)])
+    xs = [torch.from_numpy(stack[r, 7 * i:7 * i + 7].copy()) for i in range(100)]
+    before = _rounds()
+    head = _slow_head()
+    handles = [hvd.allreduce_async_(x, op=hvd.Sum) for x in xs]
+    assert hvd.synchronize(head).eq(n).all()
+    for i, (x, h) in enumerate(zip(xs, handles)):
+        assert hvd.synchronize(h) is x
+        check(x, stack[:, 7 * i:7 * i + 7].sum(0), "float64", f"fused call {i}")
+    rounds = _rounds() - before
+    assert rounds < 101, f"{rounds} control rounds for 101 calls: nothing was fused"
+    # A mix: runs of like calls between others (dtype, op, scaling), in place and not, shapes
+    # 0-d to 2-d, non-contiguous, a widened dtype (int8) and names: every result exact, every
+    # input of an out-of-place call untouched.
+    specs = []
+    for i in range(60):
+        dtype = ("float32", "float64", "int8", "bfloat16")[i // 15]
+        op = (hvd.Sum, hvd.Max, hvd.Average)[i % 3] if dtype in FLOATS else (hvd.Sum, hvd.Min)[i % 2]
+        shape = ((), (5,), (3, 4), (4, 3))[i % 4]
+        specs.append((dtype, op, shape, i % 5 == 0, 2.0 if i % 7 == 0 else 1.0,
+                      f"t{i}" if i % 2 else None))
+    calls = []
+    head = _slow_head()
+    for i, (dtype, op, shape, inplace, pre, name) in enumerate(specs):
+        core = OPS[op]
+        count = int(np.prod(shape, dtype=np.int64))
+        st = np.stack([inputs(q, count, dtype, core, salt=i) for q in range(n)])
+        x = as_tensor(st[r], dtype, shape)
+        if shape == (4, 3):
+            x = x.t().contiguous().t()  # non-contiguous, the same values
+        keep = x.clone()
+        if dtype in FLOATS and pre != 1.0:
+            h = (hvd.allreduce_async_ if inplace else hvd.allreduce_async)(
+                x, op=op, name=name, prescale_factor=pre, postscale_factor=0.5)
+            want = reference(core, st * pre).reshape(shape) * 0.5
+        else:
+            h = (hvd.allreduce_async_ if inplace else hvd.allreduce_async)(x, op=op, name=name)
+            want = reference(core, st).reshape(shape)
+        calls.append((x, keep, h, want, dtype, inplace, f"mixed call {i} {dtype} {core}"))
+    hvd.synchronize(head)
+    for x, keep, h, want, dtype, inplace, what in calls:
+        got = hvd.synchronize(h)
+        if inplace:
+            assert got is x, what
+        else:
+            assert torch.equal(x, keep), f"{what}: input modified"
+        mag = np.abs(want) * 2 + 1.0
+        check(got, want, dtype, what, mag if dtype in FLOATS else None)
+        same_everywhere(got.to(torch.float64), what)
+
+
+def case_fused_async_allreduces_that_disagree_fail_in_their_own_round():
+    n, r = hvd.size(), hvd.rank()
+    if n == 1:
+        return
+    # The last rank's 11th call has another shape: the ten before it are fused and exact, it
+    # fails on every rank (before any data moves), and the ten after it are fused and exact.
+    head = _slow_head()
+    before = [hvd.allreduce_async(torch.full((3,), float(r + i)), op=hvd.Sum) for i in range(10)]
+    odd = hvd.allreduce_async(torch.ones(4 if r == n - 1 else 5), op=hvd.Sum)
+    after = [hvd.allreduce_async(torch.full((3,), float(r * i)), op=hvd.Sum) for i in range(10)]
+    hvd.synchronize(head)
+    base = n * (n - 1) / 2
+    for i, h in enumerate(before):
+        assert hvd.synchronize(h).tolist() == [base + n * i] * 3, i
+    with pytest.raises(hvd.MismatchError, match="shape"):
+        hvd.synchronize(odd)
+    for i, h in enumerate(after):
+        assert hvd.synchronize(h).tolist() == [base * i] * 3, i
+    # Names the same way: a name differing on one rank in a run of named calls.
+    head = _slow_head()
+    hs = [hvd.allreduce_async(torch.ones(2), op=hvd.Sum,
+                              name="x" if i != 5 or r != n - 1 else "y") for i in range(10)]
+    hvd.synchronize(head)
+    for i, h in enumerate(hs):
+        if i == 5:
+            with pytest.raises(hvd.MismatchError, match="names differ"):
+                hvd.synchronize(h)
+        else:
+            assert hvd.synchronize(h).tolist() == [n, n], i
+
+
+def case_async_allreduces_beside_a_joined_rank():
+    n, r = hvd.size(), hvd.rank()
+    if n == 1:
+        return
+    # The last rank joins at once; the others' queued async calls (which fuse nothing while a
+    # rank is joined: it takes part in one call at a time) sum its zeros.
+    if r == n - 1:
+        assert hvd.join() == n - 2 if n > 2 else hvd.join() == 0
+    else:
+        hs = [hvd.allreduce_async(torch.full((4,), float(r + i)), op=hvd.Sum) for i in range(30)]
+        for i, h in enumerate(hs):
+            assert hvd.synchronize(h).tolist() == [sum(q + i for q in range(n - 1))] * 4, i
+        hvd.join()
+    assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [n, n]
+
+
 def _adasum_reference(vectors):
     """float64 numpy: the pairwise tree at distance 1, 2, 4, ... (adasum.py's definition)."""
     level = [np.asarray(v, np.float64).reshape(-1) for v in vectors]
