@@ -108,11 +108,12 @@ class Executor:
         with self._cv:
             return [self._queue.popleft()[1] for _ in range(k)]
 
-    def finish(self, handle, result=None, error=None):
-        """Finish a handle from take()."""
-        handle._finish(result=result, error=error)
+    def finish(self, handles, results=None, error=None):
+        """Finish handles from take(): with results (one each), or all with error."""
+        for i, handle in enumerate(handles):
+            handle._finish(result=None if results is None else results[i], error=error)
         with self._cv:
-            self.pending -= 1
+            self.pending -= len(handles)
             self._cv.notify_all()
 
     def shutdown(self):

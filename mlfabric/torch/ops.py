@@ -772,34 +772,47 @@ def _fused_job(st, head, plan, what):
     try:
         results = _reduce_members([head] + followers[:len(taken)], plan)
     except BaseException as exc:
-        for handle in taken:
-            st.queue.finish(handle, error=exc)
+        st.queue.finish(taken, error=exc)
         raise
-    for handle, result in zip(taken, results[1:]):
-        st.queue.finish(handle, result=result)
+    st.queue.finish(taken, results[1:])
     return results[0]
 
 
 def _reduce_members(members, plan):
     """Allreduce the tensors of these calls (after the control round) as one wire buffer: each
-    call's result."""
+    call's result. Dense tensors of a dtype that travels as it is are copied in (and, when every
+    call is in place, back) by address, in one native call each way (~0.1 us a tensor, where
+    torch's copies cost ~1 us)."""
     srcs = [m.tensor.detach() for m in members]
+    dtype = srcs[0].dtype
     if len(srcs) == 1 and members[0].inplace and srcs[0].is_contiguous() and plan.pre == 1.0 \
-            and _wire(srcs[0].dtype) == srcs[0].dtype:
+            and _wire(dtype) == dtype:
         _allreduce_flat(srcs[0].view(-1), plan)  # straight into the tensor
         return [members[0].tensor]
-    flat = torch.cat([s.reshape(-1) for s in srcs]).to(_wire(srcs[0].dtype))
+    inplace = all(m.inplace for m in members)
+    direct = _wire(dtype) == dtype and all(s.is_contiguous() for s in srcs)
+    if direct:
+        ptrs = [s.data_ptr() for s in srcs]
+        nbytes = [m.nbytes for m in members]
+        flat = torch.empty(sum(nbytes) // dtype.itemsize, dtype=dtype)
+        _C.gather(flat.data_ptr(), ptrs, nbytes)
+    else:
+        flat = torch.cat([s.reshape(-1) for s in srcs]).to(_wire(dtype))
     if plan.pre != 1.0:
         flat.mul_(plan.pre)
     _allreduce_flat(flat, plan)
+    if inplace and direct:
+        _C.scatter(flat.data_ptr(), ptrs, nbytes)
+        _increment_version(srcs)  # as an in-place torch op would
+        return [m.tensor for m in members]
+    pieces = [p.view(s.shape) for p, s in zip(flat.split([s.numel() for s in srcs]), srcs)]
     results = []
-    for m, src, piece in zip(members, srcs, flat.split([s.numel() for s in srcs])):
-        piece = piece.view(src.shape)
+    for m, src, piece in zip(members, srcs, pieces):
         if m.inplace:
             src.copy_(piece)
             results.append(m.tensor)
         else:
-            results.append(piece.to(src.dtype))
+            results.append(piece.to(dtype))
     return results
 
 
