@@ -46,7 +46,7 @@ def _run(what, prepare, async_=False):
     def call():
         try:
             hdr, body = prepare(ctx)
-        except (TypeError, ValueError, MlfabricError) as exc:
+        except Exception as exc:  # any failed check: torch's RuntimeErrors, OverflowErrors too
             try:
                 _exchange_headers(ctx, what, header.rejected(what))
             except MlfabricError:
@@ -75,11 +75,57 @@ def _resolve_algorithm(ctx, algorithm, nbytes):
     return algorithm
 
 
+def _elements_overlap(shape, strides, itemsize):
+    """Whether two elements of an array overlap in memory: a stride of 0 (an expanded tensor, a
+    broadcast array) or strides that interleave (as_strided). Strides and itemsize in one unit."""
+    if 0 in shape:
+        return False
+    dims = sorted((abs(s), k) for s, k in zip(strides, shape) if k > 1)
+    span = itemsize  # the memory one step of the next (larger) stride must clear
+    for stride, k in dims:
+        if stride < span:  # the blocks may interleave: compare every element's start
+            starts = np.zeros(1, np.int64)
+            for s, n in dims:
+                starts = np.add.outer(starts, np.arange(n, dtype=np.int64) * s).ravel()
+            return bool((np.diff(np.sort(starts)) < itemsize).any())
+        span += stride * (k - 1)
+    return False
+
+
+def _wrap(x, name="x", writable=False):
+    """_buffers.wrap(x), refusing up front what would fail only after the data moved (this rank
+    raising while its peers have their results) or give a wrong result silently."""
+    torch = _buffers.is_torch(x)
+    if torch and x.layout != _buffers._torch().strided:
+        raise TypeError(f"{name} is a {x.layout} tensor; mlfabric moves dense (strided) tensors "
+                        f"only: pass {name}.to_dense()")
+    if writable and (torch or isinstance(x, np.ndarray)):
+        # A non-contiguous output is written back element by element: where elements share
+        # memory, it would keep only one of their results.
+        if _elements_overlap(x.shape, x.stride() if torch else x.strides,
+                             1 if torch else x.itemsize):
+            raise ValueError(f"{name} cannot take the result in place: elements of it share "
+                             "memory (an expanded tensor, a broadcast array?); pass an array "
+                             "of its own (.clone(), .copy())")
+        if torch and x.requires_grad:
+            # A contiguous tensor is written through a numpy view, outside autograd; the copy
+            # back into a non-contiguous one must be too, or a leaf that requires grad (or a
+            # view of one) would take the result in one layout and raise in another.
+            x = x.detach()
+    if torch and x.is_neg():
+        # numpy cannot view a lazily negated tensor (the .imag of a conjugate): a resolved copy
+        # stands for it, copied back into it when it is an output
+        buf = _buffers.wrap(x.resolve_neg(), name)
+        buf.obj, buf.copied = x, writable
+        return buf
+    return _buffers.wrap(x, name, writable)
+
+
 def _output(xb, out, what, count=None, shape=None):
     """(out object, its Buf): a new array shaped like `shape`, or the user's out, checked."""
     if out is None:
         return _buffers.empty_like(xb, shape)
-    ob = _buffers.wrap(out, "out", writable=True)
+    ob = _wrap(out, "out", writable=True)
     want = xb.count if count is None else count
     if ob.code != xb.code:
         raise TypeError(f"{what}: out has dtype {_dtypes.DTYPE_NAMES[ob.code]}, "
@@ -113,7 +159,7 @@ def _allreduce(x, op, out, algorithm, async_):
         return _gpu().allreduce(x, op, out, algorithm, async_)
 
     def prepare(ctx):
-        xb = _buffers.wrap(x)
+        xb = _wrap(x)
         opc, avg = _dtypes.op_code(op, xb.code)
         algo = _resolve_algorithm(ctx, algorithm, xb.nbytes)
         res, ob = _output(xb, out, what)
@@ -162,7 +208,7 @@ def _plain_plan(ctx, kind, x, op=None):
     key = (kind, x.dtype, x.shape, op)
     try:
         plan = ctx.plain_plans.get(key)
-    except TypeError:  # an unhashable op: the general path rejects it on every rank
+    except Exception:  # an unhashable op: the general path rejects it on every rank
         return None
     if plan is None:
         if len(ctx.plain_plans) >= 1024:
@@ -172,7 +218,7 @@ def _plain_plan(ctx, kind, x, op=None):
         try:
             code = _dtypes.numpy_dtype_code(x.dtype)
             opc, avg = _dtypes.op_code(op, code) if kind == "allreduce" else (0, False)
-        except (TypeError, ValueError):
+        except Exception:  # the general path raises it, on every rank
             return None
         hdr = header.make(kind, code, opc, avg, 0, x.shape, "shm")
         plan = ctx.plain_plans[key] = ctx.shm.plan(kind, code, opc,
@@ -184,14 +230,19 @@ def _direct(x, algorithm="auto"):
     """(context, x as a numpy array) when the call may take the direct path: every rank on one
     host, nothing queued before it, x a numpy array or a contiguous CPU torch tensor of a dtype
     numpy has (then a numpy view of its memory), and not a shared buffer longer than one step,
-    which the general path reads in place; else (None, None)."""
+    which the general path reads in place; else (None, None). A tensor numpy cannot view (one
+    with its negative bit set, a sparse one, vmap's batched one) takes the general path, which
+    copies it or refuses it inside the call: raised here, this rank's peers would wait for it."""
     ctx = (context._subs and context._local.ctx) or context._ctx  # context.get(), unchecked
     if ctx is None or ctx.shm is None or algorithm != "auto" or ctx.executor.pending:
         return None, None
     if type(x) is np.ndarray:
         arr, maybe_shared = x, _maybe_shared(x)
     else:
-        arr = _buffers.numpy_view(x)
+        try:
+            arr = _buffers.numpy_view(x)
+        except Exception:
+            arr = None
         if arr is None:
             return None, None
         maybe_shared = True  # a tensor does not tell who owns its memory: looked up below
@@ -237,7 +288,7 @@ def reduce(x, root=0, op="sum", out=None):
         return _gpu().reduce(x, root, op, out)
 
     def prepare(ctx):
-        xb = _buffers.wrap(x)
+        xb = _wrap(x)
         opc, avg = _dtypes.op_code(op, xb.code)
         r = _check_root(root, ctx.size)
         res, ob = _output(xb, out, what) if ctx.rank == r else (None, None)
@@ -272,7 +323,7 @@ def _broadcast(x, root, async_):
         return _gpu().broadcast(x, root, async_)
 
     def prepare(ctx):
-        xb = _buffers.wrap(x, writable=True)
+        xb = _wrap(x, writable=True)
         r = _check_root(root, ctx.size)
         if ctx.shm is not None:
             zc, peers = ctx.shm.zero_copy_info(xb)
@@ -311,7 +362,7 @@ def _allgather(x, out, async_):
         return _gpu().allgather(x, out, async_)
 
     def prepare(ctx):
-        xb = _buffers.wrap(x)
+        xb = _wrap(x)
         shape = (ctx.size * xb.shape[0], *xb.shape[1:]) if xb.shape else (ctx.size,)
         res, ob = _output(xb, out, what, ctx.size * xb.count, shape)
         if ctx.shm is not None:
@@ -364,7 +415,7 @@ def _reduce_scatter(x, op, out, async_):
         return _gpu().reduce_scatter(x, op, out, async_)
 
     def prepare(ctx):
-        xb = _buffers.wrap(x)
+        xb = _wrap(x)
         opc, avg = _dtypes.op_code(op, xb.code)
         if not xb.shape:
             raise ValueError("reduce_scatter needs an array with at least one dimension")
@@ -436,7 +487,7 @@ def send(x, dest, tag=0):
     """Send x to rank dest; blocks until x may be reused. The receiver's array must have the
     same dtype and number of elements: a mismatch raises MismatchError at the receiver."""
     ctx = context.get()
-    xb = _buffers.wrap(x)
+    xb = _wrap(x)
     dest = _check_root(dest, ctx.size)
     t = _user_tag(tag)
     meta = np.array([xb.code, xb.count], np.int64)
@@ -448,7 +499,7 @@ def send(x, dest, tag=0):
 def recv(x, source, tag=0):
     """Receive into x from rank source (in place); returns x. See send()."""
     ctx = context.get()
-    xb = _buffers.wrap(x, writable=True)
+    xb = _wrap(x, writable=True)
     source = _check_root(source, ctx.size)
     t = _user_tag(tag)
     meta = np.empty(2, np.int64)
@@ -542,12 +593,12 @@ def _alltoall(x, splits, async_):
 
     def call(ctx):
         try:
-            xb = _buffers.wrap(x)
+            xb = _wrap(x)
             if not xb.shape:
                 raise ValueError("alltoall needs an array with at least one dimension")
             send_rows = _alltoall_splits(splits, xb.shape[0], ctx.size)
             hdr = _alltoall_header(xb.code, tuple(xb.shape[1:]))
-        except (TypeError, ValueError, MlfabricError) as exc:
+        except Exception as exc:
             # Like _run(): a rank that refuses its arguments still joins the header round.
             rejected = header.rejected("alltoall")
             try:

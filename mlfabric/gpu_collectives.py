@@ -20,7 +20,7 @@ def _now(fn):
     exchange, as rejected, and its peers fail at once)."""
     try:
         value = fn()
-    except (TypeError, ValueError, MlfabricError) as exc:
+    except Exception as exc:  # any failed check (torch raises RuntimeErrors) is a rejection
         error = exc  # (the name `exc` is unbound when the except block ends)
 
         def fail():

@@ -2,6 +2,7 @@
 reference, odd sizes, in place and out of place, torch tensors, non-contiguous views, shared
 buffers (zero-copy), bitwise-identical results on every rank."""
 import numpy as np
+import pytest
 
 import mlfabric as mf
 
@@ -288,3 +289,151 @@ def case_single_copy_path_when_enabled():
     before = engine.cma_calls
     _allreduce_check("float32", "sum", 2_000_003, "shm", salt=1)
     assert engine.cma_calls == before + (lo < 2_000_003 * 4 <= hi)
+
+
+# --- one rank's bad input: its own error there, at once a MismatchError naming it elsewhere ----
+
+def _fails_alone(bad, fn, error, match):
+    """fn() on every rank: `error` matching `match` on rank bad (its own, not a peer's), a
+    MismatchError naming bad on the others."""
+    if mf.rank() == bad:
+        with pytest.raises(error, match=match) as info:
+            fn()
+        assert not isinstance(info.value, mf.MismatchError), info.value
+    else:
+        with pytest.raises(mf.MismatchError, match=rf"rank\(s\) \[{bad}\] rejected"):
+            fn()
+
+
+def _neg_ones(shape):
+    """A float32 tensor of ones with its negative bit set (the .imag of a conjugate)."""
+    return torch.full(shape, -1j).conj().imag
+
+
+def case_one_rank_tensor_numpy_cannot_view():
+    # Tensors numpy cannot view raise torch's own errors (RuntimeError, not only TypeError or
+    # ValueError), on the direct path too: the rank passing one must still join the call.
+    if torch is None:
+        return
+    n, r = mf.size(), mf.rank()
+    bad = n - 1
+    good = [torch.ones(4, 3, requires_grad=True), torch.ones(3, 4).t(), _neg_ones((4, 3))]
+    x = good[r % 3]  # views numpy can take, or the general path copies
+    rows = torch.ones(n, 3)
+
+    def batched(fn, shape):  # vmap's batched tensors have no storage numpy could view
+        return (lambda: torch.func.vmap(fn)(torch.ones(2, *shape))) if r == bad else \
+            (lambda: fn(torch.ones(shape)))
+    storage = "storage"  # torch: "Cannot access data pointer of Tensor that doesn't have storage"
+    _fails_alone(bad, batched(mf.allreduce, (4, 3)), RuntimeError, storage)
+    _fails_alone(bad, batched(mf.allgather, (4, 3)), RuntimeError, storage)
+    _fails_alone(bad, batched(mf.broadcast, (4, 3)), RuntimeError, storage)
+    _fails_alone(bad, batched(mf.reduce_scatter, (n, 3)), RuntimeError, storage)
+    _fails_alone(bad, batched(lambda t: mf.alltoall(t)[0], (n, 3)), RuntimeError, storage)
+    csr = torch.ones(4, 3).to_sparse_csr()  # is_contiguous() raises for it
+    _fails_alone(bad, lambda: mf.allreduce(csr if r == bad else x), TypeError, "dense")
+    coo = torch.ones(4, 3).to_sparse()
+    _fails_alone(bad, lambda: mf.allgather(coo if r == bad else x), TypeError, "dense")
+    _fails_alone(bad, lambda: mf.alltoall(coo if r == bad else rows), TypeError, "dense")
+    # the others' inputs, and the calls after, are fine
+    got = mf.allreduce(x)
+    assert isinstance(got, torch.Tensor) and (got == torch.full((4, 3), float(n))).all(), got
+    # A contiguous tensor with its negative bit set, in and out: copied, and copied back.
+    y = torch.full((1,), -1j * (r + 1)).conj().imag
+    assert y.is_neg() and y.is_contiguous() and y.item() == r + 1
+    assert mf.allreduce(y).item() == n * (n + 1) // 2
+    assert mf.broadcast(y, root=n - 1) is y and y.item() == n and y.is_neg()
+    assert mf.allreduce(y, out=y) is y and y.item() == n * n
+    got = mf.allgather(torch.full((2,), -1j * r).conj().imag)
+    assert got.tolist() == [float(q) for q in range(n) for _ in range(2)], got
+
+
+def case_one_rank_output_whose_elements_share_memory():
+    # An output where elements share memory would keep one result per location: refused before
+    # the call (before, a numpy one got a wrong result silently, and a torch one raised after
+    # the data moved, its peers going on with theirs).
+    n, r = mf.size(), mf.rank()
+    bad = 0
+    x = np.arange(6.0) + r
+    want = np.arange(6.0) * n + n * (n - 1) // 2
+    # a 0 stride (broadcast), and rows that interleave: [0 1 2], [1 2 3]
+    for shared in (np.lib.stride_tricks.as_strided(np.zeros(1), (6,), (0,)),
+                   np.lib.stride_tricks.as_strided(np.zeros(4), (2, 3), (8, 8))):
+        assert shared.flags.writeable
+        own = np.full(12, np.nan)[::2]  # not contiguous, but every element its own
+        out = shared if r == bad else own
+        _fails_alone(bad, lambda: mf.allreduce(x, out=out), ValueError, "share memory")
+        assert (shared == 0).all()
+    # strides that interleave without overlapping (offsets 0 2 4 and 3 5 7) are fine
+    apart = np.lib.stride_tricks.as_strided(np.zeros(8), (3, 2), (16, 24))
+    assert mf.allreduce(x, out=apart) is apart and (apart.ravel() == want).all(), apart
+    if torch is not None:
+        t = torch.arange(6.0) + r
+        expanded = torch.zeros(1).expand(6)
+
+        def out_of(shape):
+            return expanded if r == bad else torch.zeros(shape)
+        _fails_alone(bad, lambda: mf.allreduce(t, out=out_of(6)), ValueError, "share memory")
+        _fails_alone(bad, lambda: mf.allgather(t, out=out_of(6 * n)), ValueError, "share memory")
+        _fails_alone(bad, lambda: mf.broadcast(out_of(6)), ValueError, "share memory")
+        _fails_alone(bad, lambda: mf.reduce(t, root=bad, out=out_of(6) if r == bad else None),
+                     ValueError, "share memory")
+        rows = torch.ones(2 * n, 3)
+        _fails_alone(bad, lambda: mf.reduce_scatter(
+            rows, out=torch.zeros(1, 1).expand(2, 3) if r == bad else torch.zeros(2, 3)),
+            ValueError, "share memory")
+        assert (expanded == 0).all()
+        got = mf.allreduce(t, out=torch.zeros(3, 2).t())
+        assert (got.reshape(-1) == torch.from_numpy(want).float()).all(), got
+    got = mf.allreduce(x)
+    assert (got == want).all(), got
+
+
+def _grad_layouts(shape):
+    """Tensors of zeros that require grad, of shape `shape` (2-D): a contiguous leaf, a
+    transposed leaf, a leaf over every other column, a transposed view of a leaf."""
+    rows, cols = shape
+    return [torch.zeros(shape, requires_grad=True),
+            torch.zeros(cols, rows).t().requires_grad_(),
+            torch.zeros(rows, 2 * cols)[:, ::2].requires_grad_(),
+            torch.zeros(cols, rows, requires_grad=True).t()]
+
+
+def case_leaf_that_requires_grad_receives_in_any_layout():
+    # A contiguous one is written through numpy, outside autograd; a non-contiguous one was
+    # copied back with torch's copy_, which autograd refuses for a leaf that requires grad (or
+    # a view of one): the rank raised after the data moved, its peers going on.
+    if torch is None:
+        return
+    n, r = mf.size(), mf.rank()
+    x = torch.arange(12.0).reshape(4, 3) + 100 * r
+    total = torch.arange(12.0).reshape(4, 3) * n + 100 * n * (n - 1) // 2
+    for i in range(4):
+        pick = (i + r) % 4  # ranks mix the layouts within one call
+
+        def target(shape):
+            g = _grad_layouts(shape)[pick]
+            assert g.requires_grad and g.is_leaf == (pick != 3)
+            return g
+
+        g = target((4, 3))
+        assert mf.allreduce(x, out=g) is g and (g == total).all(), (pick, g)
+        g = target((4, 3))
+        with torch.no_grad():
+            g.copy_(x)
+        assert mf.allreduce(g, out=g) is g and (g == total).all(), (pick, g)
+        g = target((4, 3))
+        with torch.no_grad():
+            g.copy_(x)
+        root = i % n
+        assert mf.broadcast(g, root=root) is g and (g == x - 100 * (r - root)).all(), (pick, g)
+        g = target((4 * n, 3))
+        want = torch.cat([x - 100 * (r - q) for q in range(n)])
+        assert mf.allgather(x, out=g) is g and (g == want).all(), (pick, g)
+        g = target((4, 3))
+        got = mf.reduce(x, root=root, out=g if r == root else None)
+        assert (got is None) if r != root else (got is g and (g == total).all()), (pick, got)
+        big = torch.cat([x] * n)
+        g = target((4, 3))
+        assert mf.reduce_scatter(big, out=g) is g and (g == total).all(), (pick, g)
+        assert g.requires_grad and (g.grad_fn is None) == (pick != 3)  # autograd untouched
