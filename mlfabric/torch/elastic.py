@@ -32,7 +32,9 @@ Owns State / ObjectState / TorchState, ElasticSampler and run(). Differences fro
 no hosts are discovered or added beyond those replacements, so there are no host updates to
 check; the failure that triggers a reset is mlfabric's (PeerTimeoutError, or an error caused
 by a failed or revoked MPI process), and without ULFM a reset is refused with an error saying
-so (Open MPI ends the whole job when a rank dies, unless run with --with-ft ulfm).
+so (Open MPI ends the whole job when a rank dies, unless run with --with-ft ulfm); sync() first
+checks that every rank's state has the same attributes and samplers (a MismatchError on every
+rank otherwise, where Horovod lets the difference pass unnoticed).
 """
 import copy
 import functools
@@ -44,7 +46,7 @@ from mpi4py import MPI
 
 from .. import context as _context
 from .. import exit_guard, respawn
-from ..errors import MlfabricError, PeerTimeoutError
+from ..errors import MismatchError, MlfabricError, PeerTimeoutError
 
 _FAILED = {MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED}
 
@@ -95,6 +97,25 @@ class State:
     def sync(self):
         raise NotImplementedError
 
+    def _layout(self):
+        """What sync() needs alike on every rank, besides the values it sends (see _same_layout)."""
+        return {"class": type(self).__name__}
+
+
+def _same_layout(state):
+    """A MismatchError on every rank, before sync() moves anything, when the ranks' states differ
+    in layout: otherwise a rank's attribute rank 0 lacks would silently never be synced, and
+    samplers with different datasets or seeds would split the indices wrongly (each rank
+    draws its own order), with no error anywhere."""
+    from .functions import allgather_object
+    every = allgather_object(state._layout(), name="elastic.layout")
+    odd = [r for r, layout in enumerate(every) if layout != every[0]]
+    if odd:
+        raise MismatchError(f"elastic: rank(s) {odd} hold a state unlike rank 0's (the class, its "
+                            f"attributes, and its samplers' dataset size, shuffle and seed must be "
+                            f"the same on every rank): rank 0 {every[0]}, "
+                            + ", ".join(f"rank {r} {every[r]}" for r in odd))
+
 
 class ObjectState(State):
     """Attributes given as keyword arguments (state.epoch, state.batch, ...): committed as deep
@@ -115,7 +136,14 @@ class ObjectState(State):
         for name, value in self._saved.items():
             setattr(self, name, copy.deepcopy(value))
 
+    def _layout(self):
+        return dict(super()._layout(), attributes=sorted(self._names))
+
     def sync(self):
+        _same_layout(self)
+        self._sync_attributes()
+
+    def _sync_attributes(self):
         from .functions import broadcast_object
         self._saved = broadcast_object(self._saved, root_rank=0, name="elastic.state")
         ObjectState.restore(self)
@@ -151,9 +179,16 @@ class TorchState(ObjectState):
             getattr(self, name).load_state_dict(copy.deepcopy(saved))
         super().restore()
 
+    def _layout(self):
+        samplers = {name: {"dataset size": len(s.dataset), "shuffle": bool(s.shuffle),
+                           "seed": s.seed} for name, s in self._samplers.items()}
+        return dict(super()._layout(), model=self.model is not None,
+                    optimizer=self.optimizer is not None, samplers=samplers)
+
     def sync(self):
         from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                                 broadcast_parameters)
+        _same_layout(self)
         if self.model is not None:
             broadcast_parameters(self.model.state_dict(), root_rank=0)
         if self.optimizer is not None:
@@ -164,7 +199,7 @@ class TorchState(ObjectState):
             mine = broadcast_object(dict(sampler.state_dict(), processed_indices=done),
                                     root_rank=0, name=f"elastic.{name}")
             sampler.load_state_dict(mine)
-        super().sync()
+        self._sync_attributes()
         self._save_torch()  # what every rank now holds is the commit to roll back to
 
 
@@ -247,7 +282,13 @@ def run(func):
     size, from the last commit)."""
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
-        from .ops import barrier
+        from . import ops
+        if not all(callable(getattr(state, m, None)) for m in ("sync", "restore", "on_reset")):
+            # The others are in sync()'s first collective: they hear of it there, at once,
+            # instead of timing out and taking this live rank for a dead one (a reset).
+            ops._reject_call(None, "elastic.run", False)
+            raise TypeError(f"elastic.run: state must be an elastic State (TorchState, "
+                            f"ObjectState...), got {type(state).__name__}")
         while True:
             try:
                 state.sync()
@@ -256,7 +297,7 @@ def run(func):
                 # Done only when every rank is: a rank whose last call failed (a peer slower
                 # than MLFABRIC_TIMEOUT looks dead too) is shrinking, and would wait forever for
                 # one that had returned; this barrier fails there too and brings it along.
-                barrier()
+                ops.barrier()
                 return result
             except Exception as exc:  # noqa: BLE001 - only failures are handled, see below
                 if not is_failure(exc):

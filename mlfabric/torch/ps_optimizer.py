@@ -1,12 +1,13 @@
 """Parameter-server training for PyTorch models on the mlfabric runtime (mlfabric.ps): the job's
 roles, the server side (`serve_model`) and the worker side (`PSOptimizer`).
 
-    role = ps_init("async", tau_max=4)        # every rank; rank 0 schedules, rank 1 serves
+    role = ps_init("async")                   # every rank; rank 0 schedules, rank 1 serves
     model = build_model(seed=0)               # every rank builds the same initial model
     if role != "worker":
         summary = serve_model(model)          # server / replica / scheduler: until the job ends
     else:
-        opt = PSOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.parameters())
+        opt = PSOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.parameters(),
+                          tau_max=4)
         for x, y in data:
             opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
         summary = opt.finish()
@@ -28,7 +29,7 @@ import math
 import numpy as np
 
 from .. import ps
-from ..errors import MlfabricError
+from ..errors import MismatchError, MlfabricError
 from ..ps.driver import shards
 from ..runtime.roles import Roles
 
@@ -40,19 +41,49 @@ _job = {"mode": None, "roles": None, "servers": 1}
 def ps_init(mode="async", *, servers=1, replicas=0, comm=None, **settings):
     """Start configuring a parameter-server job on every rank; returns this rank's role
     ('scheduler', 'server', 'replica' or 'worker'). `settings` go to mlfabric.ps.init
-    (emulation, batch_interval, slack, gamma, seed, checkpoint_every, ...)."""
+    (emulation, batch_interval, slack, gamma, seed, checkpoint_every, ...).
+
+    Collective over `comm` (default: the world): a rank whose arguments ps.init would refuse
+    raises its error, and every other rank a MismatchError naming it, all before ps.init."""
     from mpi4py import MPI
-    if mode not in MODES:
-        raise ValueError("mode must be one of %s, got %r" % (", ".join(MODES), mode))
-    comm = MPI.COMM_WORLD if comm is None else comm
-    roles = Roles(comm.size, servers, replicas)
-    if not roles.worker_ranks:
-        raise MlfabricError("a parameter-server job of %d ranks with %d server(s) and %d "
-                            "replica(s) has no workers: %s" % (comm.size, servers, replicas,
-                                                               roles.describe()))
+    problem = _checked_job(mode, servers, replicas, comm, settings)
+    # ps.init duplicates the communicator (MPI's own collective, with no timeout): a rank that
+    # raised before it would leave the others waiting there forever, so all agree first. (A
+    # comm that is not one was refused; it can only have been meant for ranks this one cannot
+    # name: the world's hear of it, as with the default.)
+    comm = comm if isinstance(comm, MPI.Intracomm) else MPI.COMM_WORLD
+    refused = [r for r, bad in enumerate(comm.allgather(problem is not None)) if bad]
+    if problem is not None:
+        raise problem
+    if refused:
+        raise MismatchError("ps_init: rank(s) %s refused their arguments (see the error on "
+                            "those ranks); no job was started" % refused)
     role = ps.init(MODES[mode], servers=servers, replicas=replicas, comm=comm, **settings)
-    _job.update(mode=mode, roles=roles, servers=servers, rank=comm.rank)
+    _job.update(mode=mode, roles=Roles(comm.size, servers, replicas), servers=servers,
+                rank=comm.rank)
     return role
+
+
+def _checked_job(mode, servers, replicas, comm, settings):
+    """The error ps_init's arguments raise on this rank (ps.init's own checks, made here before
+    anything collective), or None."""
+    from mpi4py import MPI
+    from ..emulate import Emulation
+    from ..runtime.core import Config
+    try:
+        if not (isinstance(mode, str) and mode in MODES):
+            raise ValueError("mode must be one of %s, got %r" % (", ".join(MODES), mode))
+        if comm is not None and not isinstance(comm, MPI.Intracomm):
+            raise TypeError("comm must be an MPI intracommunicator, got %r" % (comm,))
+        # ps.init's settings are Config's fields (a TypeError names an unknown one), emulation
+        # None standing for the default
+        if settings.get("emulation", 0) is None:
+            settings = dict(settings, emulation=Emulation())
+        Config(mode=MODES[mode], servers=servers, replicas=replicas, **settings)
+        Roles((MPI.COMM_WORLD if comm is None else comm).size, servers, replicas)
+    except Exception as exc:  # noqa: BLE001 - every rank hears of it, then it is raised
+        return exc
+    return None
 
 
 def _flat(params):

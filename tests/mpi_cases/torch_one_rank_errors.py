@@ -172,3 +172,69 @@ def case_sparse_allreduce_with_a_process_set_that_is_not_one():
     t = torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (4,))
     _one_bad(lambda: hvd.sparse_allreduce_async(t, process_set="x"),
              lambda: hvd.synchronize(hvd.sparse_allreduce_async(t)), TypeError)
+
+
+# --- mlfabric.torch.ps_init: nothing collective of mlfabric's own yet -----------------------------
+
+def _ps_init_one_bad(bad_args, bad_error):
+    """ps_init(**bad_args) on the last rank, ps_init("async") on the others. A job needs a
+    scheduler, a server and a worker: with fewer ranks the others refuse the size on their own
+    (their own error, not one naming the last rank), and one rank only checks its own error."""
+    big_enough = hvd.size() >= 3
+    _one_bad(lambda: hvd.ps_init(**bad_args), lambda: hvd.ps_init("async"), bad_error,
+             hvd.MismatchError if big_enough else hvd.MlfabricError,
+             None if big_enough else "too few")
+
+
+def case_ps_init_with_a_mode_that_is_not_one():
+    """The others used to go on into mlfabric.ps.init's communicator Dup and wait there forever
+    (MPI's own collective: no MLFABRIC_TIMEOUT)."""
+    _ps_init_one_bad({"mode": "nope"}, ValueError)
+    _ps_init_one_bad({"mode": ["async"]}, ValueError)
+
+
+def case_ps_init_with_settings_it_refuses():
+    _ps_init_one_bad({"mode": "async", "slack": -1}, hvd.MlfabricError)
+    _ps_init_one_bad({"mode": "async", "tau_max": 4}, TypeError)  # a PSOptimizer argument
+    _ps_init_one_bad({"mode": "async", "servers": 0}, hvd.MlfabricError)
+    _ps_init_one_bad({"mode": "async", "comm": "world"}, TypeError)
+
+
+# --- mlfabric.torch.elastic ----------------------------------------------------------------------
+
+def case_elastic_run_with_a_state_that_is_not_one():
+    """The others, in the state's sync(), used to wait for the timeout and then take this live
+    rank for a dead one (a reset)."""
+    @hvd.elastic.run
+    def work(state):
+        return state.x
+
+    _one_bad(lambda: work(None), lambda: work(hvd.elastic.ObjectState(x=1)), TypeError)
+    assert work(hvd.elastic.ObjectState(x=hvd.rank())) == 0  # rank 0's, synced
+
+
+def _layouts_differ(bad_state, good_state):
+    """sync() of states that differ in layout on the last rank: a MismatchError everywhere
+    (there used to be none: the difference went unnoticed). One rank has nothing to differ from."""
+    if hvd.size() > 1:
+        _one_bad(lambda: bad_state().sync(), lambda: good_state().sync(), hvd.MismatchError)
+
+
+def case_elastic_state_with_an_attribute_rank_0_lacks():
+    """The attribute was never synced: the last rank kept its own value."""
+    _layouts_differ(lambda: hvd.elastic.ObjectState(epoch=0, batch=hvd.rank()),
+                    lambda: hvd.elastic.ObjectState(epoch=0))
+
+
+def case_elastic_sampler_with_another_seed():
+    """Each rank shuffles by its own seed: the ranks' shares overlapped and missed indices."""
+    def state(seed):
+        return lambda: hvd.elastic.TorchState(
+            sampler=hvd.elastic.ElasticSampler(range(10), seed=seed), epoch=0)
+    _layouts_differ(state(1), state(0))
+
+
+def case_elastic_sampler_over_another_dataset():
+    def state(size):
+        return lambda: hvd.elastic.TorchState(sampler=hvd.elastic.ElasticSampler(range(size)))
+    _layouts_differ(state(11), state(10))
