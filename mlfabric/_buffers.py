@@ -68,6 +68,23 @@ class Buf:
             np.copyto(self.obj, src.view(self.obj.dtype))
 
 
+def elements_overlap(shape, strides, itemsize):
+    """Whether two elements of an array overlap in memory: a stride of 0 (an expanded tensor, a
+    broadcast array) or strides that interleave (as_strided). Strides and itemsize in one unit."""
+    if 0 in shape:
+        return False
+    dims = sorted((abs(s), k) for s, k in zip(strides, shape) if k > 1)
+    span = itemsize  # the memory one step of the next (larger) stride must clear
+    for stride, k in dims:
+        if stride < span:  # the blocks may interleave: compare every element's start
+            starts = np.zeros(1, np.int64)
+            for s, n in dims:
+                starts = np.add.outer(starts, np.arange(n, dtype=np.int64) * s).ravel()
+            return bool((np.diff(np.sort(starts)) < itemsize).any())
+        span += stride * (k - 1)
+    return False
+
+
 def is_torch(x):
     torch = _torch()
     return torch is not None and isinstance(x, torch.Tensor)

@@ -75,23 +75,6 @@ def _resolve_algorithm(ctx, algorithm, nbytes):
     return algorithm
 
 
-def _elements_overlap(shape, strides, itemsize):
-    """Whether two elements of an array overlap in memory: a stride of 0 (an expanded tensor, a
-    broadcast array) or strides that interleave (as_strided). Strides and itemsize in one unit."""
-    if 0 in shape:
-        return False
-    dims = sorted((abs(s), k) for s, k in zip(strides, shape) if k > 1)
-    span = itemsize  # the memory one step of the next (larger) stride must clear
-    for stride, k in dims:
-        if stride < span:  # the blocks may interleave: compare every element's start
-            starts = np.zeros(1, np.int64)
-            for s, n in dims:
-                starts = np.add.outer(starts, np.arange(n, dtype=np.int64) * s).ravel()
-            return bool((np.diff(np.sort(starts)) < itemsize).any())
-        span += stride * (k - 1)
-    return False
-
-
 def _wrap(x, name="x", writable=False):
     """_buffers.wrap(x), refusing up front what would fail only after the data moved (this rank
     raising while its peers have their results) or give a wrong result silently."""
@@ -102,7 +85,7 @@ def _wrap(x, name="x", writable=False):
     if writable and (torch or isinstance(x, np.ndarray)):
         # A non-contiguous output is written back element by element: where elements share
         # memory, it would keep only one of their results.
-        if _elements_overlap(x.shape, x.stride() if torch else x.strides,
+        if _buffers.elements_overlap(x.shape, x.stride() if torch else x.strides,
                              1 if torch else x.itemsize):
             raise ValueError(f"{name} cannot take the result in place: elements of it share "
                              "memory (an expanded tensor, a broadcast array?); pass an array "

@@ -49,6 +49,7 @@ import torch
 from torch.autograd.graph import increment_version as _increment_version
 
 from .. import _C
+from .. import _buffers
 from .. import collectives as _coll
 from .. import context as _context
 from .. import shared as _shared
@@ -128,9 +129,10 @@ def _check_tensor(t, what, arg="tensor"):
 
 def _check_writable(t, what, arg="tensor"):
     """t can take a result in place: no two of its elements share memory (an expanded tensor's
-    do: torch refuses to write there). Checked before the call, as a rank that failed only when
-    writing, after its peers moved on, would leave them waiting (or a later call paired wrongly)."""
-    if not t.is_contiguous() and any(s == 0 and n > 1 for s, n in zip(t.stride(), t.shape)):
+    do, or an as_strided one's: torch refuses to write there, or keeps one result of several).
+    Checked before the call, as a rank that failed only when writing, after its peers moved on,
+    would leave them waiting (or a later call paired wrongly)."""
+    if not t.is_contiguous() and _buffers.elements_overlap(t.shape, t.stride(), 1):
         raise ValueError(f"{what}: {arg} cannot receive the result in place: elements of it share "
                          "memory (an expanded tensor?); pass a tensor of its own (.clone())")
 

@@ -113,6 +113,19 @@ def case_grouped_allreduce_into_an_expanded_tensor():
     _one_bad(lambda: call(torch.ones(1).expand(4)), lambda: call(torch.ones(4)), ValueError)
 
 
+def case_allreduce_in_place_into_interleaved_elements():
+    """as_strided rows that overlap (no stride 0): an allreduce_ there would keep one of several
+    results per element (or fail writing back after its peers moved on): refused up front, in
+    the in-place and the fused async path alike."""
+    def overlapping():
+        return torch.zeros(6).as_strided((3, 3), (1, 1))
+    _one_bad(lambda: hvd.allreduce_(overlapping(), op=hvd.Sum),
+             lambda: hvd.allreduce_(torch.zeros(3, 3), op=hvd.Sum), ValueError)
+    _one_bad(lambda: hvd.synchronize(hvd.allreduce_async_(overlapping(), op=hvd.Sum)),
+             lambda: hvd.synchronize(hvd.allreduce_async_(torch.zeros(3, 3), op=hvd.Sum)),
+             ValueError)
+
+
 def case_broadcast_parameters_into_an_expanded_tensor():
     def params(last):
         return [("a", torch.ones(2, dtype=torch.float64)), ("b", last)]
