@@ -1,7 +1,7 @@
-"""The torch.distributed backend "mlfabric" (mlfabric/torch/backend.py) under real mpirun at 2 and
-3 ranks (its subgroups also at 4): every collective through torch.distributed against a float64
-reference, errors on every rank, DDP over mlfabric against DDP over gloo in the same job
-(tests/mpi_cases/torch_backend.py)."""
+"""The torch.distributed backend "mlfabric" (mlfabric/torch/backend.py) under real mpirun at 1, 2
+and 3 ranks (its subgroups also at 4): every collective through torch.distributed against a
+float64 reference, one rank's bad input as an error on every rank, DDP over mlfabric against DDP
+over gloo in the same job (tests/mpi_cases/torch_backend.py)."""
 import pytest
 
 from tests.mpi_util import run_cases
@@ -11,7 +11,7 @@ pytestmark = pytest.mark.mpi
 torch = pytest.importorskip("torch")
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [1, 2, 3])
 def test_torch_backend(n):
     run_cases("torch_backend", n, timeout=240)
 

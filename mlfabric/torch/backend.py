@@ -25,15 +25,18 @@ finalize (destroy_process_group does not free it sooner). CUDA tensors move over
 are copied on the stream that was current when the call was made. torch's timeout argument is
 not used: mlfabric's own bound (MLFABRIC_TIMEOUT) applies.
 
-Calls: every torch call is one mlfabric call, in the order issued. Collectives are non-blocking:
-Work.wait() returns, and the Work's future completes, when mlfabric is done; send, recv, reduce
-and barrier complete before they return (mlfabric has no non-blocking forms of them). Future
-callbacks run on a small thread pool, so one may wait for another collective; but a collective
-issued from a callback races the training thread for its place in the issue order, which must
-be the same on every rank, so hooks that do that (PowerSGD) are not supported. all_to_all needs
-equal splits and moves its data with one allgather (size times the bytes of a true
-all-to-all). Reductions: SUM, AVG, PRODUCT, MIN, MAX on float32/64, float16, bfloat16, int32,
-int64; calls that only move data carry any dtype (narrow ones widened, complex as pairs).
+Calls: every torch call is one mlfabric call (gather and sparse all_reduce: more, below), in the
+order issued. Collectives are non-blocking: Work.wait() returns, and the Work's future
+completes, when mlfabric is done; send, recv, reduce and barrier complete before they return
+(mlfabric has no non-blocking forms of them). Future callbacks run on a small thread pool, so
+one may wait for another collective; but a collective issued from a callback races the training
+thread for its place in the issue order, which must be the same on every rank, so hooks that do
+that (PowerSGD) are not supported. all_to_all needs equal splits and moves its data with one
+allgather (size times the bytes of a true all-to-all); gather is an allgather too, after one
+small allgather of the ranks' roots (an allgather's header has none to compare). Outputs are
+checked before the call: one whose elements share memory (an expanded tensor) is refused.
+Reductions: SUM, AVG, PRODUCT, MIN, MAX on float32/64, float16, bfloat16, int32, int64; calls
+that only move data carry any dtype (narrow ones widened, complex as pairs).
 all_reduce of a sparse COO tensor (SUM or AVG) is gloo's sparse allreduce, which DDP uses for
 nn.Embedding(sparse=True): allgathers of every rank's entries (sparse.combine sums them).
 """
@@ -55,6 +58,7 @@ from torch._C._distributed_c10d import (AllreduceCoalescedOptions, AllreduceOpti
                                         ReduceScatterOptions, ScatterOptions)
 
 import mlfabric as mf
+from mlfabric import _buffers
 from mlfabric import context as _context
 from mlfabric.comm import nccl as _nccl
 from mlfabric.errors import MismatchError, MlfabricError
@@ -225,6 +229,17 @@ def _tensors(ts, what, n=None):
     return [_tensor(t, what) for t in ts]
 
 
+def _writable(ts, what, role="output"):
+    """ts (a tensor or a list), checked that each can take a result. Checked with the arguments,
+    before the call: a rank that failed only when writing, after the data moved, would leave
+    its peers with their results and no error (or, for a call that runs in place, hanging)."""
+    for t in [ts] if isinstance(ts, torch.Tensor) else ts:
+        if not t.is_contiguous() and _buffers.elements_overlap(t.shape, t.stride(), 1):
+            _fail(ValueError(f"{what}: {role} cannot take the result: elements of it share "
+                             "memory (an expanded tensor?); pass a tensor of its own (.clone())"))
+    return ts
+
+
 def _one(ts, what):
     """The single tensor of a per-device list (the mlfabric backend is one CPU device)."""
     ts = _tensors(ts, what)
@@ -267,9 +282,24 @@ def _wire(t):
     return t.to(torch.int32)
 
 
+def _into(t):
+    """What mlfabric writes t's result into: t's own memory when t is contiguous, else a
+    contiguous copy that _back puts into t. So every copy into a caller's tensor is _put's
+    (detached; in inference mode for an inference tensor), none mlfabric's own."""
+    return t.detach().contiguous()
+
+
 def _copied(w, t):
-    """True when _wire(t) made a copy (results must be put back), not a view of t."""
-    return w.dtype != t.dtype and w.data_ptr() != t.data_ptr()
+    """True when w (from _wire or _into) is a copy of t (results must be put back), not t's
+    memory."""
+    return w.data_ptr() != t.data_ptr()
+
+
+def _back(t, w):
+    """After mlfabric wrote w = _into(t) (or _into(_wire(t))): t holds the result. [t]."""
+    if _copied(w, t):
+        _put(t, w)
+    return [t]
 
 
 def _flat(t):
@@ -277,10 +307,39 @@ def _flat(t):
 
 
 def _put(dst, src):
-    """Copy src's elements into dst (any layout; src may be wider or a real view: cast back)."""
+    """Copy src's elements into dst (any layout; src may be wider or a real view: cast back).
+    Detached: the backend writes results as gloo does, where autograd does not look (a leaf that
+    requires grad takes them). An inference tensor is written in inference mode: this runs on
+    mlfabric's thread, outside the caller's inference_mode() if any."""
+    dst = dst.detach()
     if dst.is_complex() and not src.is_complex():
         src = torch.view_as_complex(src.reshape(*dst.shape, 2).contiguous())
-    dst.copy_(src.reshape(dst.shape))
+    with torch.inference_mode(dst.is_inference()):
+        dst.copy_(src.reshape(dst.shape))
+
+
+def _equal_splits(splits, t, n, what, name):
+    """Rows of t's dimension 0 going to (or coming from) each of n ranks. torch's split sizes
+    (empty: none given) must be n, add up to dimension 0, and be equal, the only kind this
+    backend moves; none given, dimension 0 must divide by n. The allgather that carries the
+    call moves equal blocks of elements whatever the splits say: a split that does not fit
+    would be a wrong result, not an error."""
+    if t.dim() == 0:
+        _fail(ValueError(f"{what}: the {name} needs a dimension 0 to split"))
+    rows = t.shape[0]
+    if not splits:
+        if rows % n:
+            _fail(ValueError(f"{what}: {name} dimension 0 ({rows}) does not split into {n} "
+                             "equal parts"))
+        return rows // n
+    splits = [int(s) for s in splits]
+    if len(splits) != n or sum(splits) != rows:
+        _fail(ValueError(f"{what}: {name} split sizes {splits}: expected {n} (one per rank) "
+                         f"adding up to the {name}'s dimension 0 ({rows})"))
+    if len(set(splits)) != 1:
+        _fail(NotImplementedError(f"{what}: the mlfabric backend supports equal splits only, "
+                                  f"got {name} split sizes {splits}"))
+    return splits[0]
 
 
 # --- the process group ----------------------------------------------------------------------------
@@ -317,12 +376,12 @@ class MlfabricProcessGroup(dist.ProcessGroup):
         if isinstance(tensors, (list, tuple)) and len(tensors) == 1 and \
                 getattr(tensors[0], "layout", None) == torch.sparse_coo:
             return self._sparse_allreduce(tensors[0], op, what)
-        ts = _tensors(tensors, what)
+        ts = _writable(_tensors(tensors, what), what)
         if not ts:
             _fail(ValueError(f"{what}: empty tensor list"))
         if len(ts) == 1:
-            t = ts[0]
-            return _launch(what, mf.allreduce_async(t, op=op, out=t), lambda _: ts)
+            t, w = ts[0], _into(ts[0])
+            return _launch(what, mf.allreduce_async(w, op=op, out=w), lambda _: _back(t, w))
         _same(ts, ts[0], what)
         if any(t.shape != ts[0].shape for t in ts):
             _fail(ValueError(f"{what}: the tensors of one call must share one shape"))
@@ -336,7 +395,7 @@ class MlfabricProcessGroup(dist.ProcessGroup):
 
         def finish(res):
             for t in ts:
-                t.copy_(res)
+                _put(t, res)
             return ts
         return _launch(what, mf.allreduce_async(local, op=op, out=local), finish)
 
@@ -387,7 +446,7 @@ class MlfabricProcessGroup(dist.ProcessGroup):
         """Reduce several tensors of one dtype in one call (packed into one buffer)."""
         what = "allreduce_coalesced"
         op = _op(opts if opts is not None else AllreduceCoalescedOptions(), what)
-        ts = _tensors(tensors, what)
+        ts = _writable(_tensors(tensors, what), what)
         if not ts:
             return _completed([])
         for t in ts:
@@ -413,31 +472,39 @@ class MlfabricProcessGroup(dist.ProcessGroup):
         op = _op(opts, what)
         t = _one(tensors, what)
         root = self._root(opts.rootRank, what)
-        mf.reduce(t, root=root, op=op, out=t if self._rank == root else None)
-        return _completed([t])
+        if self._rank == root:
+            _writable(t, what, "the root's tensor")
+        w = _into(t)
+        out = w if self._rank == root else None
+        mf.reduce(w, root=root, op=op, out=out)
+        return _completed(_back(t, w) if out is not None else [t])
 
     @_checked
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         """Rank r's output gets the reduction of every rank's input_tensors[0][r]."""
         what = "reduce_scatter"
         op = _op(opts if opts is not None else ReduceScatterOptions(), what)
-        out = _one(output_tensors, what)
+        out = _writable(_one(output_tensors, what), what)
         ins = [_tensors(x, what, self._size) for x in input_tensors]
         if len(ins) != 1:
             _fail(ValueError(f"{what}: expected one list of {self._size} input tensors"))
         _same(ins[0], out, what, role="input")
         stack = torch.stack([_flat(x.detach()) for x in ins[0]])  # (size, numel): row r to rank r
-        return _launch(what, mf.reduce_scatter_async(stack, op=op, out=out), lambda _: [out])
+        w = _into(out)
+        return _launch(what, mf.reduce_scatter_async(stack, op=op, out=w),
+                       lambda _: _back(out, w))
 
     @_checked
     def reduce_scatter_single(self, output, input, opts=None):
         """Rank r's output gets the reduction of every rank's r-th 1/size of input."""
         what = "reduce_scatter_single"
         op = _op(opts if opts is not None else ReduceScatterOptions(), what)
-        out, inp = _tensor(output, what), _tensor(input, what)
+        out, inp = _writable(_tensor(output, what), what), _tensor(input, what)
         _same([inp], out, what, out.numel() * self._size, "input")
         rows = inp.detach().reshape(self._size, out.numel())
-        return _launch(what, mf.reduce_scatter_async(rows, op=op, out=out), lambda _: [out])
+        w = _into(out)
+        return _launch(what, mf.reduce_scatter_async(rows, op=op, out=w),
+                       lambda _: _back(out, w))
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -446,7 +513,8 @@ class MlfabricProcessGroup(dist.ProcessGroup):
         """reduce_scatter_single of several (output, input) pairs of one dtype, in one call."""
         what = "reduce_scatter_single_coalesced"
         op = _op(opts if opts is not None else ReduceScatterOptions(), what)
-        outs, ins = _tensors(outputs, what), _tensors(inputs, what, len(outputs))
+        outs = _writable(_tensors(outputs, what), what)
+        ins = _tensors(inputs, what, len(outputs))
         if not outs:
             return _completed([])
         for o, i in zip(outs, ins):
@@ -477,13 +545,11 @@ class MlfabricProcessGroup(dist.ProcessGroup):
         if opts.rootTensor != 0:
             _fail(ValueError(f"{what}: rootTensor must be 0 (one tensor per call)"))
         root = self._root(opts.rootRank, what)
-        w = _wire(t)
-
-        def finish(_):
-            if _copied(w, t):
-                _put(t, w)
-            return [t]
-        return _launch(what, mf.broadcast_async(w, root=root), finish)
+        if self._rank != root:  # the root's tensor is only read
+            _writable(t, what, "tensor")
+        w = _into(_wire(t))
+        return _launch(what, mf.broadcast_async(w, root=root),
+                       lambda _: _back(t, w) if self._rank != root else [t])
 
     @_checked
     def allgather(self, output_tensors, input_tensors, opts=None):
@@ -493,7 +559,7 @@ class MlfabricProcessGroup(dist.ProcessGroup):
         outs = [_tensors(o, what, self._size) for o in output_tensors]
         if len(outs) != 1:
             _fail(ValueError(f"{what}: expected one list of {self._size} output tensors"))
-        _same(outs[0], inp, what, role="output")
+        _same(_writable(outs[0], what), inp, what, role="output")
         flat = _flat(_wire(inp.detach()))
         n = flat.numel()
 
@@ -507,11 +573,12 @@ class MlfabricProcessGroup(dist.ProcessGroup):
     def all_gather_single(self, output, input, opts=None):
         """output (size x input's elements) gets every rank's input, in rank order."""
         what = "all_gather_single"
-        out, inp = _tensor(output, what), _tensor(input, what)
+        out, inp = _writable(_tensor(output, what), what), _tensor(input, what)
         _same([out], inp, what, inp.numel() * self._size, "output")
         w = _wire(inp.detach())
         if w.dtype == inp.dtype:  # straight into output, no staging copy
-            return _launch(what, mf.allgather_async(_flat(w), out=out), lambda _: [out])
+            o = _into(out)
+            return _launch(what, mf.allgather_async(_flat(w), out=o), lambda _: _back(out, o))
 
         def finish(res):
             _put(out, res)
@@ -524,7 +591,8 @@ class MlfabricProcessGroup(dist.ProcessGroup):
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         """all_gather_single of several (output, input) pairs of one dtype, in one call."""
         what = "all_gather_single_coalesced"
-        outs, ins = _tensors(outputs, what), _tensors(inputs, what, len(outputs))
+        outs = _writable(_tensors(outputs, what), what)
+        ins = _tensors(inputs, what, len(outputs))
         if not outs:
             return _completed([])
         for o, i in zip(outs, ins):
@@ -546,7 +614,8 @@ class MlfabricProcessGroup(dist.ProcessGroup):
 
     @_checked
     def gather(self, output_tensors, input_tensors, opts=None):
-        """opts.rootRank's output_tensors[0][r] gets rank r's input (one allgather)."""
+        """opts.rootRank's output_tensors[0][r] gets rank r's input (one allgather, after the
+        ranks compare roots)."""
         what = "gather"
         opts = opts if opts is not None else GatherOptions()
         inp = _one(input_tensors, what)
@@ -555,7 +624,8 @@ class MlfabricProcessGroup(dist.ProcessGroup):
         if self._rank == root:
             if len(outs) != 1:
                 _fail(ValueError(f"{what}: root needs one list of {self._size} output tensors"))
-            _same(outs[0], inp, what, role="output")
+            _same(_writable(outs[0], what), inp, what, role="output")
+        self._same_root(root, what)
         flat = _flat(_wire(inp.detach()))
         n = flat.numel()
 
@@ -572,7 +642,7 @@ class MlfabricProcessGroup(dist.ProcessGroup):
         """Rank r's output gets opts.rootRank's input_tensors[0][r] (one broadcast)."""
         what = "scatter"
         opts = opts if opts is not None else ScatterOptions()
-        out = _one(output_tensors, what)
+        out = _writable(_one(output_tensors, what), what)
         root = self._root(opts.rootRank, what)
         w = _wire(out.detach())
         rows = torch.empty((self._size, w.numel()), dtype=w.dtype)  # row r goes to rank r
@@ -595,15 +665,9 @@ class MlfabricProcessGroup(dist.ProcessGroup):
         """Equal splits only: rank r's output block j is rank j's input block r. Carried by one
         allgather (size times the bytes of a true all-to-all)."""
         what = "all_to_all_single"
-        out, inp = _tensor(output, what), _tensor(input, what)
-        for name, splits in (("output", output_split_sizes), ("input", input_split_sizes)):
-            if splits and len(set(splits)) != 1:
-                _fail(NotImplementedError(
-                    f"{what}: the mlfabric backend supports equal splits only, got {name} "
-                    f"split sizes {list(splits)}"))
-        if inp.numel() % self._size:
-            _fail(ValueError(f"{what}: input of {inp.numel()} elements does not split into "
-                             f"{self._size} equal blocks"))
+        out, inp = _writable(_tensor(output, what), what), _tensor(input, what)
+        _equal_splits(output_split_sizes, out, self._size, what, "output")
+        _equal_splits(input_split_sizes, inp, self._size, what, "input")
         _same([out], inp, what, role="output")
         return self._all_to_all(what, [out], _flat(_wire(inp.detach())))
 
@@ -613,7 +677,7 @@ class MlfabricProcessGroup(dist.ProcessGroup):
     def alltoall(self, output_tensors, input_tensors, opts=None):
         """Rank r's output_tensors[j] gets rank j's input_tensors[r]; all of one size and dtype."""
         what = "alltoall"
-        outs = _tensors(output_tensors, what, self._size)
+        outs = _writable(_tensors(output_tensors, what, self._size), what)
         ins = _tensors(input_tensors, what, self._size)
         _same(outs + ins, ins[0], what)
         flat = torch.cat([_flat(_wire(x.detach())) for x in ins])
@@ -652,12 +716,10 @@ class MlfabricProcessGroup(dist.ProcessGroup):
     @_checked_p2p
     def recv(self, tensors, src, tag=0):
         """Receive into one tensor from rank src; complete on return."""
-        t = _one(tensors, "recv")
-        w = _wire(t)
+        t = _writable(_one(tensors, "recv"), "recv")
+        w = _into(_wire(t))
         mf.recv(w, int(src), tag=int(tag))
-        if _copied(w, t):
-            _put(t, w)
-        return _completed([t])
+        return _completed(_back(t, w))
 
     def recv_anysource(self, tensors, tag=0):
         raise NotImplementedError("recv from any source (dist.recv(src=None)) is not supported "
@@ -671,6 +733,16 @@ class MlfabricProcessGroup(dist.ProcessGroup):
         if not 0 <= root < self._size:
             _fail(ValueError(f"{what}: root rank {root} is not in [0, {self._size})"))
         return int(root)
+
+    def _same_root(self, root, what):
+        """For a rooted call carried by an allgather (gather), whose header has no root: the
+        ranks compare roots first (one small allgather); else ranks naming different ones
+        would each take a wrong result, silently."""
+        roots = mf.allgather(np.array([root], np.int64)).tolist()
+        if len(set(roots)) > 1:
+            by_root = "; ".join(f"{q} on rank(s) {[r for r, x in enumerate(roots) if x == q]}"
+                                for q in sorted(set(roots)))
+            raise MismatchError(f"{what}: ranks disagree on root: {by_root}")
 
 
 # --- creation, rendezvous, registration -----------------------------------------------------------

@@ -5,6 +5,7 @@ input as an error on every rank, and DDP over mlfabric against DDP over gloo in 
 The world group is init_process_group("mlfabric") with none of torch's env:// variables set; the
 gloo group the DDP comparison needs is a new_group beside it (it uses the TCPStore the mlfabric
 rendezvous serves)."""
+import contextlib
 import os
 
 import numpy as np
@@ -64,6 +65,27 @@ def _still_works():
     t = torch.ones(100, dtype=torch.float64)
     dist.all_reduce(t)
     assert (t == n).all()
+
+
+@contextlib.contextmanager
+def _naming(what):
+    """A failed check inside (pytest's "DID NOT RAISE" too) names the call it was about."""
+    try:
+        yield
+    except (AssertionError, pytest.fail.Exception) as exc:
+        raise AssertionError(f"{what}: {exc}") from None
+
+
+def _refused_on(bad, what, fn, *needles):
+    """fn raises on rank `bad` its own ValueError (naming needles), on every other rank a
+    MismatchError naming `bad`; then the group still works."""
+    _, r = _n_r()
+    with _naming(what):
+        if r == bad:
+            _expect_everywhere(ValueError, fn, *needles)
+        else:
+            _expect_everywhere(mf.MismatchError, fn, f"rank(s) [{bad}] rejected")
+    _still_works()
 
 
 # --- setup ------------------------------------------------------------------------------------
@@ -291,6 +313,49 @@ def case_send_recv_ring_and_barrier():
     dist.barrier()
 
 
+def case_leaf_that_requires_grad_takes_a_broadcast_in_any_layout():
+    """A leaf that requires grad (a parameter) takes results as under gloo, contiguous or not,
+    directly written or copied back (complex: carried as float pairs); it stays a leaf."""
+    n, r = _n_r()
+    root = n - 1
+
+    def leaf(dtype, rank, contiguous):
+        v = (torch.arange(12) + 100 * rank).to(dtype).reshape(3, 4)
+        t = v.clone() if contiguous else torch.empty_strided((3, 4), (1, 3), dtype=dtype)
+        return t.copy_(v).requires_grad_()
+    for dtype in (torch.float64, torch.complex64):
+        for contiguous in (True, False):
+            t = leaf(dtype, r, contiguous)
+            assert t.is_contiguous() == contiguous
+            dist.broadcast(t, src=root)
+            what = f"broadcast {dtype} contiguous={contiguous}"
+            assert torch.equal(t.detach(), leaf(dtype, root, True).detach()), what
+            assert t.is_leaf and t.requires_grad, what
+    t = leaf(torch.float64, r, False)  # all_reduce and all_gather into such leaves too
+    dist.all_reduce(t)
+    assert torch.equal(t.detach(), sum(leaf(torch.float64, q, True).detach() for q in range(n)))
+    outs = [leaf(torch.float64, 0, False) for _ in range(n)]
+    dist.all_gather(outs, leaf(torch.float64, r, True).detach())
+    assert all(torch.equal(o.detach(), leaf(torch.float64, q, True).detach())
+               for q, o in enumerate(outs))
+
+
+def case_inference_tensors_take_results():
+    """Outputs made under torch.inference_mode() (an evaluation loop gathering its metrics):
+    the results are copied into them on mlfabric's thread, which is not in that mode."""
+    n, r = _n_r()
+    with torch.inference_mode():
+        outs = [torch.empty(3, dtype=torch.int8) for _ in range(n)]
+        dist.all_gather(outs, torch.full((3,), r, dtype=torch.int8))
+        assert [o.tolist() for o in outs] == [[q] * 3 for q in range(n)]
+        b = torch.full((4,), r, dtype=torch.uint8)
+        dist.broadcast(b, src=n - 1)
+        assert b.tolist() == [n - 1] * 4
+        t = torch.full((3, 2), float(r + 1), dtype=torch.float64).t()  # non-contiguous
+        dist.all_reduce(t)
+        assert (t == n * (n + 1) / 2).all()
+
+
 # --- bad input: an error on every rank, then the group goes on working ------------------------
 
 def case_shape_mismatch_errors_on_every_rank():
@@ -343,6 +408,100 @@ def case_unsupported_ops_and_devices_are_errors():
                            lambda: dist.all_to_all_single(torch.empty(n + 1), torch.ones(n + 1),
                                                           splits, splits), "equal splits")
     _still_works()
+
+
+def case_one_rank_output_that_cannot_take_the_result():
+    """An output whose elements share memory (an expanded tensor; strides that overlap) on one
+    rank only, in every call that writes one: that rank's own error, a MismatchError naming it
+    on the others, before any data moves (else the others took their results and no error)."""
+    n, r = _n_r()
+    last = n - 1
+
+    def out(*shape):  # last rank: one element seen 4 times (torch.zeros(1).expand(4))
+        return torch.zeros(1).expand(*shape) if r == last else torch.zeros(*shape)
+    ones = [torch.ones(4) for _ in range(n)]
+    calls = {
+        "all_reduce": lambda: dist.all_reduce(out(4)),
+        "all_reduce, strides that overlap": lambda: dist.all_reduce(
+            torch.zeros(5).as_strided((4, 2), (1, 1)) if r == last else torch.zeros(4, 2)),
+        "all_reduce_coalesced": lambda: dist.all_reduce_coalesced([torch.zeros(2), out(4)]),
+        "reduce": lambda: dist.reduce(out(4), dst=last),
+        "broadcast": lambda: dist.broadcast(out(4), src=0),
+        "all_gather": lambda: dist.all_gather([out(4) for _ in range(n)], torch.ones(4)),
+        "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(out(4 * n),
+                                                                      torch.ones(4)),
+        "reduce_scatter": lambda: dist.reduce_scatter(out(4), ones),
+        "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(out(4), torch.ones(4 * n)),
+        "gather": lambda: dist.gather(torch.ones(4), [out(4) for _ in range(n)]
+                                      if r == last else None, dst=last),
+        "scatter": lambda: dist.scatter(out(4), ones if r == 0 else None, src=0),
+        "all_to_all_single": lambda: dist.all_to_all_single(out(4 * n), torch.ones(4 * n)),
+        "all_to_all": lambda: dist.all_to_all([out(4) for _ in range(n)], ones),
+    }
+    if n == 1:  # the last rank is broadcast's root, whose tensor is only read
+        del calls["broadcast"]
+    pg = dist.distributed_c10d._get_default_group()  # coalesced pairs, FSDP's form
+    calls["all_gather_single_coalesced"] = lambda: pg.all_gather_single_coalesced(
+        [torch.empty(2 * n), out(2 * n)], [torch.ones(2)] * 2, AllgatherOptions()).wait()
+    calls["reduce_scatter_single_coalesced"] = lambda: pg.reduce_scatter_single_coalesced(
+        [out(2), torch.empty(2)], [torch.ones(2 * n)] * 2, ReduceScatterOptions()).wait()
+    for what, call in calls.items():
+        _refused_on(last, what, call, "cannot take the result", "share memory")
+    # recv: an error on the receiving rank alone (no send to match: none waits for it)
+    _expect_everywhere(ValueError, lambda: dist.recv(torch.zeros(1).expand(4), src=0),
+                       "share memory")
+    # broadcast's root only reads its tensor: an expanded one is a fine source.
+    t = torch.ones(1).expand(4) if r == 0 else torch.zeros(4)
+    dist.broadcast(t, src=0)
+    assert t.tolist() == [1.0] * 4
+    _still_works()
+
+
+def case_one_rank_all_to_all_splits_that_do_not_fit():
+    """all_to_all_single's split sizes that do not fit dimension 0 of the tensors on one rank
+    (too few rows in all, one split too many), or no splits and a dimension 0 that does not
+    divide by the group's size: that rank's own error, a MismatchError naming it on the
+    others (the data moved as equal blocks, whatever the splits said: a wrong result)."""
+    n, r = _n_r()
+    last, k = n - 1, 2
+    inp = torch.arange(n * k, dtype=torch.float64) + 100 * r  # block j goes to rank j
+    out = torch.empty(n * k, dtype=torch.float64)
+    fit = [k] * n
+    dist.all_to_all_single(out, inp, fit, fit)  # splits that fit: given explicitly
+    assert out.tolist() == [float(r * k + i + 100 * j) for j in range(n) for i in range(k)]
+    for bad in ([1] * n, [k] * (n + 1)):
+        for side in ("output", "input"):
+            splits = {side: bad if r == last else fit}
+            _refused_on(last, f"{side} splits {bad}", lambda: dist.all_to_all_single(
+                out, inp, splits.get("output", fit), splits.get("input", fit)),
+                f"{side} split sizes {bad}", "dimension 0")
+    if n > 1:  # as many elements everywhere, but 1 row on the last rank: no n equal parts
+        shape = (1, n * k) if r == last else (n * k,)
+        _refused_on(last, "no splits", lambda: dist.all_to_all_single(
+            out.reshape(shape), inp.reshape(shape)), "dimension 0 (1)", f"{n} equal parts")
+
+
+def case_ranks_naming_different_roots_fail_everywhere():
+    """Each rank names a valid root, but not the same one (rank q names q % 2): an error on
+    every rank naming the disagreement, for every rooted call (gather's allgather carries no
+    root of its own: it was a wrong result on every rank)."""
+    n, r = _n_r()
+    if n == 1:
+        return
+    root = r % 2
+    want = f"0 on rank(s) {list(range(0, n, 2))}; 1 on rank(s) {list(range(1, n, 2))}"
+    ones = [torch.ones(3) for _ in range(n)]
+    calls = {
+        "gather": lambda: dist.gather(torch.ones(3), [torch.empty(3) for _ in range(n)]
+                                      if r == root else None, dst=root),
+        "scatter": lambda: dist.scatter(torch.empty(3), ones if r == root else None, src=root),
+        "broadcast": lambda: dist.broadcast(torch.ones(3), src=root),
+        "reduce": lambda: dist.reduce(torch.ones(3), dst=root),
+    }
+    for what, call in calls.items():
+        with _naming(what):
+            _expect_everywhere(mf.MismatchError, call, "disagree on root", want)
+        _still_works()
 
 
 def case_subgroups_run_among_their_ranks():
