@@ -68,15 +68,27 @@ class Buf:
             np.copyto(self.obj, src.view(self.obj.dtype))
 
 
+_OVERLAP_EXACT_MAX = 1 << 22  # elements whose offsets elements_overlap compares one by one
+
+
 def elements_overlap(shape, strides, itemsize):
     """Whether two elements of an array overlap in memory: a stride of 0 (an expanded tensor, a
     broadcast array) or strides that interleave (as_strided). Strides and itemsize in one unit."""
     if 0 in shape:
         return False
     dims = sorted((abs(s), k) for s, k in zip(strides, shape) if k > 1)
+    if dims and dims[0][0] == 0:
+        return True  # stride 0: every element of that dimension is one
+    count = 1
+    for _, k in dims:
+        count *= k
+    if count * itemsize > sum(s * (k - 1) for s, k in dims) + itemsize:
+        return True  # more elements than the memory they span can hold apart
     span = itemsize  # the memory one step of the next (larger) stride must clear
     for stride, k in dims:
         if stride < span:  # the blocks may interleave: compare every element's start
+            if count > _OVERLAP_EXACT_MAX:
+                return True  # too many to compare; refused as if they overlapped
             starts = np.zeros(1, np.int64)
             for s, n in dims:
                 starts = np.add.outer(starts, np.arange(n, dtype=np.int64) * s).ravel()

@@ -37,6 +37,7 @@ Owns:
   back; of a reducescatter, the allgather of the gradient, scaled as the forward was.
 """
 import atexit
+import copy
 import itertools
 import math
 import os
@@ -336,6 +337,7 @@ class _State:
         self.layouts = {}  # signature of a grouped allreduce's list -> (its _Groups, hash)
         self.grouped_layouts = {}  # the same for grouped_reducescatter (grouped_ops.py)
         self.streams = {}  # GPU -> mlfabric's stream there for calls on CUDA tensors
+        self.fusion_pause = 0  # async allreduces left to run without offering fusion
         self.sets = {}  # global state only: process set id -> (ranks, its _State or None)
         self.set_ids = itertools.count(1)  # the next process set's id (0: the global set)
 
@@ -706,7 +708,9 @@ def _wire_copy(t, plan):
 # the table every rank picks the same number: the largest power of 2 that every rank has queued
 # and whose hashes all agree (64-bit: crc32 and adler32). The calls fused are then those every
 # rank would have described next, word for word, so fusion changes how the data moves, never what
-# is checked: calls that would not agree are left queued, to fail in their own round.
+# is checked: calls that would not agree are left queued, to fail in their own round. A rank whose
+# offers the others keep refusing (ranks naming their calls differently) offers less often.
+_REFUSED_PAUSE = 16  # calls run unfused (no offer to hash) after an offer every rank could take
 
 class _Fusible:
     """What an async allreduce shows the call running ahead of it (its Executor tag)."""
@@ -715,19 +719,39 @@ class _Fusible:
     def __init__(self, plan, desc, tensor, inplace):
         self.key = (tensor.dtype, plan.core, plan.pre, plan.after)
         self.desc, self.tensor, self.inplace = desc, tensor, inplace
-        self.nbytes = tensor.numel() * tensor.element_size()
+        self.nbytes = tensor.numel() * _wire(tensor.dtype).itemsize  # as it travels
 
 
 def _followers(st, head):
-    """The fusible calls queued right behind head, within the fusion threshold."""
+    """The fusible calls queued right behind head, within the fusion threshold, up to the first
+    that reads or writes memory an earlier one of the run writes in place (fused, it would see
+    that call's input, not its result)."""
     budget = _fusion_budget() - head.nbytes
+    written = {}
+    _writes(written, head)
     out = []
     for tag in st.queue.queued(1 << (_FUSE_LEVELS - 1)):
         budget -= tag.nbytes
-        if tag.key != head.key or budget < 0:
+        if tag.key != head.key or budget < 0 or _writes(written, tag):
             break
         out.append(tag)
     return out
+
+
+def _writes(written, tag):
+    """Whether tag's tensor overlaps memory in `written` (storage -> [(first, end) byte]); then
+    records its own if it is written in place."""
+    t = tag.tensor
+    if not t.numel():
+        return False
+    lo = t.data_ptr()
+    hi = lo + (1 + sum((k - 1) * s for k, s in zip(t.shape, t.stride()))) * t.element_size()
+    spans = written.setdefault(t.untyped_storage().data_ptr(), [])
+    if any(a < hi and lo < b for a, b in spans):
+        return True
+    if tag.inplace:
+        spans.append((lo, hi))
+    return False
 
 
 def _fusion_budget():
@@ -763,21 +787,38 @@ def _fused_count(table):
 def _fused_job(st, head, plan, what):
     """An async allreduce's job: its control round, offering the like calls queued behind it;
     then one allreduce for it and those that every rank fuses. Their handles finish here."""
-    followers = _followers(st, head)
+    if st.fusion_pause:
+        st.fusion_pause -= 1
+        followers = []
+    else:
+        followers = _followers(st, head)
     desc = head.desc
     if followers:
         _offer(desc, followers)
     table = _agree(st, desc, what)
     taken = st.queue.take(_fused_count(table)) if followers else []
     if not taken:
+        if followers and table[:, _FUSE_N].min() > 0:
+            st.fusion_pause = _REFUSED_PAUSE  # every rank offered; their calls differ
         return _reduce_members([head], plan)[0]
     try:
         results = _reduce_members([head] + followers[:len(taken)], plan)
     except BaseException as exc:
-        st.queue.finish(taken, error=exc)
+        st.queue.finish(taken, errors=[_own_copy(exc) for _ in taken])
         raise
     st.queue.finish(taken, results[1:])
     return results[0]
+
+
+def _own_copy(exc):
+    """exc for another handle: a copy caused by it (one exception object raised by many
+    synchronize() calls would grow its traceback at each)."""
+    try:
+        err = copy.copy(exc)
+    except Exception:  # noqa: BLE001 - an exception that cannot be copied: itself
+        return exc
+    err.__cause__ = exc
+    return err
 
 
 def _reduce_members(members, plan):
@@ -790,6 +831,7 @@ def _reduce_members(members, plan):
     if len(srcs) == 1 and members[0].inplace and srcs[0].is_contiguous() and plan.pre == 1.0 \
             and _wire(dtype) == dtype:
         _allreduce_flat(srcs[0].view(-1), plan)  # straight into the tensor
+        _increment_version(srcs)  # as an in-place torch op would
         return [members[0].tensor]
     inplace = all(m.inplace for m in members)
     direct = _wire(dtype) == dtype and all(s.is_contiguous() for s in srcs)
@@ -813,8 +855,10 @@ def _reduce_members(members, plan):
         if m.inplace:
             src.copy_(piece)
             results.append(m.tensor)
-        else:
+        elif piece.dtype != dtype:
             results.append(piece.to(dtype))
+        else:  # a result of its own, not a view keeping the whole fused buffer alive
+            results.append(piece.clone() if len(members) > 1 else piece)
     return results
 
 
@@ -846,6 +890,7 @@ def _allreduce_call(tensor, op, average, name, pre, post, inplace, async_, layou
         src = tensor.detach()
         if inplace and src.is_contiguous() and _wire(src.dtype) == src.dtype and p.pre == 1.0:
             _reduce_flat(st, src.view(-1), desc, what, p)  # straight into the tensor
+            _increment_version([src])  # as an in-place torch op would
             return tensor
         buf = _wire_copy(src, p)
         _reduce_flat(st, buf.view(-1), desc, what, p)

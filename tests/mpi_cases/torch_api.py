@@ -222,6 +222,50 @@ def case_async_allreduces_fuse_and_each_gets_its_result():
         same_everywhere(got.to(torch.float64), what)
 
 
+def case_fused_async_allreduces_keep_the_order_of_their_effects():
+    n = hvd.size()
+    # Calls on the same memory see each other's results, as issued one after another, however
+    # many were queued: a second in-place call sums the first's result, an out-of-place one
+    # after an in-place one reads its result, and one on an overlapping view as well.
+    t, u, base = torch.ones(8), torch.ones(8), torch.ones(12)
+    head = _slow_head()
+    h1, h2 = hvd.allreduce_async_(t, op=hvd.Sum), hvd.allreduce_async_(t, op=hvd.Sum)
+    h3, h4 = hvd.allreduce_async_(u, op=hvd.Sum), hvd.allreduce_async(u, op=hvd.Sum)
+    h5, h6 = hvd.allreduce_async_(base[:8], op=hvd.Sum), hvd.allreduce_async_(base[4:], op=hvd.Sum)
+    hvd.synchronize(head)
+    for h in (h1, h2, h3, h5, h6):
+        hvd.synchronize(h)
+    assert t.tolist() == [n * n] * 8
+    assert hvd.synchronize(h4).tolist() == [n * n] * 8 and u.tolist() == [n] * 8
+    assert base.tolist() == [n] * 4 + [n * n] * 4 + [n] * 4
+    # An in-place result bumps the tensor's version, fused or not, as torch's in-place ops do
+    # (autograd then refuses a backward through a tensor it saved).
+    for fused in (False, True):
+        xs = [torch.ones(4) for _ in range(4)]
+        versions = [x._version for x in xs]
+        head = _slow_head() if fused else None
+        hs = [hvd.allreduce_async_(x, op=hvd.Sum) for x in xs]
+        if head is not None:
+            hvd.synchronize(head)
+        for h in hs:
+            hvd.synchronize(h)
+        assert all(x._version > v for x, v in zip(xs, versions)), fused
+    w = torch.ones(3, requires_grad=True)
+    y = w * 1.0
+    loss = (y * y).sum()  # saves y
+    hvd.allreduce_(y.detach(), op=hvd.Sum)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    # Out-of-place results of fused calls are tensors of their own, not views of one buffer.
+    head = _slow_head()
+    hs = [hvd.allreduce_async(torch.ones(5), op=hvd.Sum) for _ in range(20)]
+    hvd.synchronize(head)
+    for h in hs:
+        out = hvd.synchronize(h)
+        assert out.tolist() == [n] * 5
+        assert out.untyped_storage().nbytes() == 5 * 4
+
+
 def case_fused_async_allreduces_that_disagree_fail_in_their_own_round():
     n, r = hvd.size(), hvd.rank()
     if n == 1:
