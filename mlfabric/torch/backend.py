@@ -25,16 +25,20 @@ finalize (destroy_process_group does not free it sooner). CUDA tensors move over
 are copied on the stream that was current when the call was made. torch's timeout argument is
 not used: mlfabric's own bound (MLFABRIC_TIMEOUT) applies.
 
-Calls: every torch call is one mlfabric call (gather and sparse all_reduce: more, below), in the
-order issued. Collectives are non-blocking: Work.wait() returns, and the Work's future
-completes, when mlfabric is done; send, recv, reduce and barrier complete before they return
-(mlfabric has no non-blocking forms of them). Future callbacks run on a small thread pool, so
-one may wait for another collective; but a collective issued from a callback races the training
-thread for its place in the issue order, which must be the same on every rank, so hooks that do
-that (PowerSGD) are not supported. all_to_all needs equal splits and moves its data with one
-allgather (size times the bytes of a true all-to-all); gather is an allgather too, after one
-small allgather of the ranks' roots (an allgather's header has none to compare). Outputs are
-checked before the call: one whose elements share memory (an expanded tensor) is refused.
+Calls: every torch call is one mlfabric call (gather, all_to_all and sparse all_reduce: more,
+below), in the order issued. Collectives are non-blocking: Work.wait() returns, and the Work's
+future completes, when mlfabric is done; send, recv, reduce and barrier complete before they return
+(mlfabric has no non-blocking forms of them). Future callbacks run on a small thread pool, so one
+may wait for another collective; but a collective issued from a callback races the training thread
+for its place in the issue order, which must be the same on every rank, so hooks that do that
+(PowerSGD) are not supported. all_to_all_single takes any split sizes (rows of dimension 0; zero
+too), all_to_all tensors of any sizes: first one small allgather of every rank's split sizes, on
+the caller's thread (so after the calls issued before it), so sizes that disagree anywhere (a rank
+expecting rows that are not sent it) are a MismatchError on every rank before any data moves; then
+one mlfabric alltoall, in the background (equal splits everywhere and at most _ALLGATHER_BYTES
+gathered: an allgather, faster there). gather is an allgather too, after one small allgather of the
+ranks' roots (an allgather's header has none to compare). Outputs are checked before the call: one
+whose elements share memory (an expanded tensor) is refused.
 Reductions: SUM, AVG, PRODUCT, MIN, MAX on float32/64, float16, bfloat16, int32, int64; calls
 that only move data carry any dtype (narrow ones widened, complex as pairs).
 all_reduce of a sparse COO tensor (SUM or AVG) is gloo's sparse allreduce, which DDP uses for
@@ -44,6 +48,8 @@ import concurrent.futures
 import contextlib
 import functools
 import importlib
+import math
+import operator
 import os
 import socket
 import zlib
@@ -318,28 +324,100 @@ def _put(dst, src):
         dst.copy_(src.reshape(dst.shape))
 
 
-def _equal_splits(splits, t, n, what, name):
-    """Rows of t's dimension 0 going to (or coming from) each of n ranks. torch's split sizes
-    (empty: none given) must be n, add up to dimension 0, and be equal, the only kind this
-    backend moves; none given, dimension 0 must divide by n. The allgather that carries the
-    call moves equal blocks of elements whatever the splits say: a split that does not fit
-    would be a wrong result, not an error."""
+def _splits(splits, t, n, what, name):
+    """Rows of t's dimension 0 going to (or coming from) each of n ranks, a list of n ints.
+    torch's split sizes (empty: none given) must be n non-negative integers adding up to
+    dimension 0; none given, dimension 0 must divide by n (equal parts)."""
     if t.dim() == 0:
         _fail(ValueError(f"{what}: the {name} needs a dimension 0 to split"))
     rows = t.shape[0]
-    if not splits:
+    if splits is None or len(splits) == 0:
         if rows % n:
             _fail(ValueError(f"{what}: {name} dimension 0 ({rows}) does not split into {n} "
                              "equal parts"))
-        return rows // n
-    splits = [int(s) for s in splits]
-    if len(splits) != n or sum(splits) != rows:
-        _fail(ValueError(f"{what}: {name} split sizes {splits}: expected {n} (one per rank) "
-                         f"adding up to the {name}'s dimension 0 ({rows})"))
-    if len(set(splits)) != 1:
-        _fail(NotImplementedError(f"{what}: the mlfabric backend supports equal splits only, "
-                                  f"got {name} split sizes {splits}"))
-    return splits[0]
+        return [rows // n] * n
+    try:
+        got = [operator.index(s) for s in splits]
+    except TypeError:
+        _fail(TypeError(f"{what}: {name} split sizes must be integers, got {list(splits)}"))
+    if len(got) != n or sum(got) != rows or min(got) < 0:
+        _fail(ValueError(f"{what}: {name} split sizes {got}: expected {n} (one per rank), "
+                         f"non-negative, adding up to the {name}'s dimension 0 ({rows})"))
+    return got
+
+
+def _row(t):
+    """Elements of one row (along dimension 0) of t."""
+    return math.prod(t.shape[1:])
+
+
+def _counted(count, what, name):
+    """A count of rows mlfabric's alltoall passes to MPI as a 32-bit int: refused beyond."""
+    if count >= 2 ** 31:
+        _fail(ValueError(f"{what}: the {name} has {count} rows (elements, for a list) in all; "
+                         "the mlfabric backend moves fewer than 2**31 per call"))
+
+
+# Equal all_to_all splits everywhere: moved by an allgather up to this many bytes gathered on
+# each rank (size x one input), by mlfabric's alltoall beyond. Measured at 2 ranks on one host:
+# the allgather faster up to 64 KiB inputs, as fast at 128 KiB, the alltoall faster from 256 KiB
+# (1.6x at 4 MiB, where the allgather moves twice the bytes).
+_ALLGATHER_BYTES = 256 << 10
+
+# Codes of torch's dtypes in the split tables (crc32 of the name: the same on every rank).
+_DTYPE_NAMES = {zlib.crc32(str(d).encode()): str(d)
+                for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
+def _split_table(dtype, in_row, out_row, send, recv):
+    """This rank's row of an all_to_all's split table: its dtype, the elements of one input and
+    of one output row, the rows it sends to each rank and those it expects from each."""
+    return np.array([zlib.crc32(str(dtype).encode()), in_row, out_row, *send, *recv], np.int64)
+
+
+def _check_split_table(table, what, form):
+    """Every rank's _split_table (allgathered, so each rank sees the same): a MismatchError
+    naming the ranks, the same on every rank, where dtypes differ or what a rank sends another
+    is not what that one expects (in elements: rows of another size may carry them). form:
+    "single" (split sizes) or "list" (one tensor per rank, counted in elements)."""
+    n = table.shape[0]
+    codes = table[:, 0].tolist()
+    if len(set(codes)) > 1:
+        parts = "; ".join(
+            f"{_DTYPE_NAMES.get(c, c)} on rank(s) {[r for r, x in enumerate(codes) if x == c]}"
+            for c in dict.fromkeys(codes))
+        raise MismatchError(f"{what}: ranks disagree on dtype: {parts}")
+    in_row, out_row = table[:, 1], table[:, 2]
+    rows = in_row.tolist()
+    if len(set(rows)) > 1:  # the alltoall moves rows of one size
+        parts = "; ".join(f"{q} on rank(s) {[r for r, x in enumerate(rows) if x == q]}"
+                          for q in dict.fromkeys(rows))
+        raise MismatchError(f"{what}: ranks disagree on the elements of one input row "
+                            f"(dimensions after the first): {parts}")
+    send, recv = table[:, 3:3 + n], table[:, 3 + n:3 + 2 * n]
+    sent = send * in_row[:, None]          # [i, j]: elements rank i sends rank j
+    expected = recv * out_row[:, None]     # [j, i]: elements rank j expects from rank i
+    bad = [(i, j) for i in range(n) for j in range(n) if sent[i, j] != expected[j, i]]
+    if not bad:
+        return
+    lines = []
+    for i, j in bad[:6]:
+        s, e = int(send[i, j]), int(recv[j, i])
+        if form == "list":
+            lines.append(f"rank {i}'s input_tensors[{j}] has {s} element(s), rank {j}'s "
+                         f"output_tensors[{i}] {e}")
+        elif in_row[i] == out_row[j]:
+            lines.append(f"rank {i} sends {s} row(s) to rank {j}, which expects {e} "
+                         f"(output_split_sizes[{i}] there)")
+        else:
+            lines.append(f"rank {i} sends {s} row(s) of {in_row[i]} element(s) to rank {j}, "
+                         f"which expects {e} row(s) of {out_row[j]} (output_split_sizes[{i}] "
+                         "there)")
+    more = f"; and {len(bad) - 6} more" if len(bad) > 6 else ""
+    receivers = sorted({j for _, j in bad})
+    sizes = "output_split_sizes" if form == "single" else "output_tensors"
+    raise MismatchError(f"{what}: the {sizes} of rank(s) {receivers} disagree with what the "
+                        f"ranks send: {'; '.join(lines)}{more}; no data was exchanged")
 
 
 # --- the process group ----------------------------------------------------------------------------
@@ -662,41 +740,89 @@ class MlfabricProcessGroup(dist.ProcessGroup):
     @_checked
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
                           opts=None):
-        """Equal splits only: rank r's output block j is rank j's input block r. Carried by one
-        allgather (size times the bytes of a true all-to-all)."""
+        """input_split_sizes[j] rows of input (dimension 0, in order) go to rank j; output gets
+        output_split_sizes[j] rows from each rank j, in rank order (no split sizes: equal
+        parts). See _alltoall."""
         what = "all_to_all_single"
+        n = self._size
         out, inp = _writable(_tensor(output, what), what), _tensor(input, what)
-        _equal_splits(output_split_sizes, out, self._size, what, "output")
-        _equal_splits(input_split_sizes, inp, self._size, what, "input")
-        _same([out], inp, what, role="output")
-        return self._all_to_all(what, [out], _flat(_wire(inp.detach())))
+        if out.dtype != inp.dtype:
+            _fail(TypeError(f"{what}: output and input must share one dtype, got {out.dtype} "
+                            f"and {inp.dtype}"))
+        recv = _splits(output_split_sizes, out, n, what, "output")
+        send = _splits(input_split_sizes, inp, n, what, "input")
+        _counted(inp.shape[0], what, "input")
+        _counted(out.numel() // max(_row(inp), 1), what, "output")  # rows of input's size
+        w = _wire(inp.detach())
+
+        def finish(res):
+            _put(out, res)
+            return [out]
+        return self._alltoall(what, "single", _split_table(inp.dtype, _row(inp), _row(out),
+                                                           send, recv), w, send, finish)
 
     alltoall_base = all_to_all_single
 
     @_checked
     def alltoall(self, output_tensors, input_tensors, opts=None):
-        """Rank r's output_tensors[j] gets rank j's input_tensors[r]; all of one size and dtype."""
+        """Rank r's output_tensors[j] gets rank j's input_tensors[r]: one dtype, any numbers of
+        elements (rank j's input_tensors[r] and rank r's output_tensors[j] have as many), any
+        shapes. The inputs go flattened and concatenated; see _alltoall."""
         what = "alltoall"
-        outs = _writable(_tensors(output_tensors, what, self._size), what)
-        ins = _tensors(input_tensors, what, self._size)
-        _same(outs + ins, ins[0], what)
+        n = self._size
+        outs = _writable(_tensors(output_tensors, what, n), what)
+        ins = _tensors(input_tensors, what, n)
+        for t in outs + ins:
+            if t.dtype != ins[0].dtype:
+                _fail(TypeError(f"{what}: tensors must share one dtype, got {t.dtype} and "
+                                f"{ins[0].dtype}"))
+        send, recv = [x.numel() for x in ins], [o.numel() for o in outs]
+        per = 2 if ins[0].is_complex() else 1  # elements on the wire of one element
+        _counted(per * sum(send), what, "input")
+        _counted(per * sum(recv), what, "output")
         flat = torch.cat([_flat(_wire(x.detach())) for x in ins])
-        return self._all_to_all(what, outs, flat)
-
-    def _all_to_all(self, what, outs, flat):
-        """Allgather every rank's flat input (size blocks); keep block `rank` of each."""
-        size, rank = self._size, self._rank
-        block = flat.numel() // size
 
         def finish(res):
-            mine = res.reshape(size, size, block)[:, rank]   # (source rank, block)
-            if len(outs) == 1:
-                _put(outs[0], mine)
-            else:
-                for j, o in enumerate(outs):
-                    _put(o, mine[j])
+            off = 0
+            for o in outs:
+                _put(o, res[off:off + per * o.numel()])
+                off += per * o.numel()
             return outs
-        return _launch(what, mf.allgather_async(flat), finish)
+        return self._alltoall(what, "list", _split_table(ins[0].dtype, 1, 1, send, recv), flat,
+                              [per * k for k in send], finish)
+
+    def _alltoall(self, what, form, table, x, send, finish):
+        """First every rank's split table (_split_table) goes round in one small blocking
+        allgather and is compared (_check_split_table): sizes that disagree anywhere are the
+        same MismatchError on every rank, before any data moves. Then x's rows (send[j] to rank
+        j) move in the background: by mlfabric's alltoall, finish(the rows received, in rank
+        order) putting them in place; or, where every rank sends every rank as many and the
+        allgather of every input is at most _ALLGATHER_BYTES (faster there: one shared-memory
+        step), by that allgather, finish getting block `rank` of each rank's input."""
+        size, rank = self._size, self._rank
+        every = mf.allgather(table).reshape(size, -1)
+        _check_split_table(every, what, form)
+        sends = every[:, 3:3 + size]
+        # Every rank's x has as many elements where every rank sends every rank as many rows
+        # (rows of one size and one dtype everywhere: checked): the same choice everywhere.
+        if (sends == sends[0, 0]).all() and x.numel() * x.element_size() * size <= \
+                _ALLGATHER_BYTES:
+            block = x.numel() // size
+
+            def from_allgather(res):
+                return finish(res.reshape(size, size, block)[:, rank].reshape(-1))
+            return _launch(what, mf.allgather_async(_flat(x)), from_allgather)
+        if x.dim() != 2:  # rows as they were, whatever the dimensions after the first
+            x = x.reshape(x.shape[0], _row(x))
+        if sends.any() and not sends[rank].any() and not sends[:, rank].any():
+            # This rank neither sends nor receives a row, but the others' MPI_Ialltoallv needs
+            # it too, and mlfabric's alltoall skips that on a rank with no rows to move (the
+            # others would wait for it): it sends itself one row, dropped.
+            x, send = x.new_zeros((1, x.shape[1])), [int(q == rank) for q in range(size)]
+            return _launch(what, mf.alltoall_async(x, np.asarray(send, np.int64)),
+                           lambda res: finish(res[0][:0]))
+        return _launch(what, mf.alltoall_async(x, np.asarray(send, np.int64)),
+                       lambda res: finish(res[0]))
 
     # --- synchronisation and point to point ---
 

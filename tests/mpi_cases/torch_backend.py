@@ -7,6 +7,7 @@ gloo group the DDP comparison needs is a new_group beside it (it uses the TCPSto
 rendezvous serves)."""
 import contextlib
 import os
+import zlib
 
 import numpy as np
 import pytest
@@ -295,6 +296,188 @@ def case_all_to_all_equal_splits():
     assert all(torch.equal(outs[j], torch.full((2, 2), 10 * j + r)) for j in range(n))
 
 
+# all_to_all with split sizes of any kind: every rank regenerates every rank's input (its rows for
+# each peer, from a seed), so each computes its own reference.
+A2A_DTYPES = (torch.float32, torch.float64, torch.int64, torch.bfloat16, torch.complex64,
+              torch.bool, torch.uint8)
+
+
+def _a2a_splits(n, salt):
+    """rows[i][j]: rows rank i sends rank j (0 to 3; salt 1: the last rank sends nothing and the
+    first receives nothing, salt 2: all equal, salt 3: the last rank neither sends nor receives,
+    rank 0 sends itself some)."""
+    if salt == 2:
+        return [[2] * n for _ in range(n)]
+    rows = np.random.default_rng(zlib.crc32(f"splits/{n}/{salt}".encode())).integers(0, 4, (n, n))
+    rows[0, n - 1] = 0
+    if salt == 1:
+        rows[n - 1, :] = 0
+        rows[:, 0] = 0
+    if salt == 3:
+        rows[n - 1, :] = rows[:, n - 1] = 0
+        rows[0, 0] = 2 if n > 1 else 0
+    return rows.tolist()
+
+
+def _a2a_block(i, j, rows, trail, dtype, salt=0):
+    """The rows rank i sends rank j: values exact in every dtype, different for every (i, j)."""
+    rng = np.random.default_rng(zlib.crc32(f"block/{i}/{j}/{dtype}/{trail}/{salt}".encode()))
+    shape = (rows, *trail)
+    if dtype == torch.bool:
+        return torch.from_numpy(rng.integers(0, 2, shape).astype(bool))
+    v = torch.from_numpy(rng.integers(-100 if dtype != torch.uint8 else 0, 100, shape))
+    if dtype.is_complex:
+        w = torch.from_numpy(rng.integers(-100, 100, shape))
+        return torch.complex(v.double(), w.double()).to(dtype)
+    return v.to(dtype)
+
+
+def _a2a_inputs(r, rows, trail, dtype, salt=0):
+    return torch.cat([_a2a_block(r, j, rows[r][j], trail, dtype, salt)
+                      for j in range(len(rows))])
+
+
+def _a2a_want(r, rows, trail, dtype, salt=0):
+    return torch.cat([_a2a_block(j, r, rows[j][r], trail, dtype, salt)
+                      for j in range(len(rows))])
+
+
+@contextlib.contextmanager
+def _allgather_bytes(limit):
+    """Equal splits moved by an allgather up to `limit` bytes (the same on every rank)."""
+    old, backend._ALLGATHER_BYTES = backend._ALLGATHER_BYTES, limit
+    try:
+        yield
+    finally:
+        backend._ALLGATHER_BYTES = old
+
+
+def case_all_to_all_single_unequal_splits():
+    """Unequal split sizes (zeros too: a rank that sends nothing, one that receives nothing),
+    every carried dtype, rows of several shapes: exactly the rows each rank sent this one, in
+    rank order; also async, into a non-contiguous output, and with no splits given (equal),
+    by the allgather and by the alltoall."""
+    n, r = _n_r()
+    for salt in (0, 1, 2, 3):
+        rows = _a2a_splits(n, salt)
+        send, recv = rows[r], [rows[j][r] for j in range(n)]
+        for dtype in A2A_DTYPES:
+            for trail in ((), (3,), (2, 2)):
+                for limit in (0, 1 << 30):  # equal splits: by the alltoall, by the allgather
+                    what = f"all_to_all_single rows={rows} {dtype} rows of {trail} {limit}"
+                    inp = _a2a_inputs(r, rows, trail, dtype)
+                    out = torch.empty(sum(recv), *trail, dtype=dtype)
+                    with _naming(what), _allgather_bytes(limit):
+                        dist.all_to_all_single(out, inp, recv, send)
+                    assert torch.equal(out, _a2a_want(r, rows, trail, dtype)), what
+                    if salt != 2:
+                        break
+    rows = _a2a_splits(n, 0)
+    send, recv = rows[r], [rows[j][r] for j in range(n)]
+    want = _a2a_want(r, rows, (3,), torch.float64)
+    # async: the future gives the output; into a non-contiguous one (a transposed view)
+    base = torch.zeros(3, sum(recv), dtype=torch.float64)
+    work = dist.all_to_all_single(base.t(), _a2a_inputs(r, rows, (3,), torch.float64), recv,
+                                  send, async_op=True)
+    assert torch.equal(work.get_future().wait()[0], want) and work.wait()
+    assert torch.equal(base.t(), want)
+    # an output whose rows have another shape, as many elements per peer (rows of 1 element)
+    flat = torch.empty(3 * sum(recv), dtype=torch.float64)
+    dist.all_to_all_single(flat, _a2a_inputs(r, rows, (3,), torch.float64),
+                           [3 * k for k in recv], send)
+    assert torch.equal(flat, want.reshape(-1))
+    # no splits: equal parts
+    eq = _a2a_splits(n, 2)
+    for limit in (0, 1 << 30):
+        out = torch.empty(2 * n, 2, dtype=torch.int64)
+        with _allgather_bytes(limit):
+            dist.all_to_all_single(out, _a2a_inputs(r, eq, (2,), torch.int64))
+        assert torch.equal(out, _a2a_want(r, eq, (2,), torch.int64)), limit
+    # nothing anywhere
+    out = torch.empty(0, 4)
+    dist.all_to_all_single(out, torch.empty(0, 4), [0] * n, [0] * n)
+
+
+def case_all_to_all_list_of_unequal_sizes():
+    """dist.all_to_all: input_tensors[j] of any size goes to rank j; output_tensors[j] gets rank
+    j's (any shape, as many elements; non-contiguous too), every carried dtype; equal sizes by
+    the allgather and by the alltoall."""
+    n, r = _n_r()
+    for salt in (0, 1, 2, 3):
+        rows = _a2a_splits(n, salt)
+        for dtype in A2A_DTYPES:
+            for limit in (0, 1 << 30):
+                what = f"all_to_all rows={rows} {dtype} {limit}"
+                ins = [_a2a_block(r, j, rows[r][j], (2,), dtype) for j in range(n)]
+                outs = [torch.empty(2 * rows[j][r], dtype=dtype) if j % 2 else
+                        torch.empty(2, rows[j][r], dtype=dtype).t() for j in range(n)]
+                with _naming(what), _allgather_bytes(limit):
+                    dist.all_to_all(outs, ins)
+                for j, o in enumerate(outs):
+                    want = _a2a_block(j, r, rows[j][r], (2,), dtype)
+                    assert torch.equal(o.reshape(want.shape), want), f"{what}: from rank {j}"
+                if salt != 2:
+                    break
+
+
+def case_all_to_all_sizes_that_disagree_fail_everywhere():
+    """Each rank's arguments fit its own tensors, but the last rank's output_split_sizes (or
+    output_tensors) expect rows that are not sent it, or its dtype or rows differ: the same
+    MismatchError on every rank, naming the ranks, before any data moves (outputs untouched);
+    then the group still works."""
+    n, r = _n_r()
+    if n == 1:
+        return
+    last, k = n - 1, 2
+    inp = torch.arange(n * k, dtype=torch.float64) + 100 * r
+    fit = [k] * n
+    bad = fit[:]
+    bad[0] += 1  # one row too many from rank 0
+    recv = bad if r == last else fit
+    out = torch.full((sum(recv),), -1.0, dtype=torch.float64)
+    calls = {"sync": lambda: dist.all_to_all_single(out, inp, recv, fit),
+             "async": lambda: dist.all_to_all_single(out, inp, recv, fit, async_op=True).wait()}
+    for op, call in calls.items():
+        with _naming(f"{op} output_split_sizes {bad} on rank {last}"):
+            _expect_everywhere(
+                mf.MismatchError, call,
+                f"output_split_sizes of rank(s) [{last}]",
+                f"rank 0 sends {k} row(s) to rank {last}, which expects {k + 1}")
+        assert (out == -1).all(), "output written"
+        _still_works()
+    # as many rows in all, one more from rank 0 and one fewer from rank 1: both named
+    bad = [k + 1, k - 1] + [k] * (n - 2)
+    with _naming(f"output_split_sizes {bad} on rank {last}"):
+        _expect_everywhere(
+            mf.MismatchError, lambda: dist.all_to_all_single(
+                torch.empty(n * k, dtype=torch.float64), inp, bad if r == last else fit, fit),
+            f"rank 0 sends {k} row(s) to rank {last}, which expects {k + 1}",
+            f"rank 1 sends {k} row(s) to rank {last}, which expects {k - 1}")
+    _still_works()
+    # another dtype, rows of another size on the last rank
+    dtype = torch.float32 if r == last else torch.float64
+    with _naming("dtype"):
+        _expect_everywhere(mf.MismatchError, lambda: dist.all_to_all_single(
+            torch.empty(n * k, dtype=dtype), inp.to(dtype)), "disagree on dtype",
+            f"torch.float32 on rank(s) [{last}]")
+    _still_works()
+    cols = 3 if r == last else 2
+    with _naming("rows"):
+        _expect_everywhere(mf.MismatchError, lambda: dist.all_to_all_single(
+            torch.empty(n * k, cols), torch.ones(n * k, cols)), "elements of one input row",
+            f"3 on rank(s) [{last}]")
+    _still_works()
+    # the list form: the last rank's output_tensors[0] has one element more
+    ins = [torch.ones(3) for _ in range(n)]
+    outs = [torch.empty(4 if r == last and j == 0 else 3) for j in range(n)]
+    with _naming("all_to_all"):
+        _expect_everywhere(mf.MismatchError, lambda: dist.all_to_all(outs, ins),
+                           f"output_tensors of rank(s) [{last}]",
+                           f"rank 0's input_tensors[{last}] has 3 element(s), rank {last}'s "
+                           "output_tensors[0] 4")
+    _still_works()
+
+
 def case_send_recv_ring_and_barrier():
     n, r = _n_r()
     if n == 1:
@@ -402,11 +585,6 @@ def case_unsupported_ops_and_devices_are_errors():
     _expect_everywhere(mf.MlfabricError,
                        lambda: dist.all_reduce(torch.empty(3, device="meta")), "meta", "CPU")
     _expect_everywhere(NotImplementedError, lambda: dist.recv(torch.ones(3)), "source")
-    if n > 1:
-        splits = [2] + [1] * (n - 1)
-        _expect_everywhere(NotImplementedError,
-                           lambda: dist.all_to_all_single(torch.empty(n + 1), torch.ones(n + 1),
-                                                          splits, splits), "equal splits")
     _still_works()
 
 
@@ -459,9 +637,9 @@ def case_one_rank_output_that_cannot_take_the_result():
 
 def case_one_rank_all_to_all_splits_that_do_not_fit():
     """all_to_all_single's split sizes that do not fit dimension 0 of the tensors on one rank
-    (too few rows in all, one split too many), or no splits and a dimension 0 that does not
-    divide by the group's size: that rank's own error, a MismatchError naming it on the
-    others (the data moved as equal blocks, whatever the splits said: a wrong result)."""
+    (too few rows in all, one split too many, a negative one), or no splits and a dimension 0
+    that does not divide by the group's size: that rank's own error, a MismatchError naming it
+    on the others."""
     n, r = _n_r()
     last, k = n - 1, 2
     inp = torch.arange(n * k, dtype=torch.float64) + 100 * r  # block j goes to rank j
@@ -469,7 +647,8 @@ def case_one_rank_all_to_all_splits_that_do_not_fit():
     fit = [k] * n
     dist.all_to_all_single(out, inp, fit, fit)  # splits that fit: given explicitly
     assert out.tolist() == [float(r * k + i + 100 * j) for j in range(n) for i in range(k)]
-    for bad in ([1] * n, [k] * (n + 1)):
+    negative = [[-1, 2 * k + 1] + [k] * (n - 2)] if n > 1 else []  # adds up to n * k
+    for bad in [[1] * n, [k] * (n + 1)] + negative:
         for side in ("output", "input"):
             splits = {side: bad if r == last else fit}
             _refused_on(last, f"{side} splits {bad}", lambda: dist.all_to_all_single(
@@ -536,6 +715,12 @@ def case_subgroups_run_among_their_ranks():
     out = torch.empty(2, dtype=torch.float64)
     dist.reduce_scatter_single(out, torch.arange(2.0 * k, dtype=torch.float64), group=g)
     assert out.tolist() == [float(k * (2 * me)), float(k * (2 * me + 1))]
+    rows = [[(i + 2 * j) % 3 for j in range(k)] for i in range(k)]  # unequal, by group rank
+    recv = [rows[j][me] for j in range(k)]
+    out = torch.empty(sum(recv), dtype=torch.float64)
+    dist.all_to_all_single(out, torch.cat([torch.full((rows[me][j],), 10.0 * r + j)
+                                           for j in range(k)]).double(), recv, rows[me], group=g)
+    assert out.tolist() == [10.0 * ranks[j] + me for j in range(k) for _ in range(recv[j])]
     if k > 1:  # a ring of sends inside the group, by global rank
         nxt, prv = ranks[(me + 1) % k], ranks[(me - 1) % k]
         got = torch.empty(1, dtype=torch.float64)
