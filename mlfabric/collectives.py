@@ -558,8 +558,8 @@ def _alltoall(x, splits, async_):
         rest = tuple(xb.shape[1:])
         recv_rows, row_bytes = _exchange_splits(ctx, what, send_rows, rest, xb.code)
         res, ob = _buffers.empty_like(xb, (int(recv_rows.sum()), *rest))
-        if row_bytes and (send_rows.any() or recv_rows.any()):
-            # Counts in rows of a contiguous row type: no 2**31 limit on the bytes moved.
+        if row_bytes:  # the same on every rank: MPI_Ialltoallv is collective, so a rank with
+            # no rows to move takes part too. Counts in rows of a contiguous row type: no 2**31 limit on the bytes moved.
             row = MPI.BYTE.Create_contiguous(row_bytes).Commit()
             try:
                 sdispl = np.concatenate(([0], np.cumsum(send_rows)[:-1]))

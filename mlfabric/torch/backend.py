@@ -814,13 +814,6 @@ class MlfabricProcessGroup(dist.ProcessGroup):
             return _launch(what, mf.allgather_async(_flat(x)), from_allgather)
         if x.dim() != 2:  # rows as they were, whatever the dimensions after the first
             x = x.reshape(x.shape[0], _row(x))
-        if sends.any() and not sends[rank].any() and not sends[:, rank].any():
-            # This rank neither sends nor receives a row, but the others' MPI_Ialltoallv needs
-            # it too, and mlfabric's alltoall skips that on a rank with no rows to move (the
-            # others would wait for it): it sends itself one row, dropped.
-            x, send = x.new_zeros((1, x.shape[1])), [int(q == rank) for q in range(size)]
-            return _launch(what, mf.alltoall_async(x, np.asarray(send, np.int64)),
-                           lambda res: finish(res[0][:0]))
         return _launch(what, mf.alltoall_async(x, np.asarray(send, np.int64)),
                        lambda res: finish(res[0]))
 

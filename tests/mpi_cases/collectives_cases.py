@@ -437,3 +437,18 @@ def case_leaf_that_requires_grad_receives_in_any_layout():
         g = target((4, 3))
         assert mf.reduce_scatter(big, out=g) is g and (g == total).all(), (pick, g)
         assert g.requires_grad and (g.grad_fn is None) == (pick != 3)  # autograd untouched
+
+
+def case_alltoall_with_a_rank_that_moves_no_rows():
+    """The last rank neither sends nor receives a row: the others' exchange still completes
+    (MPI_Ialltoallv is collective; the rank used to skip it and leave them waiting)."""
+    n, r = mf.size(), mf.rank()
+    if n < 3:
+        return
+    idle = n - 1
+    splits = np.array([0 if (r == idle or q == idle) else 2 for q in range(n)], np.int64)
+    x = np.full((int(splits.sum()), 3), float(r))
+    out, received = mf.alltoall(x, splits)
+    want = [0 if (r == idle or q == idle) else 2 for q in range(n)]
+    assert list(received) == want, received
+    assert out.tolist() == [[float(q)] * 3 for q in range(n) for _ in range(want[q])]
