@@ -676,12 +676,6 @@ class _ReducePlan:
             self.core, self.after = _CORE_OF[op], post
 
 
-def _reduce_flat(st, flat, desc, what, plan):
-    """Control round, then allreduce the contiguous 1-D wire tensor flat in place."""
-    _agree(st, desc, what)
-    _allreduce_flat(flat, plan)
-
-
 def _allreduce_flat(flat, plan):
     if flat.numel():
         _coll.allreduce(flat, op=plan.core, out=flat)
@@ -712,8 +706,9 @@ def _wire_copy(t, plan):
 # offers the others keep refusing (ranks naming their calls differently) offers less often.
 _REFUSED_PAUSE = 16  # calls run unfused (no offer to hash) after an offer every rank could take
 
-class _Fusible:
-    """What an async allreduce shows the call running ahead of it (its Executor tag)."""
+class _Member:
+    """One allreduce call's tensor and descriptor: what _reduce_members moves, and for an async
+    call of a CPU tensor what it shows the call running ahead of it (its Executor tag)."""
     __slots__ = ("key", "desc", "tensor", "inplace", "nbytes")
 
     def __init__(self, plan, desc, tensor, inplace):
@@ -822,17 +817,14 @@ def _own_copy(exc):
 
 
 def _reduce_members(members, plan):
-    """Allreduce the tensors of these calls (after the control round) as one wire buffer: each
-    call's result. Dense tensors of a dtype that travels as it is are copied in (and, when every
-    call is in place, back) by address, in one native call each way (~0.1 us a tensor, where
-    torch's copies cost ~1 us)."""
+    """Allreduce the tensors of these calls (after the control round): each call's result. A
+    fused run of CPU calls travels as one wire buffer: dense tensors of a dtype that travels as
+    it is are copied in (and, when every call is in place, back) by address, in one native call
+    each way (~0.1 us a tensor, where torch's copies cost ~1 us)."""
+    if len(members) == 1:
+        return [_reduce_one(members[0], plan)]
     srcs = [m.tensor.detach() for m in members]
-    dtype = srcs[0].dtype
-    if len(srcs) == 1 and members[0].inplace and srcs[0].is_contiguous() and plan.pre == 1.0 \
-            and _wire(dtype) == dtype:
-        _allreduce_flat(srcs[0].view(-1), plan)  # straight into the tensor
-        _increment_version(srcs)  # as an in-place torch op would
-        return [members[0].tensor]
+    dtype = srcs[0].dtype  # (one per run: the members' key)
     inplace = all(m.inplace for m in members)
     direct = _wire(dtype) == dtype and all(s.is_contiguous() for s in srcs)
     if direct:
@@ -858,8 +850,25 @@ def _reduce_members(members, plan):
         elif piece.dtype != dtype:
             results.append(piece.to(dtype))
         else:  # a result of its own, not a view keeping the whole fused buffer alive
-            results.append(piece.clone() if len(members) > 1 else piece)
+            results.append(piece.clone())
     return results
+
+
+def _reduce_one(member, plan):
+    """One call's allreduce (after its control round): straight into the tensor where it can
+    be, else through a wire copy. Its result: the tensor (in place) or a tensor of its own."""
+    src = member.tensor.detach()
+    if member.inplace and src.is_contiguous() and _wire(src.dtype) == src.dtype \
+            and plan.pre == 1.0:
+        _allreduce_flat(src.view(-1), plan)
+        _increment_version([src])  # as an in-place torch op would
+        return member.tensor
+    buf = _wire_copy(src, plan)
+    _allreduce_flat(buf.view(-1), plan)
+    if member.inplace:
+        src.copy_(buf)
+        return member.tensor
+    return buf if buf.dtype == src.dtype else buf.to(src.dtype)
 
 
 def _allreduce_call(tensor, op, average, name, pre, post, inplace, async_, layout=None,
@@ -880,29 +889,20 @@ def _allreduce_call(tensor, op, average, name, pre, post, inplace, async_, layou
             _check_writable(tensor, what)
         p = _ReducePlan(resolved or _resolve_op(op, average), tensor.dtype, pre, post,
                         st.ctx.size, what)
-        return p, _desc(_ALLREDUCE, code, _CORE_OPS.index(p.core), shape=tensor.shape, name=name,
-                        layout=layout, tensor=tensor)
+        desc = _desc(_ALLREDUCE, code, _CORE_OPS.index(p.core), shape=tensor.shape, name=name,
+                     layout=layout, tensor=tensor)
+        return p, _Member(p, desc, tensor, inplace)
 
     def job(st, planned):
-        p, desc = planned
+        p, me = planned
         if async_ and not tensor.is_cuda:
-            return _fused_job(st, _Fusible(p, desc, tensor, inplace), p, what)
-        src = tensor.detach()
-        if inplace and src.is_contiguous() and _wire(src.dtype) == src.dtype and p.pre == 1.0:
-            _reduce_flat(st, src.view(-1), desc, what, p)  # straight into the tensor
-            _increment_version([src])  # as an in-place torch op would
-            return tensor
-        buf = _wire_copy(src, p)
-        _reduce_flat(st, buf.view(-1), desc, what, p)
-        if inplace:
-            src.copy_(buf)
-            return tensor
-        return buf if buf.dtype == src.dtype else buf.to(src.dtype)
+            return _fused_job(st, me, p, what)
+        _agree(st, me.desc, what)
+        return _reduce_members([me], p)[0]
 
-    def tag(planned):
-        return None if tensor.is_cuda else _Fusible(*planned, tensor, inplace)
-
-    return _issue(what, plan, job, async_, tensor, process_set=process_set, tag=tag)
+    # (_issue shows no GPU call to the calls ahead of it: they are never fused)
+    return _issue(what, plan, job, async_, tensor, process_set=process_set,
+                  tag=lambda planned: planned[1])
 
 
 def _recorded(*tensors):
