@@ -97,6 +97,16 @@ def elements_overlap(shape, strides, itemsize):
     return False
 
 
+def _check_apart(x, strides, itemsize, name):
+    """ValueError when elements of output x share memory (an expanded tensor, a broadcast
+    array, rows of an as_strided one that interleave)."""
+    contiguous = x.is_contiguous() if is_torch(x) else x.flags.c_contiguous
+    if not contiguous and elements_overlap(x.shape, strides, itemsize):
+        raise ValueError(f"{name} cannot take the result in place: elements of it share memory "
+                         "(an expanded tensor, a broadcast array?); pass an array of its own "
+                         "(.clone(), .copy())")
+
+
 def is_torch(x):
     torch = _torch()
     return torch is not None and isinstance(x, torch.Tensor)
@@ -118,9 +128,15 @@ def from_numpy(arr):
 
 
 def wrap(x, name="x", writable=False):
-    """Buf for x (numpy ndarray or CPU torch tensor). TypeError for other types or dtypes;
-    ValueError when writable is asked for and x is a read-only numpy array."""
+    """Buf for x (numpy ndarray or CPU torch tensor). TypeError for other types, dtypes and
+    layouts (sparse); ValueError when writable is asked for and x is a read-only numpy array, or
+    an array whose elements share memory (written back element by element, it would keep one
+    of their results). Refused here, before a call, as what would fail only after the data
+    moved would leave this rank raising while its peers have their results."""
     if is_torch(x):
+        if x.layout != _torch().strided:
+            raise TypeError(f"{name} is a {x.layout} tensor; mlfabric moves dense (strided) "
+                            f"tensors only: pass {name}.to_dense()")
         if x.device.type != "cpu":
             raise MlfabricError(f"{name} is on {x.device}: this call moves host arrays only (GPU "
                                 "arrays go over NCCL in allreduce, reduce, broadcast, allgather, "
@@ -130,8 +146,14 @@ def wrap(x, name="x", writable=False):
             raise TypeError(f"unsupported dtype {x.dtype} for {name}; mlfabric supports "
                             f"{', '.join(_dtypes.DTYPE_NAMES)}")
         code = _TORCH_CODES[x.dtype]
-        t = x.detach()
-        copied = not t.is_contiguous()
+        if writable:
+            _check_apart(x, x.stride(), 1, name)
+        # Detached: results are written outside autograd, into a leaf that requires grad too,
+        # in any layout (the copy back into a non-contiguous one as well).
+        obj = t = x.detach()
+        copied = not t.is_contiguous() or t.is_neg()
+        if t.is_neg():  # lazily negated (a conjugate's .imag): numpy cannot view it
+            t = t.resolve_neg()
         if copied:
             t = t.contiguous()
         if code == 3:
@@ -139,10 +161,12 @@ def wrap(x, name="x", writable=False):
         arr = t.numpy().reshape(-1)
         if code == 3:
             arr = arr.view(np.uint16)
-        return Buf(x, arr, tuple(x.shape), code, copied)
+        return Buf(obj, arr, tuple(x.shape), code, copied)
     if isinstance(x, np.ndarray):
         if writable and not x.flags.writeable:
             raise ValueError(f"{name} is a read-only array; mlfabric writes the result into it")
+        if writable:
+            _check_apart(x, x.strides, x.itemsize, name)
         code = _dtypes._NUMPY_CODES.get(x.dtype)
         if code is None:
             code = 3 if x.dtype.name == "bfloat16" else _dtypes.numpy_dtype_code(x.dtype)

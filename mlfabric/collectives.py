@@ -75,40 +75,11 @@ def _resolve_algorithm(ctx, algorithm, nbytes):
     return algorithm
 
 
-def _wrap(x, name="x", writable=False):
-    """_buffers.wrap(x), refusing up front what would fail only after the data moved (this rank
-    raising while its peers have their results) or give a wrong result silently."""
-    torch = _buffers.is_torch(x)
-    if torch and x.layout != _buffers._torch().strided:
-        raise TypeError(f"{name} is a {x.layout} tensor; mlfabric moves dense (strided) tensors "
-                        f"only: pass {name}.to_dense()")
-    if writable and (torch or isinstance(x, np.ndarray)):
-        # A non-contiguous output is written back element by element: where elements share
-        # memory, it would keep only one of their results.
-        if _buffers.elements_overlap(x.shape, x.stride() if torch else x.strides,
-                             1 if torch else x.itemsize):
-            raise ValueError(f"{name} cannot take the result in place: elements of it share "
-                             "memory (an expanded tensor, a broadcast array?); pass an array "
-                             "of its own (.clone(), .copy())")
-        if torch and x.requires_grad:
-            # A contiguous tensor is written through a numpy view, outside autograd; the copy
-            # back into a non-contiguous one must be too, or a leaf that requires grad (or a
-            # view of one) would take the result in one layout and raise in another.
-            x = x.detach()
-    if torch and x.is_neg():
-        # numpy cannot view a lazily negated tensor (the .imag of a conjugate): a resolved copy
-        # stands for it, copied back into it when it is an output
-        buf = _buffers.wrap(x.resolve_neg(), name)
-        buf.obj, buf.copied = x, writable
-        return buf
-    return _buffers.wrap(x, name, writable)
-
-
 def _output(xb, out, what, count=None, shape=None):
     """(out object, its Buf): a new array shaped like `shape`, or the user's out, checked."""
     if out is None:
         return _buffers.empty_like(xb, shape)
-    ob = _wrap(out, "out", writable=True)
+    ob = _buffers.wrap(out, "out", writable=True)
     want = xb.count if count is None else count
     if ob.code != xb.code:
         raise TypeError(f"{what}: out has dtype {_dtypes.DTYPE_NAMES[ob.code]}, "
@@ -142,7 +113,7 @@ def _allreduce(x, op, out, algorithm, async_):
         return _gpu().allreduce(x, op, out, algorithm, async_)
 
     def prepare(ctx):
-        xb = _wrap(x)
+        xb = _buffers.wrap(x)
         opc, avg = _dtypes.op_code(op, xb.code)
         algo = _resolve_algorithm(ctx, algorithm, xb.nbytes)
         res, ob = _output(xb, out, what)
@@ -271,7 +242,7 @@ def reduce(x, root=0, op="sum", out=None):
         return _gpu().reduce(x, root, op, out)
 
     def prepare(ctx):
-        xb = _wrap(x)
+        xb = _buffers.wrap(x)
         opc, avg = _dtypes.op_code(op, xb.code)
         r = _check_root(root, ctx.size)
         res, ob = _output(xb, out, what) if ctx.rank == r else (None, None)
@@ -306,7 +277,7 @@ def _broadcast(x, root, async_):
         return _gpu().broadcast(x, root, async_)
 
     def prepare(ctx):
-        xb = _wrap(x, writable=True)
+        xb = _buffers.wrap(x, writable=True)
         r = _check_root(root, ctx.size)
         if ctx.shm is not None:
             zc, peers = ctx.shm.zero_copy_info(xb)
@@ -345,7 +316,7 @@ def _allgather(x, out, async_):
         return _gpu().allgather(x, out, async_)
 
     def prepare(ctx):
-        xb = _wrap(x)
+        xb = _buffers.wrap(x)
         shape = (ctx.size * xb.shape[0], *xb.shape[1:]) if xb.shape else (ctx.size,)
         res, ob = _output(xb, out, what, ctx.size * xb.count, shape)
         if ctx.shm is not None:
@@ -398,7 +369,7 @@ def _reduce_scatter(x, op, out, async_):
         return _gpu().reduce_scatter(x, op, out, async_)
 
     def prepare(ctx):
-        xb = _wrap(x)
+        xb = _buffers.wrap(x)
         opc, avg = _dtypes.op_code(op, xb.code)
         if not xb.shape:
             raise ValueError("reduce_scatter needs an array with at least one dimension")
@@ -470,7 +441,7 @@ def send(x, dest, tag=0):
     """Send x to rank dest; blocks until x may be reused. The receiver's array must have the
     same dtype and number of elements: a mismatch raises MismatchError at the receiver."""
     ctx = context.get()
-    xb = _wrap(x)
+    xb = _buffers.wrap(x)
     dest = _check_root(dest, ctx.size)
     t = _user_tag(tag)
     meta = np.array([xb.code, xb.count], np.int64)
@@ -482,7 +453,7 @@ def send(x, dest, tag=0):
 def recv(x, source, tag=0):
     """Receive into x from rank source (in place); returns x. See send()."""
     ctx = context.get()
-    xb = _wrap(x, writable=True)
+    xb = _buffers.wrap(x, writable=True)
     source = _check_root(source, ctx.size)
     t = _user_tag(tag)
     meta = np.empty(2, np.int64)
@@ -576,7 +547,7 @@ def _alltoall(x, splits, async_):
 
     def call(ctx):
         try:
-            xb = _wrap(x)
+            xb = _buffers.wrap(x)
             if not xb.shape:
                 raise ValueError("alltoall needs an array with at least one dimension")
             send_rows = _alltoall_splits(splits, xb.shape[0], ctx.size)
