@@ -10,9 +10,9 @@ with dynamic aggregation), 'ssp' (stale synchronous, slack K), 'async' (vanilla 
 no scheduling, no aggregation), and the MPI baselines 'rr-sync' / 'tr-sync' (ring / binary-tree
 allreduce among the workers, mlfabric.ps.allreduce_baselines).
 """
-from .api import (allreduce, applied_log, dropped, finish, get, init, local_model, on_request,
-                  on_update, push, register_as_replica, register_as_server, register_as_worker,
-                  role, serve)
+from .api import (agree_to_start, allreduce, applied_log, dropped, finish, get, init,
+                  local_model, on_request, on_update, push, register_as_replica,
+                  register_as_server, register_as_worker, role, serve)
 
 # the paper's names (Table 1)
 registerAsWorker = register_as_worker
@@ -22,7 +22,7 @@ registerUpdateCallback = on_update
 registerRequestCallback = on_request
 AllReduce = allreduce
 
-__all__ = ["init", "role", "register_as_worker", "push", "get", "dropped", "finish", "register_as_server",
+__all__ = ["init", "agree_to_start", "role", "register_as_worker", "push", "get", "dropped", "finish", "register_as_server",
            "on_update", "on_request", "register_as_replica", "serve", "local_model", "applied_log",
            "registerAsWorker", "registerAsServer", "registerAsReplica", "registerUpdateCallback",
            "registerRequestCallback", "allreduce", "AllReduce"]

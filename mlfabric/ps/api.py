@@ -19,7 +19,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import _config, kernels
-from ..errors import MlfabricError, NotInitializedError, PeerTimeoutError
+from ..errors import MismatchError, MlfabricError, NotInitializedError, PeerTimeoutError
 from ..runtime.core import Config, Runtime
 from ..runtime.roles import REPLICA, SCHEDULER, SERVER, WORKER, Roles
 
@@ -34,33 +34,55 @@ def init(mode="mlfabric-A", *, servers=1, replicas=0, aggregators=None, batch_in
          t_lag=0.2, slack=2, gamma=0.0, emulation=None, seed=0, distribution=True,
          cut_through=True, pull_objective="makespan", checkpoint_every=0, checkpoint_dir=None,
          resume=False, applied_log_max=100_000, comm=None):
-    """Set the job's configuration (not collective: it only records it) and return this rank's
-    role: 'scheduler', 'server', 'replica' or 'worker' (mlfabric.runtime.roles says which).
-    mlfabric.runtime.Config documents every setting."""
+    """Set the job's configuration and return this rank's role: 'scheduler', 'server',
+    'replica' or 'worker' (mlfabric.runtime.roles says which). mlfabric.runtime.Config documents
+    every setting. Collective over comm (default: the world): a rank whose arguments are refused
+    raises its error and every other rank a MismatchError naming it (see agree_to_start)."""
     from ..emulate import Emulation
-    old = _state["rt"]
-    if old is not None:
-        if old.error is None:
-            raise MlfabricError("mlfabric.ps is already running; init() once per job")
-        # the last job failed (its error reached this rank): it is over, a new one may start
-        if old.daemon is not None:
-            old.daemon.join(timeout=5.0)
-        _state.update(rt=None, handler=None)
-    cfg = Config(mode=mode, servers=servers, replicas=replicas, aggregators=aggregators,
-                 batch_interval=batch_interval, t_lag=t_lag, slack=slack, gamma=gamma,
-                 emulation=emulation if emulation is not None else Emulation(), seed=seed,
-                 distribution=distribution, cut_through=cut_through,
-                 pull_objective=pull_objective, applied_log_max=applied_log_max,
-                 checkpoint_every=checkpoint_every,
-                 checkpoint_dir=checkpoint_dir, resume=resume)
-    comm = MPI.COMM_WORLD if comm is None else comm
-    roles = Roles(comm.size, cfg.servers, cfg.replicas)
+    try:
+        old = _state["rt"]
+        if old is not None:
+            if old.error is None:
+                raise MlfabricError("mlfabric.ps is already running; init() once per job")
+            # the last job failed (its error reached this rank): it is over, a new one may start
+            if old.daemon is not None:
+                old.daemon.join(timeout=5.0)
+            _state.update(rt=None, handler=None)
+        cfg = Config(mode=mode, servers=servers, replicas=replicas, aggregators=aggregators,
+                     batch_interval=batch_interval, t_lag=t_lag, slack=slack, gamma=gamma,
+                     emulation=emulation if emulation is not None else Emulation(), seed=seed,
+                     distribution=distribution, cut_through=cut_through,
+                     pull_objective=pull_objective, applied_log_max=applied_log_max,
+                     checkpoint_every=checkpoint_every,
+                     checkpoint_dir=checkpoint_dir, resume=resume)
+        if comm is not None and not isinstance(comm, MPI.Intracomm):
+            raise TypeError("comm must be an MPI intracommunicator, got %r" % (comm,))
+        comm = MPI.COMM_WORLD if comm is None else comm
+        roles = Roles(comm.size, cfg.servers, cfg.replicas)
+    except Exception as exc:  # noqa: BLE001 - the others hear of any, then it is raised
+        agree_to_start(comm, exc)
+    agree_to_start(comm)
     # (a duplicate left by a job that never started or failed is dropped, not freed: a barrier of
     # its failed start-up may still be pending on it)
     # The job's own duplicate (collective, like MPI's own start-up): its start-up handshake then
     # never meets the user's collectives, even when it fails half way
     _state.update(config=cfg, comm=comm.Dup(), role=roles.role(comm.rank), dropped=None)
     return _state["role"]
+
+
+def agree_to_start(comm, error=None):
+    """The ranks of comm (the world's when comm is not a communicator: it can only have been
+    meant for ranks this one cannot name) agree to start a job: one allgather of refusals.
+    Raises error on a rank that passes one, a MismatchError naming those ranks on the others.
+    Before init() duplicates comm (MPI's own collective, with no timeout): a rank that raised
+    before it would leave the others waiting there forever."""
+    comm = comm if isinstance(comm, MPI.Intracomm) else MPI.COMM_WORLD
+    refused = [r for r, bad in enumerate(comm.allgather(error is not None)) if bad]
+    if error is not None:
+        raise error
+    if refused:
+        raise MismatchError("ps.init: rank(s) %s refused their arguments (see the error on those "
+                            "ranks); no job was started" % refused)
 
 
 def role():

@@ -24,12 +24,13 @@ synchronous, slack K), "vanilla" = a plain asynchronous parameter server (no sch
 mode each worker's change is divided by the number of workers, so an iteration applies their
 average, as data-parallel SGD would; in the asynchronous modes every update is applied as pushed.
 """
+import inspect
 import math
 
 import numpy as np
 
 from .. import ps
-from ..errors import MismatchError, MlfabricError
+from ..errors import MlfabricError
 from ..ps.driver import shards
 from ..runtime.roles import Roles
 
@@ -43,47 +44,21 @@ def ps_init(mode="async", *, servers=1, replicas=0, comm=None, **settings):
     ('scheduler', 'server', 'replica' or 'worker'). `settings` go to mlfabric.ps.init
     (emulation, batch_interval, slack, gamma, seed, checkpoint_every, ...).
 
-    Collective over `comm` (default: the world): a rank whose arguments ps.init would refuse
-    raises its error, and every other rank a MismatchError naming it, all before ps.init."""
+    Collective over `comm` (default: the world), as mlfabric.ps.init: a rank whose arguments
+    are refused raises its error, and every other rank a MismatchError naming it."""
     from mpi4py import MPI
-    problem = _checked_job(mode, servers, replicas, comm, settings)
-    # ps.init duplicates the communicator (MPI's own collective, with no timeout): a rank that
-    # raised before it would leave the others waiting there forever, so all agree first. (A
-    # comm that is not one was refused; it can only have been meant for ranks this one cannot
-    # name: the world's hear of it, as with the default.)
-    comm = comm if isinstance(comm, MPI.Intracomm) else MPI.COMM_WORLD
-    refused = [r for r, bad in enumerate(comm.allgather(problem is not None)) if bad]
-    if problem is not None:
-        raise problem
-    if refused:
-        raise MismatchError("ps_init: rank(s) %s refused their arguments (see the error on "
-                            "those ranks); no job was started" % refused)
+    try:  # what fails before mlfabric.ps.init's own checks: in its round all the same
+        if not (isinstance(mode, str) and mode in MODES):
+            raise ValueError("mode must be one of %s, got %r" % (", ".join(MODES), mode))
+        inspect.signature(ps.init).bind(MODES[mode], servers=servers, replicas=replicas,
+                                        comm=comm, **settings)  # a setting it has not
+    except (TypeError, ValueError) as exc:
+        ps.agree_to_start(comm, exc)
     role = ps.init(MODES[mode], servers=servers, replicas=replicas, comm=comm, **settings)
+    comm = MPI.COMM_WORLD if comm is None else comm
     _job.update(mode=mode, roles=Roles(comm.size, servers, replicas), servers=servers,
                 rank=comm.rank)
     return role
-
-
-def _checked_job(mode, servers, replicas, comm, settings):
-    """The error ps_init's arguments raise on this rank (ps.init's own checks, made here before
-    anything collective), or None."""
-    from mpi4py import MPI
-    from ..emulate import Emulation
-    from ..runtime.core import Config
-    try:
-        if not (isinstance(mode, str) and mode in MODES):
-            raise ValueError("mode must be one of %s, got %r" % (", ".join(MODES), mode))
-        if comm is not None and not isinstance(comm, MPI.Intracomm):
-            raise TypeError("comm must be an MPI intracommunicator, got %r" % (comm,))
-        # ps.init's settings are Config's fields (a TypeError names an unknown one), emulation
-        # None standing for the default
-        if settings.get("emulation", 0) is None:
-            settings = dict(settings, emulation=Emulation())
-        Config(mode=MODES[mode], servers=servers, replicas=replicas, **settings)
-        Roles((MPI.COMM_WORLD if comm is None else comm).size, servers, replicas)
-    except Exception as exc:  # noqa: BLE001 - every rank hears of it, then it is raised
-        return exc
-    return None
 
 
 def _flat(params):

@@ -163,3 +163,19 @@ def case_shared_empty_mismatch():
     else:
         _expect_mismatch(lambda: mf.shared_empty(10, np.float32), "rejected")
     _still_works()
+
+
+def case_ps_init_refused_on_one_rank_fails_every_rank():
+    """mlfabric.ps.init with a setting the last rank's Config refuses: that rank raises its own
+    error, the others a MismatchError naming it, before the job's communicator is duplicated
+    (MPI's own collective, with no timeout: they used to wait there forever)."""
+    from mlfabric import ps
+    n, r = mf.size(), mf.rank()
+    if n < 3:
+        return  # a job needs a scheduler, a server and a worker: every rank refuses the size
+    if r == n - 1:
+        with pytest.raises(mf.MlfabricError, match="slack"):
+            ps.init(slack=-1)
+    else:
+        _expect_mismatch(ps.init, f"rank(s) [{n - 1}] refused")
+    _still_works()

@@ -187,7 +187,7 @@ def case_sparse_allreduce_with_a_process_set_that_is_not_one():
              lambda: hvd.synchronize(hvd.sparse_allreduce_async(t)), TypeError)
 
 
-# --- mlfabric.torch.ps_init: nothing collective of mlfabric's own yet -----------------------------
+# --- mlfabric.torch.ps_init (and mlfabric.ps.init: they agree before starting) -----------------
 
 def _ps_init_one_bad(bad_args, bad_error):
     """ps_init(**bad_args) on the last rank, ps_init("async") on the others. A job needs a
