@@ -37,6 +37,7 @@ Owns:
   back; of a reducescatter, the allgather of the gradient, scaled as the forward was.
 """
 import atexit
+import bisect
 import copy
 import itertools
 import math
@@ -708,13 +709,23 @@ _REFUSED_PAUSE = 16  # calls run unfused (no offer to hash) after an offer every
 
 class _Member:
     """One allreduce call's tensor and descriptor: what _reduce_members moves, and for an async
-    call of a CPU tensor what it shows the call running ahead of it (its Executor tag)."""
-    __slots__ = ("key", "desc", "tensor", "inplace", "nbytes")
+    call of a CPU tensor what it shows the call running ahead of it (its Executor tag). key and
+    nbytes are read only where fusion asks (a blocking call never does)."""
+    __slots__ = ("plan", "desc", "tensor", "inplace")
 
     def __init__(self, plan, desc, tensor, inplace):
-        self.key = (tensor.dtype, plan.core, plan.pre, plan.after)
-        self.desc, self.tensor, self.inplace = desc, tensor, inplace
-        self.nbytes = tensor.numel() * _wire(tensor.dtype).itemsize  # as it travels
+        self.plan, self.desc, self.tensor, self.inplace = plan, desc, tensor, inplace
+
+    @property
+    def key(self):
+        """What calls fused into one allreduce share: dtype, core op and scaling."""
+        p = self.plan
+        return (self.tensor.dtype, p.core, p.pre, p.after)
+
+    @property
+    def nbytes(self):
+        """Bytes as it travels."""
+        return self.tensor.numel() * _wire(self.tensor.dtype).itemsize
 
 
 def _followers(st, head):
@@ -722,30 +733,38 @@ def _followers(st, head):
     that reads or writes memory an earlier one of the run writes in place (fused, it would see
     that call's input, not its result)."""
     budget = _fusion_budget() - head.nbytes
-    written = {}
+    key = head.key
+    written = ([], [])
     _writes(written, head)
     out = []
     for tag in st.queue.queued(1 << (_FUSE_LEVELS - 1)):
         budget -= tag.nbytes
-        if tag.key != head.key or budget < 0 or _writes(written, tag):
+        if budget < 0 or tag.key != key or _writes(written, tag):
             break
         out.append(tag)
     return out
 
 
 def _writes(written, tag):
-    """Whether tag's tensor overlaps memory in `written` (storage -> [(first, end) byte]); then
-    records its own if it is written in place."""
+    """Whether tag's tensor overlaps memory in `written` (the byte spans [first, end) written in
+    place by earlier members: disjoint, so kept sorted as (firsts, ends) and searched by
+    bisection); then records its own span if it is written in place. Addresses alone decide:
+    the tensors of queued calls are alive, so spans of distinct storages never overlap."""
     t = tag.tensor
     if not t.numel():
         return False
     lo = t.data_ptr()
-    hi = lo + (1 + sum((k - 1) * s for k, s in zip(t.shape, t.stride()))) * t.element_size()
-    spans = written.setdefault(t.untyped_storage().data_ptr(), [])
-    if any(a < hi and lo < b for a, b in spans):
+    if t.is_contiguous():
+        hi = lo + t.numel() * t.element_size()
+    else:
+        hi = lo + (1 + sum((k - 1) * s for k, s in zip(t.shape, t.stride()))) * t.element_size()
+    firsts, ends = written
+    i = bisect.bisect_right(firsts, lo)
+    if (i and ends[i - 1] > lo) or (i < len(firsts) and firsts[i] < hi):
         return True
     if tag.inplace:
-        spans.append((lo, hi))
+        firsts.insert(i, lo)
+        ends.insert(i, hi)
     return False
 
 
@@ -769,12 +788,14 @@ def _offer(desc, followers):
 
 def _fused_count(table):
     """How many queued calls every rank fuses behind this one (from the table alone)."""
-    n = int(table[:, _FUSE_N].min())
-    if n <= 0 or not (table[:, _STATE] == _ACTIVE).all():
+    rows = table.tolist()  # (a few ranks' 30 words: cheaper as lists than as numpy ops)
+    n = min(row[_FUSE_N] for row in rows)
+    if n <= 0 or any(row[_STATE] != _ACTIVE for row in rows):
         return 0  # a joined rank takes part in one call at a time
+    first = rows[0]
     for level in range(n.bit_length() - 1, -1, -1):
-        hashes = table[:, _FUSE_H + level]
-        if (hashes == hashes[0]).all():
+        h = _FUSE_H + level
+        if all(row[h] == first[h] for row in rows):
             return 1 << level
     return 0
 
@@ -795,9 +816,9 @@ def _fused_job(st, head, plan, what):
     if not taken:
         if followers and table[:, _FUSE_N].min() > 0:
             st.fusion_pause = _REFUSED_PAUSE  # every rank offered; their calls differ
-        return _reduce_members([head], plan)[0]
+        return _reduce_one(head, plan)
     try:
-        results = _reduce_members([head] + followers[:len(taken)], plan)
+        results = _reduce_members(st, [head] + followers[:len(taken)], plan)
     except BaseException as exc:
         st.queue.finish(taken, errors=[_own_copy(exc) for _ in taken])
         raise
@@ -816,40 +837,50 @@ def _own_copy(exc):
     return err
 
 
-def _reduce_members(members, plan):
-    """Allreduce the tensors of these calls (after the control round): each call's result. A
-    fused run of CPU calls travels as one wire buffer: dense tensors of a dtype that travels as
-    it is are copied in (and, when every call is in place, back) by address, in one native call
-    each way (~0.1 us a tensor, where torch's copies cost ~1 us)."""
-    if len(members) == 1:
-        return [_reduce_one(members[0], plan)]
-    srcs = [m.tensor.detach() for m in members]
-    dtype = srcs[0].dtype  # (one per run: the members' key)
-    inplace = all(m.inplace for m in members)
-    direct = _wire(dtype) == dtype and all(s.is_contiguous() for s in srcs)
-    if direct:
-        ptrs = [s.data_ptr() for s in srcs]
-        nbytes = [m.nbytes for m in members]
-        flat = torch.empty(sum(nbytes) // dtype.itemsize, dtype=dtype)
+def _addresses(tensors):
+    """The data addresses of these CPU tensors (a uint64 array, read in one native call where it
+    can be: tensor_meta.py), or None if one is not contiguous."""
+    got = _meta.scan(tensors)
+    if got is not None:
+        return got[1]
+    if all(map(torch.Tensor.is_contiguous, tensors)):
+        return np.array(list(map(torch.Tensor.data_ptr, tensors)), dtype=np.uint64)
+    return None
+
+
+def _reduce_members(st, members, plan):
+    """Allreduce the tensors of these fused calls (after the control round, which every rank
+    passed as active): each call's result. They travel as one wire buffer: dense tensors of a
+    dtype that travels as it is are copied into the staging buffer (shared memory where the
+    ranks share a host: the allreduce then reads it in place) and, when every call is in
+    place, back, by address, in one native call each way (~0.1 us a tensor, where torch's
+    copies cost ~1 us)."""
+    tensors = [m.tensor for m in members]
+    dtype = tensors[0].dtype  # (one per run: the members' key)
+    sizes = list(map(torch.Tensor.numel, tensors))
+    ptrs = _addresses(tensors) if _wire(dtype) == dtype else None
+    if ptrs is not None:
+        flat = _staging(st, dtype, sum(sizes), True, tensors[0].device)[0][:sum(sizes)]
+        nbytes = np.array(sizes, dtype=np.uint64) * np.uint64(dtype.itemsize)
         _C.gather(flat.data_ptr(), ptrs, nbytes)
     else:
-        flat = torch.cat([s.reshape(-1) for s in srcs]).to(_wire(dtype))
+        flat = torch.cat([t.detach().reshape(-1) for t in tensors]).to(_wire(dtype))
     if plan.pre != 1.0:
         flat.mul_(plan.pre)
     _allreduce_flat(flat, plan)
-    if inplace and direct:
+    if ptrs is not None and all(m.inplace for m in members):
         _C.scatter(flat.data_ptr(), ptrs, nbytes)
-        _increment_version(srcs)  # as an in-place torch op would
-        return [m.tensor for m in members]
-    pieces = [p.view(s.shape) for p, s in zip(flat.split([s.numel() for s in srcs]), srcs)]
+        _increment_version(tensors)  # as an in-place torch op would
+        return tensors
     results = []
-    for m, src, piece in zip(members, srcs, pieces):
+    for m, piece in zip(members, flat.split(sizes)):
+        piece = piece.view(m.tensor.shape)
         if m.inplace:
-            src.copy_(piece)
+            m.tensor.detach().copy_(piece)
             results.append(m.tensor)
         elif piece.dtype != dtype:
             results.append(piece.to(dtype))
-        else:  # a result of its own, not a view keeping the whole fused buffer alive
+        else:  # a result of its own, not a view of the (reused) fused buffer
             results.append(piece.clone())
     return results
 
@@ -898,7 +929,7 @@ def _allreduce_call(tensor, op, average, name, pre, post, inplace, async_, layou
         if async_ and not tensor.is_cuda:
             return _fused_job(st, me, p, what)
         _agree(st, me.desc, what)
-        return _reduce_members([me], p)[0]
+        return _reduce_one(me, p)
 
     # (_issue shows no GPU call to the calls ahead of it: they are never fused)
     return _issue(what, plan, job, async_, tensor, process_set=process_set,
@@ -1029,33 +1060,47 @@ def _layout(codes, shapes):
     return [_Group(c, m, tuple(shapes[i] for i in m)) for c, m in members.items()]
 
 
-def _staged(st, group, everyone, device):
-    """(flat, views) for group in the staging buffer of its wire dtype on `device`: views shaped
-    like the group's tensors, back to back at the start of flat. Runs inside calls, one at a
-    time, after the control round: `everyone` (every rank takes part, none joined) means every
-    rank makes this same call now, so a shared buffer may be allocated (a collective). A GPU
-    buffer is only touched on mlfabric's stream there, one call after another: reuse is ordered."""
-    wire = _wire(_DTYPES[group.code])
-    nbytes = group.total * wire.itemsize
+def _staging_slot(st, wire, total, everyone, device):
+    """(pool, key) where the staging buffer of a fused call of `total` elements of dtype `wire`
+    on `device` is kept. Staging runs inside calls, one at a time, after the control round:
+    `everyone` (every rank takes part, none joined) means every rank makes this same call now,
+    so a shared buffer may be allocated (a collective). A GPU buffer is only touched on
+    mlfabric's stream there, one call after another: reuse is ordered."""
     shared = everyone and device.type == "cpu" and st.ctx.shm is not None and \
-        nbytes <= _STAGING_MAX
-    pool = st.shared_staging if shared else st.staging
-    key = wire if device.type == "cpu" else (wire, device)
+        total * wire.itemsize <= _STAGING_MAX
+    return (st.shared_staging if shared else st.staging), \
+        (wire if device.type == "cpu" else (wire, device))
+
+
+def _staging(st, wire, total, everyone, device):
+    """A buffer of at least `total` elements to stage a fused call's data in (_staging_slot),
+    and whether it is kept for the next call."""
+    pool, key = _staging_slot(st, wire, total, everyone, device)
     buf = pool.get(key)
-    if group.staged is not None and group.staged[0] is buf:
-        return group.staged[1], group.staged[2]
-    if buf is None or buf.numel() < group.total:
-        if shared:
-            grown = max(group.total, 2 * buf.numel() if buf is not None else 0)
+    if buf is None or buf.numel() < total:
+        if pool is st.shared_staging:
+            grown = max(total, 2 * buf.numel() if buf is not None else 0)
             buf = _shared.shared_empty(min(grown, _STAGING_MAX // wire.itemsize), wire)
         else:
-            buf = torch.empty(group.total, dtype=wire, device=device)
-        if nbytes <= _STAGING_MAX:  # else used for this call only
+            buf = torch.empty(total, dtype=wire, device=device)
+        if total * wire.itemsize <= _STAGING_MAX:  # else used for this call only
             pool[key] = buf
+    return buf, pool.get(key) is buf
+
+
+def _staged(st, group, everyone, device):
+    """(flat, views) for group in the staging buffer of its wire dtype (_staging): views shaped
+    like the group's tensors, back to back at the start of flat; kept in the group while the
+    buffer is."""
+    wire = _wire(_DTYPES[group.code])
+    pool, key = _staging_slot(st, wire, group.total, everyone, device)
+    if group.staged is not None and group.staged[0] is pool.get(key):
+        return group.staged[1], group.staged[2]
+    buf, kept = _staging(st, wire, group.total, everyone, device)
     flat = buf[:group.total]
     views = [v.view(s) for v, s in zip(flat.split([math.prod(s) for s in group.shapes]),
                                        group.shapes)]
-    if pool.get(key) is buf:
+    if kept:
         group.staged = (buf, flat, views)
     return flat, views
 
