@@ -711,10 +711,11 @@ class _Member:
     """One allreduce call's tensor and descriptor: what _reduce_members moves, and for an async
     call of a CPU tensor what it shows the call running ahead of it (its Executor tag). key and
     nbytes are read only where fusion asks (a blocking call never does)."""
-    __slots__ = ("plan", "desc", "tensor", "inplace")
+    __slots__ = ("what", "plan", "desc", "tensor", "inplace")
 
-    def __init__(self, plan, desc, tensor, inplace):
-        self.plan, self.desc, self.tensor, self.inplace = plan, desc, tensor, inplace
+    def __init__(self, what, plan, desc, tensor, inplace):
+        self.what, self.plan, self.desc, self.tensor = what, plan, desc, tensor
+        self.inplace = inplace
 
     @property
     def key(self):
@@ -803,36 +804,46 @@ def _fused_count(table):
 def _fused_job(st, head, plan, what):
     """An async allreduce's job: its control round, offering the like calls queued behind it;
     then one allreduce for it and those that every rank fuses. Their handles finish here."""
+    desc = head.desc
+    followers = []
     if st.fusion_pause:
         st.fusion_pause -= 1
-        followers = []
     else:
-        followers = _followers(st, head)
-    desc = head.desc
-    if followers:
-        _offer(desc, followers)
+        try:
+            followers = _followers(st, head)
+            if followers:
+                _offer(desc, followers)
+        except Exception:  # noqa: BLE001 - a queued tensor that cannot be read: offer nothing
+            # (this call's round must still happen: the peers are in it)
+            followers = []
+            desc[_FUSE_N:_W] = 0
     table = _agree(st, desc, what)
     taken = st.queue.take(_fused_count(table)) if followers else []
     if not taken:
         if followers and table[:, _FUSE_N].min() > 0:
             st.fusion_pause = _REFUSED_PAUSE  # every rank offered; their calls differ
         return _reduce_one(head, plan)
+    members = [head] + followers[:len(taken)]
     try:
-        results = _reduce_members(st, [head] + followers[:len(taken)], plan)
+        results = _reduce_members(st, members, plan)
     except BaseException as exc:
-        st.queue.finish(taken, errors=[_own_copy(exc) for _ in taken])
+        st.queue.finish(taken, errors=[_own_copy(exc, f"{m.what}, fused with {what}")
+                                       for m in members[1:]])
         raise
     st.queue.finish(taken, results[1:])
     return results[0]
 
 
-def _own_copy(exc):
-    """exc for another handle: a copy caused by it (one exception object raised by many
-    synchronize() calls would grow its traceback at each)."""
+def _own_copy(exc, what):
+    """exc for another handle, whose call is `what`: a copy caused by it, its message led by
+    that call's name (one exception object raised by many synchronize() calls would grow its
+    traceback at each)."""
     try:
         err = copy.copy(exc)
     except Exception:  # noqa: BLE001 - an exception that cannot be copied: itself
         return exc
+    if len(err.args) == 1 and isinstance(err.args[0], str):
+        err.args = (f"{what}: {err.args[0]}",)
     err.__cause__ = exc
     return err
 
@@ -922,7 +933,7 @@ def _allreduce_call(tensor, op, average, name, pre, post, inplace, async_, layou
                         st.ctx.size, what)
         desc = _desc(_ALLREDUCE, code, _CORE_OPS.index(p.core), shape=tensor.shape, name=name,
                      layout=layout, tensor=tensor)
-        return p, _Member(p, desc, tensor, inplace)
+        return p, _Member(what, p, desc, tensor, inplace)
 
     def job(st, planned):
         p, me = planned

@@ -5,6 +5,7 @@ helpers, mismatch errors on every rank, and DistributedOptimizer against single-
 on the concatenated batch."""
 import copy
 import os
+import re
 
 import numpy as np
 import pytest
@@ -239,6 +240,16 @@ def case_fused_async_allreduces_keep_the_order_of_their_effects():
     assert t.tolist() == [n * n] * 8
     assert hvd.synchronize(h4).tolist() == [n * n] * 8 and u.tolist() == [n] * 8
     assert base.tolist() == [n] * 4 + [n * n] * 4 + [n] * 4
+    # The same memory through two storages (two tensors made from one numpy array): an
+    # out-of-place call reading part of what an in-place call ahead of it writes sees its result.
+    a = np.ones(8, np.float32)
+    head = _slow_head()
+    h1 = hvd.allreduce_async_(torch.from_numpy(a), op=hvd.Sum, prescale_factor=2.0)
+    h2 = hvd.allreduce_async(torch.from_numpy(a[4:]), op=hvd.Sum, prescale_factor=2.0)
+    hvd.synchronize(head)
+    hvd.synchronize(h1)
+    assert a.tolist() == [2 * n] * 8
+    assert hvd.synchronize(h2).tolist() == [4 * n * n] * 4
     # An in-place result bumps the tensor's version, fused or not, as torch's in-place ops do
     # (autograd then refuses a backward through a tensor it saved).
     for fused in (False, True):
@@ -296,6 +307,38 @@ def case_fused_async_allreduces_that_disagree_fail_in_their_own_round():
                 hvd.synchronize(h)
         else:
             assert hvd.synchronize(h).tolist() == [n, n], i
+
+
+def case_a_fused_run_that_fails_names_each_call_in_its_error():
+    # A failure after the control round of a fused run (injected: the run's one allreduce
+    # raises on every rank, as a dead peer would make it) reaches every call of the run, each
+    # error naming its own call; later calls work.
+    from mlfabric.torch import ops
+    real = ops._allreduce_flat
+
+    def failing(flat, plan):
+        if 3 < flat.numel() < 100:  # a fused run of the calls below (each has 3 elements)
+            raise hvd.PeerTimeoutError("allreduce: no answer within 1 s (injected)")
+        return real(flat, plan)
+    ops._allreduce_flat = failing
+    try:
+        head = _slow_head()
+        hs = [hvd.allreduce_async(torch.ones(3), op=hvd.Sum, name=f"g{i}") for i in range(4)]
+        hvd.synchronize(head)
+        with pytest.raises(hvd.PeerTimeoutError, match="injected"):
+            hvd.synchronize(hs[0])  # the head of the first run raises the error itself
+        failed = 0
+        for i, h in enumerate(hs[1:], 1):
+            try:
+                assert hvd.synchronize(h).tolist() == [hvd.size()] * 3  # not fused
+            except hvd.PeerTimeoutError as exc:
+                failed += 1
+                assert re.match(rf"allreduce 'g{i}', fused with allreduce 'g\d': allreduce: "
+                                r"no answer within 1 s \(injected\)$", str(exc)), str(exc)
+        assert failed, "nothing was fused behind g0"
+    finally:
+        ops._allreduce_flat = real
+    assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [hvd.size()] * 2
 
 
 def case_async_allreduces_beside_a_joined_rank():
