@@ -18,7 +18,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .. import _config, kernels
+from .. import _config, exit_guard, kernels
 from ..errors import MismatchError, MlfabricError, NotInitializedError, PeerTimeoutError
 from ..runtime.core import Config, Runtime
 from ..runtime.roles import REPLICA, SCHEDULER, SERVER, WORKER, Roles
@@ -75,11 +75,29 @@ def agree_to_start(comm, error=None):
     meant for ranks this one cannot name) agree to start a job: one allgather of refusals.
     Raises error on a rank that passes one, a MismatchError naming those ranks on the others.
     Before init() duplicates comm (MPI's own collective, with no timeout): a rank that raised
-    before it would leave the others waiting there forever."""
+    before it would leave the others waiting there forever. Bounded by MLFABRIC_TIMEOUT, as
+    every wait of mlfabric.ps: a rank calling init() alone (a second time, or where the others
+    never do) gets a PeerTimeoutError, not a hang."""
     comm = comm if isinstance(comm, MPI.Intracomm) else MPI.COMM_WORLD
-    refused = [r for r, bad in enumerate(comm.allgather(error is not None)) if bad]
+    mine = np.array([error is not None], np.uint8)
+    every = np.zeros(comm.size, np.uint8)
+    req = comm.Iallgather(mine, every)
+    limit = _config.timeout_s()
+    end = time.monotonic() + limit
+    while not req.Test():
+        if time.monotonic() > end:
+            # the allgather stays pending on comm (MPI cannot cancel a collective): no later
+            # collective on comm can match its peers', and MPI_Finalize may wait for them
+            exit_guard.out_of_step()
+            raise PeerTimeoutError(
+                "mlfabric.ps.init: not every rank of its communicator (%d ranks) called init() "
+                "within MLFABRIC_TIMEOUT=%gs (init() is collective: every rank calls it, once "
+                "per job); the communicator is left with a pending collective"
+                % (comm.size, limit)) from error
+        time.sleep(0.001)
     if error is not None:
         raise error
+    refused = np.flatnonzero(every).tolist()
     if refused:
         raise MismatchError("ps.init: rank(s) %s refused their arguments (see the error on those "
                             "ranks); no job was started" % refused)
