@@ -211,6 +211,15 @@ def _fail(exc):
     raise _Refused(exc)
 
 
+def _round(what, row):
+    """Every rank's row (one small blocking allgather) ahead of a call's data: where a peer
+    refused the call (_refuse), the error this rank gets names the call, not the allgather."""
+    try:
+        return mf.allgather(row)
+    except MismatchError as exc:
+        raise MismatchError(f"{what}: {exc}") from None
+
+
 def _tensor(t, what):
     if not isinstance(t, torch.Tensor):
         _fail(TypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}"))
@@ -492,7 +501,7 @@ class MlfabricProcessGroup(dist.ProcessGroup):
                             f"{op}"))
         sd, n = t.sparse_dim(), self._size
         sig = zlib.crc32(repr((tuple(t.shape), sd, str(t.dtype))).encode())
-        table = mf.allgather(np.array([t._nnz(), sig], np.int64)).reshape(n, 2)
+        table = _round(what, np.array([t._nnz(), sig], np.int64)).reshape(n, 2)
         if (table[:, 1] != sig).any():
             raise MismatchError(f"{what}: the ranks' sparse tensors differ in size, sparse "
                                 f"dimensions or dtype (this rank's: {tuple(t.shape)}, {sd}, "
@@ -776,6 +785,9 @@ class MlfabricProcessGroup(dist.ProcessGroup):
             if t.dtype != ins[0].dtype:
                 _fail(TypeError(f"{what}: tensors must share one dtype, got {t.dtype} and "
                                 f"{ins[0].dtype}"))
+            if t.device != ins[0].device:
+                _fail(ValueError(f"{what}: tensors must be on one device, got {t.device} and "
+                                 f"{ins[0].device}"))
         send, recv = [x.numel() for x in ins], [o.numel() for o in outs]
         per = 2 if ins[0].is_complex() else 1  # elements on the wire of one element
         _counted(per * sum(send), what, "input")
@@ -800,7 +812,7 @@ class MlfabricProcessGroup(dist.ProcessGroup):
         allgather of every input is at most _ALLGATHER_BYTES (faster there: one shared-memory
         step), by that allgather, finish getting block `rank` of each rank's input."""
         size, rank = self._size, self._rank
-        every = mf.allgather(table).reshape(size, -1)
+        every = _round(what, table).reshape(size, -1)
         _check_split_table(every, what, form)
         sends = every[:, 3:3 + size]
         # Every rank's x has as many elements where every rank sends every rank as many rows
@@ -857,7 +869,7 @@ class MlfabricProcessGroup(dist.ProcessGroup):
         """For a rooted call carried by an allgather (gather), whose header has no root: the
         ranks compare roots first (one small allgather); else ranks naming different ones
         would each take a wrong result, silently."""
-        roots = mf.allgather(np.array([root], np.int64)).tolist()
+        roots = _round(what, np.array([root], np.int64)).tolist()
         if len(set(roots)) > 1:
             by_root = "; ".join(f"{q} on rank(s) {[r for r, x in enumerate(roots) if x == q]}"
                                 for q in sorted(set(roots)))

@@ -77,15 +77,16 @@ def _naming(what):
         raise AssertionError(f"{what}: {exc}") from None
 
 
-def _refused_on(bad, what, fn, *needles):
+def _refused_on(bad, what, fn, *needles, call=None):
     """fn raises on rank `bad` its own ValueError (naming needles), on every other rank a
-    MismatchError naming `bad`; then the group still works."""
+    MismatchError naming `bad` (and the call, if given); then the group still works."""
     _, r = _n_r()
     with _naming(what):
         if r == bad:
             _expect_everywhere(ValueError, fn, *needles)
         else:
-            _expect_everywhere(mf.MismatchError, fn, f"rank(s) [{bad}] rejected")
+            _expect_everywhere(mf.MismatchError, fn, f"rank(s) [{bad}] rejected",
+                               *([f"{call}: "] if call else []))
     _still_works()
 
 
@@ -653,7 +654,7 @@ def case_one_rank_all_to_all_splits_that_do_not_fit():
             splits = {side: bad if r == last else fit}
             _refused_on(last, f"{side} splits {bad}", lambda: dist.all_to_all_single(
                 out, inp, splits.get("output", fit), splits.get("input", fit)),
-                f"{side} split sizes {bad}", "dimension 0")
+                f"{side} split sizes {bad}", "dimension 0", call="all_to_all_single")
     if n > 1:  # as many elements everywhere, but 1 row on the last rank: no n equal parts
         shape = (1, n * k) if r == last else (n * k,)
         _refused_on(last, "no splits", lambda: dist.all_to_all_single(
