@@ -60,7 +60,7 @@ def reduce(inputs, op="sum", out=None, scale=1.0):
     if out is None:
         out, ob = _buffers.empty_like(bufs[0])
     else:
-        ob = _buffers.wrap(out, "out")
+        ob = _buffers.wrap(out, "out", writable=True)
         _check_same([bufs[0], ob], [names[0], "out"])
         for b, n in zip(bufs, names):
             if _overlaps(ob, b):
@@ -82,7 +82,7 @@ def scale_(x, alpha):
     """x *= alpha in place (floating dtypes); returns x."""
     if _is_cuda(x):
         return _cuda_scale(x, alpha)
-    b = _buffers.wrap(x, "x")
+    b = _buffers.wrap(x, "x", writable=True)
     _check_floating(b.code, "scale_")
     _C.scale(b.ptr, b.count, b.code, float(alpha))
     b.writeback()
@@ -93,7 +93,7 @@ def axpy_(y, alpha, x):
     """y += alpha * x in place (floating dtypes, equal dtypes and sizes); returns y."""
     if _is_cuda(y):
         return _cuda_axpy(y, alpha, x)
-    by, bx = _buffers.wrap(y, "y"), _buffers.wrap(x, "x")
+    by, bx = _buffers.wrap(y, "y", writable=True), _buffers.wrap(x, "x")
     _check_same([by, bx], ["y", "x"])
     _check_floating(by.code, "axpy_")
     if by.nbytes and by.ptr < bx.ptr + bx.nbytes and bx.ptr < by.ptr + by.nbytes:

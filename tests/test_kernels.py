@@ -459,6 +459,25 @@ def test_torch_tensors():
         K.reduce([torch.ones(3), torch.ones(3, dtype=torch.float64)])
 
 
+def test_outputs_that_cannot_take_the_result_are_refused_before_any_work():
+    """In-place kernels and reduce's out: a read-only array, or one whose elements share memory
+    (expanded, zero strides), is a ValueError up front, the data untouched."""
+    ro = np.ones(4, np.float32)
+    ro.flags.writeable = False
+    expanded = torch.ones(1).expand(4)
+    broadcast = np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), (4,), (0,))  # writable
+    for call in (lambda: K.scale_(ro, 3.0), lambda: K.axpy_(ro, 2.0, np.ones(4, np.float32)),
+                 lambda: K.reduce([np.ones(4, np.float32)] * 2, out=ro)):
+        with pytest.raises(ValueError, match="read-only"):
+            call()
+        assert ro.tolist() == [1.0] * 4
+    for call in (lambda: K.scale_(expanded, 3.0), lambda: K.axpy_(expanded, 2.0, torch.ones(4)),
+                 lambda: K.reduce([np.ones(4, np.float32)] * 2, out=broadcast)):
+        with pytest.raises(ValueError, match="elements of it share memory"):
+            call()
+    assert expanded.tolist() == [1.0] * 4 and broadcast.tolist() == [0.0] * 4
+
+
 def test_threads_share_kernels():
     """The kernels run without the GIL; concurrent calls give the right answers."""
     from concurrent.futures import ThreadPoolExecutor
