@@ -8,6 +8,7 @@ raised before any data moves. Objects travel pickled (cloudpickle when installed
 in int64 tensors.
 """
 import io
+import operator
 import pickle
 import zlib
 
@@ -140,7 +141,10 @@ def _same_everywhere(summary, root_rank, what, describe, error=None):
 
 def _compare_summaries(summary, root_rank, what, describe):
     h = zlib.crc32(pickle.dumps(summary))
-    root = root_rank if isinstance(root_rank, int) and not isinstance(root_rank, bool) else -1
+    try:  # an int, or a numpy integer (as ops' root_rank)
+        root = -1 if isinstance(root_rank, bool) else operator.index(root_rank)
+    except TypeError:
+        root = -1
     got = ops.allgather(torch.tensor([[h, root]], dtype=torch.int64), f"{what}.summary_hash")
     roots = got[:, 1].tolist()
     if len(set(roots)) > 1 or not 0 <= roots[0] < len(roots):

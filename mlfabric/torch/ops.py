@@ -1487,6 +1487,7 @@ def _broadcast_call(tensor, root_rank, name, inplace, async_, process_set=None):
         if inplace and src.is_contiguous() and _wire(src.dtype) == src.dtype:
             if src.numel():
                 _coll.broadcast(src.view(-1), root=root)
+                _increment_version([src])  # as an in-place torch op would (as allreduce_)
             return tensor
         buf = torch.empty(src.shape, dtype=_wire(src.dtype), device=src.device)
         buf.copy_(src)

@@ -159,11 +159,12 @@ class _DistributedOptimizer:
         self._mlf_predivide = float(gradient_predivide_factor)
         self._mlf_sparse_as_dense = bool(sparse_as_dense)
         fp16 = compression is Compression.fp16
-        # Every bucket's allreduce carries (a hash of) the whole model's dtypes and shapes, and
-        # of explicit groups: ranks holding different models (or grouping them differently)
-        # fail together at the first bucket.
+        # Every bucket's allreduce carries (a hash of) the whole model's names, dtypes and
+        # shapes, and of explicit groups: ranks holding different models (or grouping them
+        # differently, or the same shapes in another order of names: their gradients would
+        # be summed with another layer's) fail together at the first bucket.
         self._mlf_layout = zlib.crc32(repr(
-            (tuple((str(p.dtype), tuple(p.shape)) for p in params),
+            (tuple((names[id(p)], str(p.dtype), tuple(p.shape)) for p in params),
              None if groups is None else plan)).encode())
         device = params[0].device if params else torch.device("cpu")
         shared = _construction_round(st, self._mlf_layout, device, None)

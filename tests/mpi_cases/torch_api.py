@@ -268,6 +268,11 @@ def case_fused_async_allreduces_keep_the_order_of_their_effects():
     hvd.allreduce_(y.detach(), op=hvd.Sum)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+    y = w * 1.0  # broadcast_ too (on every rank: the root's tensor is "written" as well)
+    loss = (y * y).sum()
+    hvd.broadcast_(y.detach(), 0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
     # Out-of-place results of fused calls are tensors of their own, not views of one buffer.
     head = _slow_head()
     hs = [hvd.allreduce_async(torch.ones(5), op=hvd.Sum) for _ in range(20)]
@@ -321,6 +326,7 @@ def case_a_fused_run_that_fails_names_each_call_in_its_error():
             raise hvd.PeerTimeoutError("allreduce: no answer within 1 s (injected)")
         return real(flat, plan)
     ops._allreduce_flat = failing
+    ops._state().fusion_pause = 0  # (an earlier case's refused offers may have paused fusion)
     try:
         head = _slow_head()
         hs = [hvd.allreduce_async(torch.ones(3), op=hvd.Sum, name=f"g{i}") for i in range(4)]
@@ -1226,9 +1232,9 @@ def case_broadcast_parameters_and_optimizer_state():
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     for k, v in model.state_dict().items():
         assert torch.equal(v, root_sd[k]), k
-    # named_parameters() (a generator of pairs) and another root.
+    # named_parameters() (a generator of pairs) and another root, a numpy integer.
     model = Net(seed=200 + r).double()
-    hvd.broadcast_parameters(model.named_parameters(), root_rank=n - 1)
+    hvd.broadcast_parameters(model.named_parameters(), root_rank=np.int64(n - 1))
     root = dict(Net(seed=200 + n - 1).double().named_parameters())
     for k, v in model.named_parameters():
         assert torch.equal(v, root[k]), k
@@ -1484,6 +1490,16 @@ def case_mismatches_fail_on_every_rank():
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    named_parameters=model.named_parameters())
     model(torch.ones(2, 5)).sum().backward()
+    _expect_mismatch(opt.step, "allreduce 'gradients[0]: ")
+    _still_works()
+    # The same shapes under names in another order on one rank (a dict of layers built in
+    # another order): their gradients would be summed with another layer's; fails everywhere.
+    layers = {k: torch.nn.Linear(4, 4) for k in "pqs"}
+    order = "qps" if r == odd else "pqs"
+    twin = torch.nn.ModuleDict({k: layers[k] for k in order})
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(twin.parameters(), lr=0.1),
+                                   named_parameters=twin.named_parameters())
+    twin["p"](torch.ones(1, 4)).sum().backward()
     _expect_mismatch(opt.step, "allreduce 'gradients[0]: ")
     _still_works()
 
