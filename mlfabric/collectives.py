@@ -86,7 +86,22 @@ def _output(xb, out, what, count=None, shape=None):
                         f"x has {_dtypes.DTYPE_NAMES[xb.code]}")
     if ob.count != want:
         raise ValueError(f"{what}: out has {ob.count} elements, expected {want}")
+    if _partly_overlap(ob, xb):
+        raise ValueError(f"{what}: out shares memory with x without being x (the result would "
+                         "overwrite input not yet read); pass out=x to work in place, or an "
+                         "array of its own")
     return out, ob
+
+
+def _partly_overlap(ob, xb):
+    """Whether the output's memory overlaps the input's other than as the same buffer (in
+    place). A temporary copy (a non-contiguous array's) overlaps nothing the call reads."""
+    if ob.copied or xb.copied or not ob.nbytes or not xb.nbytes:
+        return False
+    o, x = ob.ptr, xb.ptr
+    if o == x and ob.nbytes == xb.nbytes:
+        return False
+    return o < x + xb.nbytes and x < o + ob.nbytes
 
 
 def _copy(dst, src):
@@ -221,7 +236,8 @@ def allreduce(x, op="sum", out=None, algorithm="auto"):
     # would dominate calls up to ~1 MiB) through a prepared engine call. Same protocol, same
     # header checks. Shared buffers longer than one step take the general path, for zero-copy.
     ctx, arr = _direct(x, algorithm)
-    if ctx is not None and (out is None or out is x or (arr is x and _same_layout(out, x))):
+    if ctx is not None and (out is None or out is x or (arr is x and _same_layout(out, x) and
+                                                        not np.may_share_memory(out, x))):
         plan = _plain_plan(ctx, "allreduce", arr, op)
         if plan is not None:
             res = np.empty_like(arr) if out is None else arr if out is x else out

@@ -179,3 +179,29 @@ def case_ps_init_refused_on_one_rank_fails_every_rank():
     else:
         _expect_mismatch(ps.init, f"rank(s) [{n - 1}] refused")
     _still_works()
+
+
+def case_out_sharing_memory_with_x_without_being_x_is_refused():
+    """An output that overlaps the input other than as the input itself (the result would
+    overwrite input not yet read: silently wrong on the staged paths, at sizes past one step) is
+    a ValueError on every rank (each passes it here), the data untouched; the same memory
+    through another view of the same extent is in place, and works."""
+    n = mf.size()
+    big = 200_000  # past one engine step: where the overlap used to give wrong elements
+    a = np.arange(2 * big, dtype=np.float64)
+    keep = a.copy()
+    calls = [("allreduce", lambda: mf.allreduce(a[:big], out=a[big // 2:big // 2 + big])),
+             ("allreduce", lambda: mf.allreduce(a[:1000], out=a[500:1500], algorithm="ring")),
+             ("reduce", lambda: mf.reduce(a[:1000], root=0, out=a[1:1001])),
+             ("allgather", lambda: mf.allgather(a[:10], out=a[5:5 + 10 * n]))]
+    for what, call in calls:
+        if what == "reduce" and mf.rank() != 0:  # only the root's out is used: it refuses
+            _expect_mismatch(lambda: mf.reduce(a[:1000], root=0), "rank(s) [0]")
+            continue
+        with pytest.raises(ValueError, match=f"{what}: out shares memory with x"):
+            call()
+        assert np.array_equal(a, keep), what
+    y = a[:big]
+    mf.allreduce(a[:big], out=y[:])
+    assert np.array_equal(a[:big], keep[:big] * n) and np.array_equal(a[big:], keep[big:])
+    _still_works()
