@@ -463,6 +463,12 @@ CallResult ShmEngine::run(const CallArgs& a) {
     extras(rank_).out = reinterpret_cast<uintptr_t>(a.out);
     publish(kIn, k);
     wait_all(kIn, k, what);
+    // A rank arriving after its peers gave up on this call finds their arrival marks already
+    // there (published before they timed out): without this check it would pass the header
+    // round alone (and a one-step call would "succeed" on it only).
+    if (any_failed())
+      throw Timeout("gave up: a peer already gave up on this or an earlier call (a peer died, "
+                    "hung, or is in a different collective)");
     if (!check_headers(k, res)) {
       close_round(k);
       return res;
