@@ -871,7 +871,8 @@ def _reduce_members(st, members, plan):
     sizes = list(map(torch.Tensor.numel, tensors))
     ptrs = _addresses(tensors) if _wire(dtype) == dtype else None
     if ptrs is not None:
-        flat = _staging(st, dtype, sum(sizes), True, tensors[0].device)[0][:sum(sizes)]
+        total = sum(sizes)
+        flat = _staging(st, dtype, total, True, tensors[0].device)[:total]
         nbytes = np.array(sizes, dtype=np.uint64) * np.uint64(dtype.itemsize)
         _C.gather(flat.data_ptr(), ptrs, nbytes)
     else:
@@ -1071,47 +1072,41 @@ def _layout(codes, shapes):
     return [_Group(c, m, tuple(shapes[i] for i in m)) for c, m in members.items()]
 
 
-def _staging_slot(st, wire, total, everyone, device):
-    """(pool, key) where the staging buffer of a fused call of `total` elements of dtype `wire`
-    on `device` is kept. Staging runs inside calls, one at a time, after the control round:
-    `everyone` (every rank takes part, none joined) means every rank makes this same call now,
-    so a shared buffer may be allocated (a collective). A GPU buffer is only touched on
-    mlfabric's stream there, one call after another: reuse is ordered."""
-    shared = everyone and device.type == "cpu" and st.ctx.shm is not None and \
-        total * wire.itemsize <= _STAGING_MAX
-    return (st.shared_staging if shared else st.staging), \
-        (wire if device.type == "cpu" else (wire, device))
-
-
 def _staging(st, wire, total, everyone, device):
-    """A buffer of at least `total` elements to stage a fused call's data in (_staging_slot),
-    and whether it is kept for the next call."""
-    pool, key = _staging_slot(st, wire, total, everyone, device)
+    """A buffer of at least `total` elements of dtype `wire` on `device` to stage a fused call's
+    data in (the one kept for the next call, unless it is over _STAGING_MAX). Staging runs
+    inside calls, one at a time, after the control round: `everyone` (every rank takes part,
+    none joined) means every rank makes this same call now, so a shared buffer may be
+    allocated (a collective). A GPU buffer is only touched on mlfabric's stream there, one call
+    after another: reuse is ordered."""
+    nbytes = total * wire.itemsize
+    shared = everyone and device.type == "cpu" and st.ctx.shm is not None and \
+        nbytes <= _STAGING_MAX
+    pool = st.shared_staging if shared else st.staging
+    key = wire if device.type == "cpu" else (wire, device)
     buf = pool.get(key)
     if buf is None or buf.numel() < total:
-        if pool is st.shared_staging:
+        if shared:
             grown = max(total, 2 * buf.numel() if buf is not None else 0)
             buf = _shared.shared_empty(min(grown, _STAGING_MAX // wire.itemsize), wire)
         else:
             buf = torch.empty(total, dtype=wire, device=device)
-        if total * wire.itemsize <= _STAGING_MAX:  # else used for this call only
+        if nbytes <= _STAGING_MAX:  # else used for this call only
             pool[key] = buf
-    return buf, pool.get(key) is buf
+    return buf
 
 
 def _staged(st, group, everyone, device):
     """(flat, views) for group in the staging buffer of its wire dtype (_staging): views shaped
-    like the group's tensors, back to back at the start of flat; kept in the group while the
-    buffer is."""
-    wire = _wire(_DTYPES[group.code])
-    pool, key = _staging_slot(st, wire, group.total, everyone, device)
-    if group.staged is not None and group.staged[0] is pool.get(key):
+    like the group's tensors, back to back at the start of flat; kept in the group while that
+    buffer is the one staging uses."""
+    buf = _staging(st, _wire(_DTYPES[group.code]), group.total, everyone, device)
+    if group.staged is not None and group.staged[0] is buf:
         return group.staged[1], group.staged[2]
-    buf, kept = _staging(st, wire, group.total, everyone, device)
     flat = buf[:group.total]
     views = [v.view(s) for v, s in zip(flat.split([math.prod(s) for s in group.shapes]),
                                        group.shapes)]
-    if kept:
+    if group.total * buf.element_size() <= _STAGING_MAX:
         group.staged = (buf, flat, views)
     return flat, views
 
