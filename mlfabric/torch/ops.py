@@ -38,6 +38,7 @@ Owns:
 """
 import atexit
 import bisect
+import contextlib
 import copy
 import itertools
 import math
@@ -307,8 +308,9 @@ def _disagreement(table, what):
             if field == "shape" and len(set(shown)) == 1:  # the hash covers the layout too
                 return (f"{what}: the ranks issued different calls of the same shape {shown[0]} "
                         f"(ranks grouped by call: {' | '.join(map(str, groups))}): a grouped "
-                        "call's list, a DistributedOptimizer's bucket or a SyncBatchNorm layer "
-                        "on some, another call on the others")
+                        "call's list, a DistributedOptimizer's bucket (or one built otherwise: "
+                        "another model, groups or backward_passes_per_step) or a SyncBatchNorm "
+                        "layer on some, another call on the others")
             parts = "; ".join(f"{v} on rank(s) {g}" for v, g in zip(shown, groups))
             return f"{what}: ranks disagree on {field}: {parts}"
     if kind == _BROADCAST:
@@ -490,6 +492,8 @@ def _issue(what, plan, job, async_, tensor=None, group=None, process_set=None, t
     except (TypeError, ValueError) as exc:
         _reject_call(process_set, what, async_)
         raise exc
+    if _UNSTARTED and not _flushing and _graph_task() < 0:  # outside autograd's backward
+        _start_unstarted(st)
     try:
         planned = plan(st)
     except Exception as exc:
@@ -509,6 +513,46 @@ def _issue(what, plan, job, async_, tensor=None, group=None, process_set=None, t
         return hid
     result = st.run(what, lambda: job(st, planned))
     return _on_caller_stream(*result, tensor.device) if gpu else result
+
+
+# DistributedOptimizers (weak references) that had gradients since their last reduction, so
+# may have buckets this rank's hooks did not start (optimizer.py; see _start_unstarted).
+_UNSTARTED = []
+_flushing = False  # inside _own_calls(): no call starts them
+_graph_task = torch._C._current_graph_task_id  # -1 outside backward (~30 ns)
+
+
+def _start_unstarted(st):
+    """Before a call on st issued outside backward: each DistributedOptimizer on st with
+    gradients since its last reduction starts the buckets its hooks did not (all but its last,
+    which synchronize() runs). Why: a bucket starts in backward once all its parameters have had
+    their gradients on this rank, so a parameter that gets one on some ranks only (a branch taken
+    on some, an expert given no tokens) leaves its bucket unstarted until synchronize() on those
+    ranks but not on the others, and a call issued between backward and step() (a metric's
+    allreduce, another optimizer's buckets) would meet that bucket's allreduce on the others: a
+    MismatchError on some ranks, a PeerTimeoutError on the rest. Started here, every rank has
+    issued the same buckets before the call."""
+    with _own_calls():
+        for ref in list(_UNSTARTED):
+            opt = ref()
+            if opt is None or opt._mlf_state is st:
+                _UNSTARTED.remove(ref)
+                if opt is not None:
+                    opt._mlf_start_unstarted()
+
+
+@contextlib.contextmanager
+def _own_calls():
+    """Calls issued inside start no optimizer's unstarted buckets: those of _start_unstarted
+    itself, and a DistributedOptimizer's synchronize() starting its own buckets before its
+    last (which buckets its hooks started before may differ between ranks; they must all be
+    issued before another optimizer's are)."""
+    global _flushing
+    outer, _flushing = _flushing, True
+    try:
+        yield
+    finally:
+        _flushing = outer
 
 
 def _on_side_stream(st, job, device, tensors):

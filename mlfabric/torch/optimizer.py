@@ -29,6 +29,17 @@ How it works:
   calling thread. After the first reduction its parameters keep one Python hook between them,
   the sentinel, for the guards below, and each a mark that runs no Python (a small model is one
   bucket: 100 small gradients then cost one Python hook);
+- a bucket whose parameters did not all get their gradients on this rank (a branch some ranks
+  skip, an expert given no tokens) is not started by the hooks, where on other ranks it is; so
+  that every rank has issued the same buckets before any other call, the first collective
+  call issued outside backward after a step's backward passes (a metric's allreduce, another
+  optimizer's bucket) first starts the buckets before the last that the hooks did not
+  (ops._start_unstarted; missing gradients count as zeros, as at synchronize()). A gradient
+  that comes for such a bucket afterwards (a second backward() for the same step, without
+  backward_passes_per_step) is an error. Calls issued during backward (SyncBatchNorm's) and
+  the buckets of two optimizers whose hooks run in the same backward still need every rank to
+  compute gradients for the same parameters there, as DDP does (mlfabric matches calls by
+  order, not by name as Horovod does);
 - synchronize() starts the buckets the hooks did not, waits for them in order, and runs the
   last (parameters without a gradient contribute zeros and get a zero gradient, as in
   Horovod); step() calls it unless inside skip_synchronize(), then runs the wrapped step(). A
@@ -109,7 +120,8 @@ class _Bucket:
 
 class _Slot:
     """A parameter's place: its bucket (None in the last bucket, see _mlf_finish_setup), its
-    backward passes to go."""
+    backward passes to go (-1: none, its bucket started without it, see
+    _mlf_start_unstarted)."""
     __slots__ = ("bucket", "delay")
 
     def __init__(self, bucket, delay):
@@ -133,10 +145,10 @@ class _DistributedOptimizer:
         self._mlf_process_set = process_set
         st = _construction_state(process_set)
         try:
+            local = _local_parameters(local_layers)
             op, params, names = self._mlf_check(named_parameters, compression,
                                                 backward_passes_per_step, op,
-                                                gradient_predivide_factor,
-                                                _local_parameters(local_layers))
+                                                gradient_predivide_factor, local)
             # Buckets from the parameters in reverse order: the last layers' gradients first.
             order = params[::-1]
             if num_groups and groups is not None:
@@ -154,6 +166,12 @@ class _DistributedOptimizer:
             _construction_round(st, 0, torch.device("cpu"), exc)  # raises exc, after the round
             raise
         self._mlf_op = op
+        self._mlf_local, self._mlf_names = local, names
+        # parameters of the optimizer not reduced (not trainable now): step() checks that none
+        # has become trainable since (see _mlf_check_unreduced)
+        reduced = {id(p) for p in params}
+        self._mlf_unreduced = [p for g in self.param_groups for p in g["params"]
+                               if id(p) not in reduced and id(p) not in local]
         self._mlf_compression = compression
         self._mlf_passes = backward_passes_per_step
         self._mlf_predivide = float(gradient_predivide_factor)
@@ -235,7 +253,14 @@ class _DistributedOptimizer:
         self._mlf_next = 0              # the next bucket to start
         self._mlf_synchronized = False  # reduced since the last backward pass / step()
         self._mlf_should_sync = True    # False inside skip_synchronize()
-        ref = weakref.ref(self)
+        self._mlf_ref = ref = weakref.ref(self)
+        # with buckets before the last, a call issued after backward starts the ones this
+        # rank's hooks did not (ops._start_unstarted), if issued in this state
+        self._mlf_early = len(self._mlf_buckets) > 1
+        self._mlf_state = None
+        self._mlf_failed = None  # the error of a bucket ops._start_unstarted could not start
+        # bucket index -> its first slot (the slots are in bucket order)
+        self._mlf_first = np.cumsum([0] + [len(b.params) for b in self._mlf_buckets]).tolist()
         self._mlf_hooks = [p.register_post_accumulate_grad_hook(functools.partial(_hook, ref, i))
                            for i, p in enumerate(self._mlf_params)]
         mark = functools.partial(setattr, self._mlf_seen, "param")
@@ -248,7 +273,15 @@ class _DistributedOptimizer:
         """After autograd accumulated a parameter's gradient: the hot path, once per parameter
         and backward pass, so it only counts (a fresh gradient is copied into the bucket when
         the bucket starts, all in one call)."""
-        if slot.delay <= 0:
+        if slot.delay < 0:  # its bucket was started by ops._start_unstarted
+            raise MlfabricError(
+                f"DistributedOptimizer: a gradient for {slot.bucket.name} came after its "
+                "bucket's reduction had started: a collective call issued after backward and "
+                "before step() starts the buckets whose gradients have not all come on this "
+                "rank (ranks may differ in which parameters get one). With several backward "
+                "passes per step, pass backward_passes_per_step, or issue the call after "
+                "step()")
+        if slot.delay == 0:
             raise MlfabricError(
                 "gradients were computed more than backward_passes_per_step "
                 f"({self._mlf_passes}) times before step() or synchronize(); raise "
@@ -257,6 +290,8 @@ class _DistributedOptimizer:
         slot.delay -= 1
         if slot.delay == 0:
             self._mlf_done += 1
+            if self._mlf_done == 1 and self._mlf_early:  # the first since the reduction
+                self._mlf_pend()
             b = slot.bucket
             if b is None:  # the last bucket: synchronize() starts it
                 self._mlf_last = slot
@@ -264,6 +299,31 @@ class _DistributedOptimizer:
             b.waiting -= 1
             if not b.waiting and b.index == self._mlf_next:
                 self._mlf_start_ready()
+
+    def _mlf_pend(self):
+        """Have a call issued after backward start the buckets the hooks do not (see
+        ops._start_unstarted)."""
+        try:
+            self._mlf_state = ops._state(self._mlf_process_set)
+        except Exception:  # noqa: BLE001 - not initialised: its calls will say so
+            return
+        ops._UNSTARTED.append(self._mlf_ref)
+
+    def _mlf_start_unstarted(self):
+        """Start the buckets before the last that the hooks did not (ops._start_unstarted):
+        their parameters without a gradient contribute zeros, as at synchronize(). A gradient
+        that comes for one of them later is an error (_mlf_grad_ready). A start that fails is
+        raised by synchronize(): the call that got here is not this optimizer's."""
+        buckets, slots = self._mlf_buckets, self._mlf_slots
+        while self._mlf_failed is None and self._mlf_next < len(buckets) - 1:
+            b = buckets[self._mlf_next]
+            for s in slots[self._mlf_first[b.index]:self._mlf_first[b.index + 1]]:
+                if s.delay > 0:
+                    s.delay = -1
+            try:
+                self._mlf_launch(b, True)
+            except Exception as exc:  # noqa: BLE001 - see above
+                self._mlf_failed = exc
 
     def _mlf_start_ready(self):
         """Start the buckets that are ready, in bucket order, up to the first that is not."""
@@ -279,8 +339,10 @@ class _DistributedOptimizer:
                  for i, g in sparse}
         # the dense members (all of them, but for sparse gradients) in one allreduce per run
         # of neighbours; sparse positions are part of what every rank must agree on
-        layout = (b.index, self._mlf_layout) if not calls else \
-            (b.index, self._mlf_layout, tuple(calls))
+        # (with the passes per step: ranks accumulating different counts would pair one rank's
+        # step with another's earlier one)
+        layout = (b.index, self._mlf_layout, self._mlf_passes) if not calls else \
+            (b.index, self._mlf_layout, self._mlf_passes, tuple(calls))
         b.pending = ([self._mlf_allreduce(b, lo, hi, layout, async_)
                       for lo, hi in _dense_runs(b, calls)], calls)
 
@@ -312,16 +374,19 @@ class _DistributedOptimizer:
         if self._mlf_op == ops.Adasum or (self._mlf_synchronized and
                                           self._mlf_seen.param is None):
             return  # no gradient since (the hooks clear _mlf_synchronized; marks set seen)
-        buckets, error, stopped = self._mlf_buckets, None, False
+        if self._mlf_ref in ops._UNSTARTED:  # its own calls below start them, in order
+            ops._UNSTARTED.remove(self._mlf_ref)
+        buckets, error = self._mlf_buckets, self._mlf_failed
+        stopped, self._mlf_failed = error is not None, None
         # The buckets before the last that the hooks did not start (a parameter had no gradient
         # yet): started now, all before waiting for any. A start that fails does so on every
         # rank at the same bucket (_issue's rejection round), so all stop there.
-        while self._mlf_next < len(buckets) - 1:
-            try:
-                self._mlf_launch(buckets[self._mlf_next], True)
-            except Exception as exc:  # noqa: BLE001 - raised after waiting for the started
-                error, stopped = exc, True
-                break
+        with ops._own_calls():
+            while not stopped and self._mlf_next < len(buckets) - 1:
+                try:
+                    self._mlf_launch(buckets[self._mlf_next], True)
+                except Exception as exc:  # noqa: BLE001 - raised after waiting for the started
+                    error, stopped = exc, True
         for b in buckets:
             here = b.index == self._mlf_next and not stopped  # the last bucket, run here
             if here:
@@ -417,13 +482,52 @@ class _DistributedOptimizer:
 
     def step(self, closure=None):
         if self._mlf_op == ops.Adasum:
+            self._mlf_check_unreduced()
             return _adasum.optimizer_step(self._mlf_adasum, lambda: super(
                 _DistributedOptimizer, self).step(closure), self._mlf_compression,
                 self._mlf_process_set)
         if self._mlf_should_sync:
             self.synchronize()
         self._mlf_synchronized = False
+        self._mlf_check_unreduced()
         return super().step(closure)
+
+    def _mlf_check_unreduced(self):
+        """Refuse to step parameters whose gradients were not reduced: they did not need one
+        when the optimizer was built (a frozen layer unfrozen since, as in fine-tuning) or came
+        by add_param_group. Each rank would step on its own gradient and the replicas drift
+        apart silently (Horovod's behaviour)."""
+        late = [p for p in self._mlf_unreduced if p.requires_grad and p.grad is not None]
+        if late:
+            shown = [self._mlf_names.get(id(p), f"shape {tuple(p.shape)}") for p in late[:5]]
+            raise MlfabricError(
+                f"DistributedOptimizer: {len(late)} parameter(s) ({', '.join(shown)}) have "
+                "gradients that are not reduced over the ranks: they did not require a "
+                "gradient when the optimizer was built, or were added by add_param_group (the "
+                "gradient buckets are fixed at construction). Build the DistributedOptimizer "
+                "again once the parameters to train are set")
+
+    def add_param_group(self, param_group):
+        """torch's; the new group's parameters are not reduced (the gradient buckets are fixed
+        at construction), so step() refuses them once they have gradients: build a new
+        DistributedOptimizer to train them."""
+        super().add_param_group(param_group)
+        self._mlf_unreduced += [p for p in self.param_groups[-1]["params"]
+                                if id(p) not in self._mlf_local]
+
+    def set_backward_passes_per_step(self, passes):
+        """Horovod's: accumulate `passes` backward passes locally before each reduction, from
+        now on. Call it between steps, with the same value on every rank (a rank with another
+        count fails at its next reduction with a MismatchError, on every rank)."""
+        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+            raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {passes!r}")
+        if self._mlf_next or any(s.delay != self._mlf_passes for s in self._mlf_live) or \
+                self._mlf_seen.param is not None:
+            raise MlfabricError("set_backward_passes_per_step() was called after backward "
+                                "passes of this step: call it after step() (or "
+                                "synchronize())")
+        self._mlf_passes = passes
+        self._mlf_reset()
 
     # torch's Optimizer wraps a class's step() to run step hooks; the wrapped optimizer's own
     # step() (called above) already does, so this one is marked as done.

@@ -2058,6 +2058,272 @@ def case_distributed_optimizer_parameters_unused_on_some_ranks():
         assert _max_diff(model, ref) < 1e-10, f"step {s}: {_max_diff(model, ref)}"
 
 
+def _branchy(n, seed):
+    """Three layers, the last used on some ranks only, its optimizer with a bucket per tensor
+    (six buckets: the branch's two come first, the first layer's weight last); a copy as the
+    float64 reference."""
+    torch.manual_seed(seed)
+    model = torch.nn.ModuleList([torch.nn.Linear(3, 3).double() for _ in range(3)])
+    ref = copy.deepcopy(model)
+    os.environ["MLFABRIC_FUSION_THRESHOLD"] = "0"
+    try:
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    finally:
+        os.environ.pop("MLFABRIC_FUSION_THRESHOLD")
+    return model, ref, opt
+
+
+def _branchy_loss(m, x, uses):
+    out = (m[1](m[0](x)) ** 2).sum()
+    return out + (m[2](x) ** 2).sum() * 3 if uses else out
+
+
+def case_distributed_optimizer_calls_between_backward_and_step_on_rank_dependent_graphs():
+    """A branch that some ranks take and others skip (so the hooks start its buckets in
+    backward on some ranks only), then other collectives before step(): a metric's allreduce,
+    a broadcast, a blocking allgather. Every rank issues the same buckets before them, so the
+    calls meet their peers' and the weights match single-process training on every rank's
+    loss, the skipping ranks contributing zeros (Horovod's rule), over several steps."""
+    n, r = hvd.size(), hvd.rank()
+    model, ref, opt = _branchy(n, 23)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(4, n, 2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+
+    def uses(s, q):
+        return (q + s) % 2 == 0 or n == 1
+
+    for s in range(4):
+        opt.zero_grad()
+        ropt.zero_grad()
+        loss = _branchy_loss(model, x[s, r], uses(s, r))
+        loss.backward()
+        mean = hvd.allreduce(loss.detach(), name="metric")  # a call between backward and step
+        want = sum(_branchy_loss(ref, x[s, q], uses(s, q)).item() for q in range(n)) / n
+        assert abs(mean.item() - want) < 1e-10 * max(1.0, abs(want)), (s, mean.item(), want)
+        if s >= 2:
+            flag = hvd.broadcast(torch.tensor([float(s)]), root_rank=n - 1, name="flag")
+            assert flag.item() == s
+            rows = hvd.allgather(torch.full((1, 2), float(r)))
+            assert rows[:, 0].tolist() == [float(q) for q in range(n)]
+        opt.step()
+        (sum(_branchy_loss(ref, x[s, q], uses(s, q)) for q in range(n)) / n).backward()
+        for p in ref.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        ropt.step()
+        assert _max_diff(model, ref) < 1e-10, f"step {s}: {_max_diff(model, ref)}"
+
+
+def case_distributed_optimizer_second_optimizer_after_a_rank_dependent_graph():
+    """Two optimizers (a GAN's generator and discriminator, say), each its own backward: the
+    first's with a branch every rank skips in some steps (its buckets wait on every rank),
+    the second's with a branch some ranks skip, then both steps. The first's waiting buckets
+    start after all of the second's but its last, on every rank alike (whichever of the
+    second's its hooks started), so both match single-process training."""
+    n, r = hvd.size(), hvd.rank()
+    torch.manual_seed(37)
+    gen = torch.nn.ModuleList([torch.nn.Linear(3, 3).double() for _ in range(3)])
+    model, ref, opt = _branchy(n, 41)
+    gref = copy.deepcopy(gen)
+    os.environ["MLFABRIC_FUSION_THRESHOLD"] = "0"
+    try:
+        gopt = hvd.DistributedOptimizer(torch.optim.SGD(gen.parameters(), lr=0.1))
+    finally:
+        os.environ.pop("MLFABRIC_FUSION_THRESHOLD")
+    ropt = torch.optim.SGD(list(ref.parameters()) + list(gref.parameters()), lr=0.1)
+    x = torch.randn(3, n, 2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    for s in range(3):
+        opt.zero_grad()
+        gopt.zero_grad()
+        ropt.zero_grad()
+        _branchy_loss(gen, x[s, r], s % 2 == 0).backward()
+        _branchy_loss(model, x[s, r], (r + s) % 2 == 0 or n == 1).backward()
+        opt.step()
+        gopt.step()
+        total = sum(_branchy_loss(gref, x[s, q], s % 2 == 0) +
+                    _branchy_loss(ref, x[s, q], (q + s) % 2 == 0 or n == 1) for q in range(n))
+        (total / n).backward()
+        for p in [*ref.parameters(), *gref.parameters()]:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        ropt.step()
+        assert _max_diff(model, ref) < 1e-10, f"step {s}: {_max_diff(model, ref)}"
+        assert _max_diff(gen, gref) < 1e-10, f"step {s}: {_max_diff(gen, gref)}"
+
+
+def case_distributed_optimizer_one_backward_two_optimizers_rank_dependent():
+    """One backward through a model with a branch some ranks skip (its optimizer has buckets
+    per tensor) and a critic whose optimizer is one bucket, the critic stepped first: the
+    model's waiting buckets start before the critic's bucket on every rank, so both match
+    single-process training."""
+    n, r = hvd.size(), hvd.rank()
+    model, ref, opt = _branchy(n, 43)
+    torch.manual_seed(47)
+    critic = torch.nn.Linear(3, 1).double()
+    cref = copy.deepcopy(critic)
+    copt = hvd.DistributedOptimizer(torch.optim.SGD(critic.parameters(), lr=0.1))
+    assert len(copt._mlf_buckets) == 1
+    ropt = torch.optim.SGD([*ref.parameters(), *cref.parameters()], lr=0.1)
+    x = torch.randn(3, n, 2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+
+    def loss(m, c, s, q):
+        return _branchy_loss(m, x[s, q], (q + s) % 2 == 0 or n == 1) + c(x[s, q]).sum() ** 2
+
+    for s in range(3):
+        opt.zero_grad()
+        copt.zero_grad()
+        ropt.zero_grad()
+        loss(model, critic, s, r).backward()
+        copt.step()
+        opt.step()
+        (sum(loss(ref, cref, s, q) for q in range(n)) / n).backward()
+        for p in ref.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        ropt.step()
+        assert _max_diff(model, ref) < 1e-10, f"step {s}: {_max_diff(model, ref)}"
+        assert _max_diff(critic, cref) < 1e-10, f"step {s}: {_max_diff(critic, cref)}"
+
+
+def case_distributed_optimizer_metric_calls_between_accumulated_passes():
+    """backward_passes_per_step=2 with a metric's allreduce after each backward pass (as a
+    gradient-accumulation loop logs its loss): the first pass's call does not start the
+    buckets (the accumulation is not done), so the weights match single-process training on
+    both passes of every rank, with the branch taken on some ranks only."""
+    n, r = hvd.size(), hvd.rank()
+    torch.manual_seed(29)
+    model = torch.nn.ModuleList([torch.nn.Linear(3, 3).double() for _ in range(3)])
+    ref = copy.deepcopy(model)
+    os.environ["MLFABRIC_FUSION_THRESHOLD"] = "0"
+    try:
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       backward_passes_per_step=2)
+    finally:
+        os.environ.pop("MLFABRIC_FUSION_THRESHOLD")
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(3, 2, n, 2, 3, dtype=torch.float64,
+                    generator=torch.Generator().manual_seed(8))
+    for s in range(3):
+        opt.zero_grad()
+        ropt.zero_grad()
+        for k in range(2):
+            loss = _branchy_loss(model, x[s, k, r], r % 2 == k % 2)
+            loss.backward()
+            hvd.allreduce(loss.detach(), name=f"metric.{k}")
+        opt.step()
+        total = sum(_branchy_loss(ref, x[s, k, q], q % 2 == k % 2)
+                    for q in range(n) for k in range(2))
+        (total / n).backward()
+        for p in ref.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        ropt.step()
+        assert _max_diff(model, ref) < 1e-10, f"step {s}: {_max_diff(model, ref)}"
+
+
+def case_distributed_optimizer_gradient_after_a_call_that_started_its_bucket():
+    """Two backward passes for one step (backward_passes_per_step=1) with a collective call
+    between them: the call starts the buckets the first pass left unstarted, so a gradient the
+    second pass brings to one of them could not be reduced: a clear error on every rank (the
+    same graph everywhere here), and the optimizer is usable again after synchronize()."""
+    n, r = hvd.size(), hvd.rank()
+    model, ref, opt = _branchy(n, 31)
+    x = torch.randn(n, 2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    opt.zero_grad()
+    (model[1](model[0](x[r])) ** 2).sum().backward()  # the branch's buckets wait
+    hvd.allreduce(torch.ones(1), name="between")
+    with pytest.raises(hvd.MlfabricError, match="came after its bucket's reduction had started"):
+        (model[2](x[r]) ** 2).sum().backward()
+    opt.synchronize()  # the started buckets finish; the optimizer starts afresh
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt.zero_grad()
+    ropt.zero_grad()
+    _branchy_loss(model, x[r], True).backward()
+    hvd.allreduce(torch.ones(1), name="after")
+    opt.step()
+    (sum(_branchy_loss(ref, x[q], True) for q in range(n)) / n).backward()
+    ropt.step()
+    assert _max_diff(model, ref) < 1e-10
+
+
+def case_distributed_optimizer_set_backward_passes_per_step():
+    """Horovod's set_backward_passes_per_step: from 1 to 2 passes between steps, the weights
+    match single-process training on every pass of every rank; called after a backward pass it
+    is refused; ranks that set different counts fail at the next reduction with a
+    MismatchError on every rank, and train on once they agree again."""
+    n, r = hvd.size(), hvd.rank()
+    torch.manual_seed(53)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)).double()
+    ref = copy.deepcopy(model)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(3, 2, n, 2, 3, dtype=torch.float64,
+                    generator=torch.Generator().manual_seed(10))
+    for s, passes in enumerate((1, 2, 2)):
+        if s == 1:
+            with pytest.raises(ValueError, match="integer >= 1"):
+                opt.set_backward_passes_per_step(0)
+            opt.set_backward_passes_per_step(2)
+        opt.zero_grad()
+        ropt.zero_grad()
+        for k in range(passes):
+            (model(x[s, k, r]) ** 2).sum().backward()
+            if k == 0 and passes == 2:
+                with pytest.raises(hvd.MlfabricError, match="after backward passes"):
+                    opt.set_backward_passes_per_step(1)
+        opt.step()
+        (sum((ref(x[s, k, q]) ** 2).sum() for q in range(n) for k in range(passes)) /
+         n).backward()
+        ropt.step()
+        assert _max_diff(model, ref) < 1e-10, f"step {s}: {_max_diff(model, ref)}"
+    if n == 1:
+        return
+    opt.set_backward_passes_per_step(1 if r == 0 else 2)
+    opt.zero_grad()
+    (model(x[0, 0, r]) ** 2).sum().backward()
+    with pytest.raises(hvd.MismatchError, match="backward_passes_per_step"):
+        opt.step()
+    opt.set_backward_passes_per_step(1)
+    opt.zero_grad()
+    (model(x[0, 0, r]) ** 2).sum().backward()
+    opt.step()
+    same_everywhere(torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+                    "after the counts agree again")
+
+
+def case_distributed_optimizer_refuses_parameters_it_does_not_reduce():
+    """A layer frozen when the optimizer was built and unfrozen since (fine-tuning), or a
+    parameter group added later: their gradients are not in the buckets, so step() refuses
+    them (on every rank, naming them) rather than letting each rank step on its own gradient;
+    a frozen layer that stays frozen steps as usual."""
+    n, r = hvd.size(), hvd.rank()
+    torch.manual_seed(59)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)).double()
+    model[0].requires_grad_(False)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    x = torch.randn(n, 2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(11))
+    before = model[0].weight.detach().clone()
+    opt.zero_grad()
+    (model(x[r]) ** 2).sum().backward()
+    opt.step()  # frozen: nothing to reduce, nothing refused
+    assert torch.equal(model[0].weight, before)
+    model[0].requires_grad_(True)
+    opt.zero_grad()
+    (model(x[r]) ** 2).sum().backward()
+    with pytest.raises(hvd.MlfabricError, match=r"2 parameter\(s\) \(0.weight, 0.bias\)"):
+        opt.step()
+    assert torch.equal(model[0].weight, before)  # not stepped on a local gradient
+    extra = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
+    model[0].requires_grad_(False)
+    model[0].zero_grad(set_to_none=True)
+    opt.add_param_group({"params": [extra]})
+    opt.zero_grad()
+    ((model(x[r]) ** 2).sum() + (extra * r).sum()).backward()
+    with pytest.raises(hvd.MlfabricError, match=r"shape \(2,\).*add_param_group"):
+        opt.step()
+
+
 def case_distributed_optimizer_fp16_over_steps():
     """Compression.fp16 through the buckets' float16 buffers, several steps, two backward
     passes, small buckets, gradients zeroed to None and to zeros: each step's reduced gradient
