@@ -145,27 +145,32 @@ def _compare_summaries(summary, root_rank, what, describe):
         root = -1 if isinstance(root_rank, bool) else operator.index(root_rank)
     except TypeError:
         root = -1
-    got = ops.allgather(torch.tensor([[h, root]], dtype=torch.int64), f"{what}.summary_hash")
-    roots = got[:, 1].tolist()
-    if len(set(roots)) > 1 or not 0 <= roots[0] < len(roots):
-        raise ValueError(f"{what}: root_rank must be the same rank in [0, {len(roots)}) on every "
-                         f"rank, got {roots} (by rank)")
+    ctx = ops._state().ctx
+    # Each row names its rank: a rank inside join() contributes none, so rows are not ranks.
+    got = ops.allgather(torch.tensor([[h, root, ctx.rank]], dtype=torch.int64),
+                        f"{what}.summary_hash")
+    roots, ranks = got[:, 1].tolist(), got[:, 2].tolist()
+    if len(set(roots)) > 1 or not 0 <= roots[0] < ctx.size:
+        raise ValueError(f"{what}: root_rank must be the same rank in [0, {ctx.size}) on every "
+                         f"rank, got {roots} (by rank: {ranks})")
+    if root_rank not in ranks:
+        raise MlfabricError(f"{what}: the root rank {root_rank} has joined; a joined rank "
+                            "cannot broadcast")
     hashes = got[:, 0]
-    if (hashes == hashes[root_rank]).all():
+    if (hashes == hashes[ranks.index(root_rank)]).all():
         return
-    every = allgather_object(summary, f"{what}.summary")
-    problems = []
-    for r, s in enumerate(every):
-        if r == root_rank or s == every[root_rank]:
+    every = dict(allgather_object((ctx.rank, summary), f"{what}.summary"))
+    problems, want = [], every[root_rank]
+    for r, s in every.items():
+        if r == root_rank or s == want:
             continue
         if isinstance(s, tuple) and s and s[0] == "invalid":
             problems.append(f"rank {r} passed invalid input ({s[1]})")
-        elif isinstance(every[root_rank], tuple) and every[root_rank][0] == "invalid":
-            problems.append(f"the root rank {root_rank} passed invalid input "
-                            f"({every[root_rank][1]})")
+        elif isinstance(want, tuple) and want[0] == "invalid":
+            problems.append(f"the root rank {root_rank} passed invalid input ({want[1]})")
             break
         else:
-            problems.append(f"rank {r}: {describe(every[root_rank], s)}")
+            problems.append(f"rank {r}: {describe(want, s)}")
     raise MismatchError(f"{what}: ranks hold different models; compared with root rank "
                         f"{root_rank}: " + "; ".join(problems))
 

@@ -1194,6 +1194,31 @@ def case_join_root_joined_is_an_error_everywhere():
         assert hvd.join() == n - 1
 
 
+def case_broadcast_parameters_and_optimizer_state_beside_a_joined_rank():
+    """Rank 0 has joined: the others broadcast parameters and optimizer state from the highest
+    rank (a root numbered past the count of active ranks), and get the root's values; a joined
+    root is an error on every active rank."""
+    n, r = hvd.size(), hvd.rank()
+    if n == 1:
+        return
+    if r == 0:
+        assert hvd.join() == n - 1
+        return
+    torch.manual_seed(61 + r)  # another model on each rank
+    model = torch.nn.Linear(3, 2).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1 * r, momentum=0.5)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=n - 1)
+    hvd.broadcast_optimizer_state(opt, root_rank=n - 1)
+    torch.manual_seed(61 + n - 1)
+    want = torch.nn.Linear(3, 2).double()
+    for got, ref in zip(model.parameters(), want.parameters()):
+        assert torch.equal(got.detach(), ref.detach())
+    assert opt.param_groups[0]["lr"] == 0.1 * (n - 1)
+    with pytest.raises(hvd.MlfabricError, match="root rank 0 has joined"):
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    assert hvd.join() == n - 1
+
+
 # --- objects, parameters, optimizer state ---------------------------------------------------------
 
 def case_broadcast_and_allgather_objects():
