@@ -1628,7 +1628,8 @@ def _grouped_broadcast_call(tensors, root_rank, name, process_set=None):
         for i, t in enumerate(tensors):
             _check_tensor(t, what, f"tensors[{i}]")
             _check_writable(t, what, f"tensors[{i}]")
-        signature = tuple((str(t.dtype), tuple(t.shape)) for t in tensors)  # as grouped
+        # the whole list's, as grouped (hashed once: each fused buffer's descriptor carries it)
+        signature = _hash(tuple((str(t.dtype), tuple(t.shape)) for t in tensors))
         planned = []
         for b, members in enumerate(fuse(tensors, fusion_threshold())):
             dtype = tensors[members[0]].dtype
