@@ -207,9 +207,7 @@ class _DistributedOptimizer:
         ops._factor(gradient_predivide_factor, "DistributedOptimizer", "gradient_predivide_factor")
         if gradient_predivide_factor != 1.0 and op != ops.Average:
             raise ValueError("gradient_predivide_factor needs op=Average")
-        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
-            raise ValueError(f"backward_passes_per_step must be an integer >= 1, got "
-                             f"{backward_passes_per_step!r}")
+        _check_passes(backward_passes_per_step)
         params, seen = [], set()
         for group in self.param_groups:
             for p in group["params"]:
@@ -519,8 +517,7 @@ class _DistributedOptimizer:
         """Horovod's: accumulate `passes` backward passes locally before each reduction, from
         now on. Call it between steps, with the same value on every rank (a rank with another
         count fails at its next reduction with a MismatchError, on every rank)."""
-        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
-            raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {passes!r}")
+        _check_passes(passes)
         if self._mlf_next or any(s.delay != self._mlf_passes for s in self._mlf_live) or \
                 self._mlf_seen.param is not None:
             raise MlfabricError("set_backward_passes_per_step() was called after backward "
@@ -567,6 +564,35 @@ class _DistributedOptimizer:
                     else:
                         g.requires_grad_(False)
                     g.zero_()
+
+
+class _OutsideOptimizer:
+    """Mixed in front of the wrapped optimizer's class on a rank outside the optimizer's
+    process_set, as Horovod does there: nothing is reduced, step() steps on this rank's own
+    gradients, synchronize() does nothing (so one script can build every rank's optimizer)."""
+
+    def synchronize(self):
+        pass
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        yield
+
+    def set_backward_passes_per_step(self, passes):
+        _check_passes(passes)
+
+
+def _outside(process_set):
+    """Whether this rank is outside process_set (registered; else the usual path raises)."""
+    if process_set is None or not _context.initialized() or _respawn.joining:
+        return False
+    included = getattr(process_set, "included", None)
+    return callable(included) and included() is False
+
+
+def _check_passes(passes):
+    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+        raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {passes!r}")
 
 
 def _construction_state(process_set):
@@ -809,7 +835,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     sparse_as_dense: densify sparse gradients (nn.Embedding(sparse=True)) and reduce them with
     the dense ones; without it (the default) they are reduced as sparse tensors, as Horovod
     does (allgathers of the rows present; .grad becomes the reduced, coalesced sparse tensor).
-    process_set: reduce among that set's ranks only (process_sets.py); default every rank.
+    process_set: reduce among that set's ranks only (process_sets.py); default every rank. On
+    a rank outside the set nothing is reduced: step() uses its own gradients (Horovod's rule).
 
     The parameters' .grad become views of the optimizer's gradient buckets (see the module
     docstring); leave them alone between backward() and step() / synchronize().
@@ -839,15 +866,25 @@ def _wrap(optimizer, named_parameters, compression, backward_passes_per_step, op
     if not isinstance(optimizer, torch.optim.Optimizer):
         problem = TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got "
                             f"{type(optimizer).__name__}")
-    elif isinstance(optimizer, _DistributedOptimizer):
+    elif isinstance(optimizer, (_DistributedOptimizer, _OutsideOptimizer)):
         problem = ValueError("this optimizer is already a DistributedOptimizer")
     else:
         problem = None
+    outside = _outside(process_set)
+    if problem is not None and outside:
+        raise problem
     if problem is not None:  # in the construction round, so that the peers hear of it
         _construction_round(_construction_state(process_set), 0, torch.device("cpu"), problem)
-    cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
+    mixin = _OutsideOptimizer if outside else _DistributedOptimizer
+    cls = type(optimizer.__class__.__name__, (mixin, optimizer.__class__), {})
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)  # shares param_groups, state and hooks
+    if outside:  # its arguments checked as on the set's ranks; no round (theirs is theirs)
+        _DistributedOptimizer._mlf_check(wrapped, named_parameters, compression,
+                                         backward_passes_per_step, op,
+                                         gradient_predivide_factor,
+                                         _local_parameters(local_layers))
+        return wrapped
     wrapped._mlf_setup(named_parameters, compression, backward_passes_per_step, op,
                        gradient_predivide_factor, num_groups, groups, sparse_as_dense,
                        process_set, local_layers)

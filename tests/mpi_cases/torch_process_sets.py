@@ -6,6 +6,8 @@ concatenated batch); calls on a set interleaved with global and async calls; the
 outside the set, unregistered and removed sets, ranks passing different sets, bad ranks, a root
 outside the set, mismatches inside a set, adding while a rank is joined) on the ranks concerned,
 and the other ranks unharmed."""
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -208,6 +210,45 @@ def case_autograd_in_a_set():
     want = sum(v[:3] for v in w.values()).numpy() / k if r == root else np.zeros(3)
     np.testing.assert_allclose(x.grad.numpy(), want, rtol=1e-13)
     _remove(even, odd)
+
+
+def case_distributed_optimizer_on_a_rank_outside_its_set():
+    """One script builds the optimizer on every rank with a set of all ranks but the last:
+    the set's ranks train as one process on their concatenated batches, the last rank steps on
+    its own gradients alone (Horovod's rule), float64 to 1e-10."""
+    n, r = hvd.size(), hvd.rank()
+    if n == 1:
+        return
+    inner = hvd.add_process_set(list(range(n - 1)))
+    torch.manual_seed(110)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(),
+                                torch.nn.Linear(3, 1)).double()
+    ref = copy.deepcopy(model)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   named_parameters=model.named_parameters(),
+                                   backward_passes_per_step=1, process_set=inner)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    ranks = inner.ranks if r in inner.ranks else [r]
+    for step in range(3):
+        batch = {q: (_inputs(q, (5, 4), 80 + step), _inputs(q, (5, 1), 90 + step))
+                 for q in ranks}
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(batch[r][0]), batch[r][1]).backward()
+        opt.step()
+        ropt.zero_grad()
+        xs = torch.cat([b[0] for b in batch.values()])
+        ys = torch.cat([b[1] for b in batch.values()])
+        torch.nn.functional.mse_loss(ref(xs), ys).backward()
+        ropt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert (p - q).abs().max().item() < 1e-10
+    if r not in inner.ranks:
+        with pytest.raises(ValueError, match="backward_passes_per_step"):
+            hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                     backward_passes_per_step=0, process_set=inner)
+    del opt
+    _remove(inner)
+    _still_works()
 
 
 def case_distributed_optimizer_per_set():
