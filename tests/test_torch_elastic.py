@@ -3,6 +3,8 @@ failures at 1 to 3 ranks, and ranks SIGKILLed mid-training under ULFM (mpirun --
 the survivors roll back to their last commit, shrink, and finish with the weights of one process
 training on the same batches (tests/mpi_cases/torch_elastic.py); with MLFABRIC_ELASTIC_REPLACE,
 a spawned replacement joins them and the job ends at its full size."""
+import re
+
 import pytest
 
 from tests.mpi_util import run_cases, run_mpi, shared_memory_btl
@@ -16,12 +18,25 @@ ULFM = ("--with-ft", "ulfm", "--mca", "mpi_ft_detector", "true")
 # there under the full suite's load before it).
 
 
+WATCHDOG = "exiting without it, status "  # exit_guard's words when it ends a process
+
+
 def _assert_finished(proc, ranks):
     """Every one of `ranks` live ranks reported success, none failure, and the job exited 0
-    (the survivors' exit too: a dead peer can hold MPI_Finalize up)."""
+    (the survivors' exit too: a dead peer can hold MPI_Finalize up). The one exception: when
+    MPI_Finalize hung after the death (open-mpi/ompi#11404; seen once, in the replacement test
+    under a full CI run) and exit_guard's watchdog ended the hung processes with status 0, as
+    it is meant to: mpirun may still report a process that exits without finalizing as
+    "exiting improperly" (status 1; it does without ULFM, checked on this machine). That exit
+    is accepted only with every result reported and every watchdog exit a clean one (status 0:
+    no exception went uncaught)."""
     out = proc.stdout
     assert "RESULT FAIL" not in out, out
     assert out.count("RESULT ok") == ranks, out  # every survivor, and only survivors
+    if proc.returncode != 0:
+        statuses = re.findall(WATCHDOG + r"(\d+)", out)
+        assert statuses and set(statuses) == {"0"}, out
+        return
     assert proc.returncode == 0, out
 
 
