@@ -1943,10 +1943,7 @@ def case_join_with_distributed_optimizer():
         total = sum(_loss(ref, x[s, 0, slice(q * B, (q + 1) * B)],
                           y[s, 0, slice(q * B, (q + 1) * B)]) for q in range(s, n))
         (total / n).backward()
-        for p in ref.parameters():  # Horovod: a parameter without a gradient reduces zeros
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        ropt.step()
+        _step_with_zeros(ropt, ref.parameters())
     assert _max_diff(model, ref) < 1e-10
 
 
@@ -2076,26 +2073,32 @@ def case_distributed_optimizer_parameters_unused_on_some_ranks():
         (sum(loss(ref, s, q) for q in range(n)) / n).backward()
         if s == 3:
             ref[0].bias.grad += preset / n
-        for p in ref.parameters():  # no rank used the branch: Horovod still reduces zeros
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        ropt.step()
+        _step_with_zeros(ropt, ref.parameters())
         assert _max_diff(model, ref) < 1e-10, f"step {s}: {_max_diff(model, ref)}"
 
 
-def _branchy(n, seed):
-    """Three layers, the last used on some ranks only, its optimizer with a bucket per tensor
-    (six buckets: the branch's two come first, the first layer's weight last); a copy as the
-    float64 reference."""
+def _branchy(n, seed, **kwargs):
+    """Three layers, the last used on some ranks only, its optimizer (kwargs: more of
+    DistributedOptimizer's) with a bucket per tensor (six buckets: the branch's two come first,
+    the first layer's weight last); a copy as the float64 reference."""
     torch.manual_seed(seed)
     model = torch.nn.ModuleList([torch.nn.Linear(3, 3).double() for _ in range(3)])
     ref = copy.deepcopy(model)
     os.environ["MLFABRIC_FUSION_THRESHOLD"] = "0"
     try:
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
     finally:
         os.environ.pop("MLFABRIC_FUSION_THRESHOLD")
     return model, ref, opt
+
+
+def _step_with_zeros(opt, params):
+    """Step the reference optimizer, parameters that no rank's loss used counting zeros (Horovod
+    reduces zeros for them)."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    opt.step()
 
 
 def _branchy_loss(m, x, uses):
@@ -2132,10 +2135,7 @@ def case_distributed_optimizer_calls_between_backward_and_step_on_rank_dependent
             assert rows[:, 0].tolist() == [float(q) for q in range(n)]
         opt.step()
         (sum(_branchy_loss(ref, x[s, q], uses(s, q)) for q in range(n)) / n).backward()
-        for p in ref.parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        ropt.step()
+        _step_with_zeros(ropt, ref.parameters())
         assert _max_diff(model, ref) < 1e-10, f"step {s}: {_max_diff(model, ref)}"
 
 
@@ -2146,15 +2146,8 @@ def case_distributed_optimizer_second_optimizer_after_a_rank_dependent_graph():
     start after all of the second's but its last, on every rank alike (whichever of the
     second's its hooks started), so both match single-process training."""
     n, r = hvd.size(), hvd.rank()
-    torch.manual_seed(37)
-    gen = torch.nn.ModuleList([torch.nn.Linear(3, 3).double() for _ in range(3)])
+    gen, gref, gopt = _branchy(n, 37)
     model, ref, opt = _branchy(n, 41)
-    gref = copy.deepcopy(gen)
-    os.environ["MLFABRIC_FUSION_THRESHOLD"] = "0"
-    try:
-        gopt = hvd.DistributedOptimizer(torch.optim.SGD(gen.parameters(), lr=0.1))
-    finally:
-        os.environ.pop("MLFABRIC_FUSION_THRESHOLD")
     ropt = torch.optim.SGD(list(ref.parameters()) + list(gref.parameters()), lr=0.1)
     x = torch.randn(3, n, 2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
     for s in range(3):
@@ -2168,10 +2161,7 @@ def case_distributed_optimizer_second_optimizer_after_a_rank_dependent_graph():
         total = sum(_branchy_loss(gref, x[s, q], s % 2 == 0) +
                     _branchy_loss(ref, x[s, q], (q + s) % 2 == 0 or n == 1) for q in range(n))
         (total / n).backward()
-        for p in [*ref.parameters(), *gref.parameters()]:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        ropt.step()
+        _step_with_zeros(ropt, [*ref.parameters(), *gref.parameters()])
         assert _max_diff(model, ref) < 1e-10, f"step {s}: {_max_diff(model, ref)}"
         assert _max_diff(gen, gref) < 1e-10, f"step {s}: {_max_diff(gen, gref)}"
 
@@ -2202,10 +2192,7 @@ def case_distributed_optimizer_one_backward_two_optimizers_rank_dependent():
         copt.step()
         opt.step()
         (sum(loss(ref, cref, s, q) for q in range(n)) / n).backward()
-        for p in ref.parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        ropt.step()
+        _step_with_zeros(ropt, ref.parameters())
         assert _max_diff(model, ref) < 1e-10, f"step {s}: {_max_diff(model, ref)}"
         assert _max_diff(critic, cref) < 1e-10, f"step {s}: {_max_diff(critic, cref)}"
 
@@ -2216,15 +2203,7 @@ def case_distributed_optimizer_metric_calls_between_accumulated_passes():
     buckets (the accumulation is not done), so the weights match single-process training on
     both passes of every rank, with the branch taken on some ranks only."""
     n, r = hvd.size(), hvd.rank()
-    torch.manual_seed(29)
-    model = torch.nn.ModuleList([torch.nn.Linear(3, 3).double() for _ in range(3)])
-    ref = copy.deepcopy(model)
-    os.environ["MLFABRIC_FUSION_THRESHOLD"] = "0"
-    try:
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                       backward_passes_per_step=2)
-    finally:
-        os.environ.pop("MLFABRIC_FUSION_THRESHOLD")
+    model, ref, opt = _branchy(n, 29, backward_passes_per_step=2)
     ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
     x = torch.randn(3, 2, n, 2, 3, dtype=torch.float64,
                     generator=torch.Generator().manual_seed(8))
@@ -2239,10 +2218,7 @@ def case_distributed_optimizer_metric_calls_between_accumulated_passes():
         total = sum(_branchy_loss(ref, x[s, k, q], q % 2 == k % 2)
                     for q in range(n) for k in range(2))
         (total / n).backward()
-        for p in ref.parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        ropt.step()
+        _step_with_zeros(ropt, ref.parameters())
         assert _max_diff(model, ref) < 1e-10, f"step {s}: {_max_diff(model, ref)}"
 
 

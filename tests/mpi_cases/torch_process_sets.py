@@ -212,6 +212,26 @@ def case_autograd_in_a_set():
     _remove(even, odd)
 
 
+def _train_beside_reference(model, opt, ref, ropt, ranks, salt):
+    """Three steps of this rank's batches through opt, and of the concatenated batches of
+    `ranks` through the single-process reference; the weights then agree (float64, 1e-10)."""
+    r = hvd.rank()
+    for step in range(3):
+        batch = {q: (_inputs(q, (5, 4), salt + step), _inputs(q, (5, 1), salt + 10 + step))
+                 for q in ranks}
+        opt.zero_grad()
+        xb, yb = batch[r]
+        torch.nn.functional.mse_loss(model(xb), yb).backward()
+        opt.step()
+        ropt.zero_grad()
+        xs = torch.cat([b[0] for b in batch.values()])
+        ys = torch.cat([b[1] for b in batch.values()])
+        torch.nn.functional.mse_loss(ref(xs), ys).backward()
+        ropt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert (p - q).abs().max().item() < 1e-10
+
+
 def case_distributed_optimizer_on_a_rank_outside_its_set():
     """One script builds the optimizer on every rank with a set of all ranks but the last:
     the set's ranks train as one process on their concatenated batches, the last rank steps on
@@ -228,20 +248,7 @@ def case_distributed_optimizer_on_a_rank_outside_its_set():
                                    named_parameters=model.named_parameters(),
                                    backward_passes_per_step=1, process_set=inner)
     ropt = torch.optim.SGD(ref.parameters(), lr=0.05)
-    ranks = inner.ranks if r in inner.ranks else [r]
-    for step in range(3):
-        batch = {q: (_inputs(q, (5, 4), 80 + step), _inputs(q, (5, 1), 90 + step))
-                 for q in ranks}
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(batch[r][0]), batch[r][1]).backward()
-        opt.step()
-        ropt.zero_grad()
-        xs = torch.cat([b[0] for b in batch.values()])
-        ys = torch.cat([b[1] for b in batch.values()])
-        torch.nn.functional.mse_loss(ref(xs), ys).backward()
-        ropt.step()
-    for p, q in zip(model.parameters(), ref.parameters()):
-        assert (p - q).abs().max().item() < 1e-10
+    _train_beside_reference(model, opt, ref, ropt, inner.ranks if r in inner.ranks else [r], 80)
     if r not in inner.ranks:
         with pytest.raises(ValueError, match="backward_passes_per_step"):
             hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
@@ -265,20 +272,7 @@ def case_distributed_optimizer_per_set():
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                                    named_parameters=model.named_parameters(), process_set=mine)
     ropt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
-    for step in range(3):
-        batch = {q: (_inputs(q, (5, 4), 60 + step), _inputs(q, (5, 1), 70 + step))
-                 for q in mine.ranks}
-        opt.zero_grad()
-        xb, yb = batch[r]
-        torch.nn.functional.mse_loss(model(xb), yb).backward()
-        opt.step()
-        ropt.zero_grad()
-        xs = torch.cat([b[0] for b in batch.values()])
-        ys = torch.cat([b[1] for b in batch.values()])
-        torch.nn.functional.mse_loss(ref(xs), ys).backward()
-        ropt.step()
-    for p, q in zip(model.parameters(), ref.parameters()):
-        assert (p - q).abs().max().item() < 1e-10
+    _train_beside_reference(model, opt, ref, ropt, mine.ranks, 60)
     del opt
     _remove(even, odd)
     _still_works()
