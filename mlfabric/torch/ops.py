@@ -492,8 +492,8 @@ def _issue(what, plan, job, async_, tensor=None, group=None, process_set=None, t
     except (TypeError, ValueError) as exc:
         _reject_call(process_set, what, async_)
         raise exc
-    if _UNSTARTED and not _flushing and _graph_task() < 0:  # outside autograd's backward
-        _start_unstarted(st)
+    if _UNSTARTED and not _flushing:
+        _start_unstarted(st, _graph_task())
     try:
         planned = plan(st)
     except Exception as exc:
@@ -515,27 +515,32 @@ def _issue(what, plan, job, async_, tensor=None, group=None, process_set=None, t
     return _on_caller_stream(*result, tensor.device) if gpu else result
 
 
-# DistributedOptimizers (weak references) that had gradients since their last reduction, so
-# may have buckets this rank's hooks did not start (optimizer.py; see _start_unstarted).
+# DistributedOptimizers (weak references) with buckets before their last that had gradients
+# since their last reduction, so may have buckets this rank's hooks did not start
+# (optimizer.py; see _start_unstarted).
 _UNSTARTED = []
 _flushing = False  # inside _own_calls(): no call starts them
 _graph_task = torch._C._current_graph_task_id  # -1 outside backward (~30 ns)
 
 
-def _start_unstarted(st):
-    """Before a call on st issued outside backward: each DistributedOptimizer on st with
-    gradients since its last reduction starts the buckets its hooks did not (all but its last,
-    which synchronize() runs). Why: a bucket starts in backward once all its parameters have had
-    their gradients on this rank, so a parameter that gets one on some ranks only (a branch taken
-    on some, an expert given no tokens) leaves its bucket unstarted until synchronize() on those
-    ranks but not on the others, and a call issued between backward and step() (a metric's
-    allreduce, another optimizer's buckets) would meet that bucket's allreduce on the others: a
-    MismatchError on some ranks, a PeerTimeoutError on the rest. Started here, every rank has
-    issued the same buckets before the call."""
+def _start_unstarted(st, task):
+    """Before a call on st issued outside the backward pass (task: autograd's graph task, -1
+    outside any) that last brought a DistributedOptimizer on st a gradient, and before another
+    optimizer's first gradient of a later pass (its hook calls this): that optimizer starts the
+    buckets its hooks did not (all but its last, which synchronize() runs). Why: a
+    bucket starts in backward once all its parameters have had their gradients on this rank, so
+    a parameter that gets one on some ranks only (a branch taken on some, an expert given no
+    tokens) leaves its bucket unstarted until synchronize() on those ranks but not on the
+    others, and a later call (a metric's allreduce, another optimizer's buckets, in the next
+    backward pass too) would meet that bucket's allreduce on the others: a MismatchError on some
+    ranks, a PeerTimeoutError on the rest, or, between two optimizers of one model, gradients
+    summed with another bucket's. Started here, every rank has issued the same buckets before
+    the call. (Every rank must still bring the optimizer some gradient in its backward: a rank
+    that brings none cannot tell a backward pass happened.)"""
     with _own_calls():
         for ref in list(_UNSTARTED):
             opt = ref()
-            if opt is None or opt._mlf_state is st:
+            if opt is None or (opt._mlf_state is st and opt._mlf_task != task):
                 _UNSTARTED.remove(ref)
                 if opt is not None:
                     opt._mlf_start_unstarted()

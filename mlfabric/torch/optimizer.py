@@ -26,20 +26,23 @@ How it works:
   backward_passes_per_step passes, the bucket (and any ready buckets after it) starts an async
   allreduce, so communication overlaps the rest of backward. The last bucket (the first
   layers', whose gradients come last) is not started by hooks: synchronize() runs it, on the
-  calling thread. After the first reduction its parameters keep one Python hook between them,
-  the sentinel, for the guards below, and each a mark that runs no Python (a small model is one
-  bucket: 100 small gradients then cost one Python hook);
+  calling thread. In a one-bucket optimizer (a small model), after the first reduction its
+  parameters keep one Python hook between them, the sentinel, for the guards below, and each a
+  mark that runs no Python (100 small gradients then cost one Python hook); with more buckets
+  every parameter keeps its hook (see below);
 - a bucket whose parameters did not all get their gradients on this rank (a branch some ranks
-  skip, an expert given no tokens) is not started by the hooks, where on other ranks it is; so
-  that every rank has issued the same buckets before any other call, the first collective
-  call issued outside backward after a step's backward passes (a metric's allreduce, another
-  optimizer's bucket) first starts the buckets before the last that the hooks did not
-  (ops._start_unstarted; missing gradients count as zeros, as at synchronize()). A gradient
-  that comes for such a bucket afterwards (a second backward() for the same step, without
-  backward_passes_per_step) is an error. Calls issued during backward (SyncBatchNorm's) and
-  the buckets of two optimizers whose hooks run in the same backward still need every rank to
-  compute gradients for the same parameters there, as DDP does (mlfabric matches calls by
-  order, not by name as Horovod does);
+  skip, an expert given no tokens) is not started by the hooks, where on other ranks it is. So
+  that every rank issues the same buckets before any other call, the first mlfabric.torch call
+  issued outside the backward pass that last brought this optimizer a gradient (a metric's
+  allreduce, another optimizer's bucket, SyncBatchNorm's call in the next pass), and the first
+  gradient another optimizer gets in a later pass, first start the buckets before the last that
+  the hooks did not (ops._start_unstarted; missing gradients count as zeros, as at
+  synchronize()). A gradient that comes for such a bucket afterwards (a second backward() for
+  the same step, without backward_passes_per_step) is an error. What still needs every rank to
+  compute gradients for the same parameters (as DDP without find_unused_parameters): calls
+  issued during the same backward pass (SyncBatchNorm's, the hooks of two multi-bucket
+  optimizers). A rank whose backward brings this optimizer no gradient at all cannot tell that
+  a backward pass happened: every rank must bring it at least one;
 - synchronize() starts the buckets the hooks did not, waits for them in order, and runs the
   last (parameters without a gradient contribute zeros and get a zero gradient, as in
   Horovod); step() calls it unless inside skip_synchronize(), then runs the wrapped step(). A
@@ -128,6 +131,9 @@ class _Slot:
         self.bucket, self.delay = bucket, delay
 
 
+_graph_task = torch._C._current_graph_task_id  # -1 outside backward
+
+
 def _hook(ref, index, param):
     opt = ref()
     if opt is not None:
@@ -167,11 +173,11 @@ class _DistributedOptimizer:
             raise
         self._mlf_op = op
         self._mlf_local, self._mlf_names = local, names
-        # parameters of the optimizer not reduced (not trainable now): step() checks that none
-        # has become trainable since (see _mlf_check_unreduced)
-        reduced = {id(p) for p in params}
-        self._mlf_unreduced = [p for g in self.param_groups for p in g["params"]
-                               if id(p) not in reduced and id(p) not in local]
+        # the parameters reduced; the others of the optimizer (not trainable now) are watched
+        # by step() (see _mlf_check_unreduced)
+        self._mlf_reduced = frozenset(id(p) for p in params)
+        self._mlf_groups = 0
+        self._mlf_unreduced = []
         self._mlf_compression = compression
         self._mlf_passes = backward_passes_per_step
         self._mlf_predivide = float(gradient_predivide_factor)
@@ -232,14 +238,18 @@ class _DistributedOptimizer:
             hooks.append(functools.partial(_unshare, weakref.ref(self)))
         # Hooks start buckets early, to overlap backward. The last bucket (the first layers'
         # gradients, the last to come) gains nothing from them: synchronize(), right after
-        # backward, starts it on the calling thread. Its parameters' Python hooks only serve
-        # the guards (too many backward passes, zero_grad() before step()), and one costs ~1-2
-        # us a gradient where the whole reduction of 100 small gradients takes ~30. So after
-        # the first reduction only one of them keeps it, the sentinel (_mlf_watch); every one
-        # keeps a mark instead, a hook that runs no Python: functools.partial of setattr
-        # records the parameter in _mlf_seen, so synchronize() knows whether (and which)
-        # gradients came to the last bucket since the last reduction.
+        # backward, starts it on the calling thread. In a one-bucket optimizer (a small model)
+        # its parameters' Python hooks only serve the guards (too many backward passes,
+        # zero_grad() before step()), and one costs ~1-2 us a gradient where the whole
+        # reduction of 100 small gradients takes ~30. So after the first reduction only one of
+        # them keeps it, the sentinel (_mlf_watch); every one keeps a mark instead, a hook that
+        # runs no Python: functools.partial of setattr records the parameter in _mlf_seen, so
+        # synchronize() knows whether (and which) gradients came since the last reduction.
+        # With buckets before the last, every gradient runs the Python hook: which buckets
+        # the hooks started can differ between ranks, and ops._start_unstarted must know of
+        # every backward pass that brought this rank a gradient (_mlf_task).
         tail = self._mlf_buckets[-1] if self._mlf_buckets else None
+        self._mlf_early = len(self._mlf_buckets) > 1
         self._mlf_params = [p for b in self._mlf_buckets for p in b.params]
         self._mlf_slots = [_Slot(None if b is tail else b, self._mlf_passes)
                            for b in self._mlf_buckets for _ in b.params]
@@ -252,17 +262,19 @@ class _DistributedOptimizer:
         self._mlf_synchronized = False  # reduced since the last backward pass / step()
         self._mlf_should_sync = True    # False inside skip_synchronize()
         self._mlf_ref = ref = weakref.ref(self)
-        # with buckets before the last, a call issued after backward starts the ones this
-        # rank's hooks did not (ops._start_unstarted), if issued in this state
-        self._mlf_early = len(self._mlf_buckets) > 1
-        self._mlf_state = None
+        # With buckets before the last, a call issued in this state outside the backward pass
+        # that last brought this rank a gradient (_mlf_task: its autograd graph task) first
+        # starts the buckets the hooks did not (ops._start_unstarted).
+        self._mlf_state = st  # (refreshed by _mlf_pend: an elastic reset makes another)
+        self._mlf_task = -1
         self._mlf_failed = None  # the error of a bucket ops._start_unstarted could not start
         # bucket index -> its first slot (the slots are in bucket order)
         self._mlf_first = np.cumsum([0] + [len(b.params) for b in self._mlf_buckets]).tolist()
         self._mlf_hooks = [p.register_post_accumulate_grad_hook(functools.partial(_hook, ref, i))
                            for i, p in enumerate(self._mlf_params)]
         mark = functools.partial(setattr, self._mlf_seen, "param")
-        marks = [p.register_post_accumulate_grad_hook(mark) for p in (tail.params if tail else ())]
+        marks = [p.register_post_accumulate_grad_hook(mark)
+                 for p in (tail.params if tail and not self._mlf_early else ())]
         weakref.finalize(self, _remove_hooks, marks)  # (they do not hold the optimizer)
 
     # --- reduction ---------------------------------------------------------------------------
@@ -285,6 +297,13 @@ class _DistributedOptimizer:
                 f"({self._mlf_passes}) times before step() or synchronize(); raise "
                 "backward_passes_per_step to accumulate more passes locally")
         self._mlf_synchronized = False
+        self._mlf_task = task = _graph_task()  # (~30 ns)
+        pending = ops._UNSTARTED
+        if pending and (len(pending) > 1 or pending[0] is not self._mlf_ref):
+            # another optimizer had gradients in an earlier backward pass: its buckets start
+            # now, before any of this pass's, on every rank (whether this pass's hooks start a
+            # bucket, or issue any call before step(), can differ between ranks)
+            ops._start_unstarted(self._mlf_state, task)
         slot.delay -= 1
         if slot.delay == 0:
             self._mlf_done += 1
@@ -432,7 +451,8 @@ class _DistributedOptimizer:
         if error is not None:
             raise error
         self._mlf_synchronized = True
-        self._mlf_watch(fired, last)
+        if not self._mlf_early:
+            self._mlf_watch(fired, last)
 
     def _mlf_watch(self, fired, last):
         """After a reduction, the last bucket's Python hooks (fired: its hooked slot that came
@@ -491,27 +511,26 @@ class _DistributedOptimizer:
         return super().step(closure)
 
     def _mlf_check_unreduced(self):
-        """Refuse to step parameters whose gradients were not reduced: they did not need one
-        when the optimizer was built (a frozen layer unfrozen since, as in fine-tuning) or came
-        by add_param_group. Each rank would step on its own gradient and the replicas drift
-        apart silently (Horovod's behaviour)."""
-        late = [p for p in self._mlf_unreduced if p.requires_grad and p.grad is not None]
-        if late:
-            shown = [self._mlf_names.get(id(p), f"shape {tuple(p.shape)}") for p in late[:5]]
-            raise MlfabricError(
-                f"DistributedOptimizer: {len(late)} parameter(s) ({', '.join(shown)}) have "
-                "gradients that are not reduced over the ranks: they did not require a "
-                "gradient when the optimizer was built, or were added by add_param_group (the "
-                "gradient buckets are fixed at construction). Build the DistributedOptimizer "
-                "again once the parameters to train are set")
-
-    def add_param_group(self, param_group):
-        """torch's; the new group's parameters are not reduced (the gradient buckets are fixed
-        at construction), so step() refuses them once they have gradients: build a new
-        DistributedOptimizer to train them."""
-        super().add_param_group(param_group)
-        self._mlf_unreduced += [p for p in self.param_groups[-1]["params"]
-                                if id(p) not in self._mlf_local]
+        """Refuse to step parameters whose gradients are not reduced and that require a
+        gradient now: they did not when the optimizer was built (a frozen layer unfrozen since,
+        as in fine-tuning), or came by add_param_group. Each rank would step on its own
+        gradient and the replicas drift apart silently (Horovod's behaviour). requires_grad,
+        not a gradient present: that is the same on every rank, so all refuse together."""
+        groups = self.param_groups
+        if len(groups) != self._mlf_groups:  # the first step, or add_param_group since
+            skip = self._mlf_reduced | self._mlf_local
+            self._mlf_unreduced = [p for g in groups for p in g["params"] if id(p) not in skip]
+            self._mlf_groups = len(groups)
+        if not any(map(_REQUIRES_GRAD, self._mlf_unreduced)):  # a loop in C
+            return
+        late = [p for p in self._mlf_unreduced if p.requires_grad]
+        shown = [self._mlf_names.get(id(p), f"shape {tuple(p.shape)}") for p in late[:5]]
+        raise MlfabricError(
+            f"DistributedOptimizer: {len(late)} parameter(s) ({', '.join(shown)}) require "
+            "gradients that are not reduced over the ranks: they did not when the optimizer "
+            "was built, or were added by add_param_group (the gradient buckets are fixed at "
+            "construction). Build the DistributedOptimizer again once the parameters to train "
+            "are set")
 
     def set_backward_passes_per_step(self, passes):
         """Horovod's: accumulate `passes` backward passes locally before each reduction, from
@@ -708,6 +727,7 @@ def _gather(b, sparse_as_dense):
 
 
 _GRAD = operator.attrgetter("grad")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 def _all_views(b):

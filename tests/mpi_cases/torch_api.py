@@ -2166,6 +2166,70 @@ def case_distributed_optimizer_second_optimizer_after_a_rank_dependent_graph():
         assert _max_diff(gen, gref) < 1e-10, f"step {s}: {_max_diff(gen, gref)}"
 
 
+def case_distributed_optimizer_rank_dependent_backward_then_another_optimizers():
+    """Two optimizers, each its own backward: the first's with a branch some ranks skip (its
+    hooks start its buckets on some ranks only), then the second's, the same on every rank
+    (its hooks start its buckets during that backward), then both steps. The second's first
+    bucket starts the first's waiting ones on every rank, so neither pairs its buckets with
+    the other's (same shapes here: that would go unnoticed) and both match single-process
+    training."""
+    n, r = hvd.size(), hvd.rank()
+    model, ref, opt = _branchy(n, 67)
+    other, oref, oopt = _branchy(n, 71)
+    ropt = torch.optim.SGD([*ref.parameters(), *oref.parameters()], lr=0.1)
+    x = torch.randn(3, n, 2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(12))
+    for s in range(3):
+        opt.zero_grad()
+        oopt.zero_grad()
+        ropt.zero_grad()
+        _branchy_loss(model, x[s, r], (r + s) % 2 == 0 or n == 1).backward()
+        _branchy_loss(other, x[s, r], True).backward()
+        opt.step()
+        oopt.step()
+        total = sum(_branchy_loss(ref, x[s, q], (q + s) % 2 == 0 or n == 1) +
+                    _branchy_loss(oref, x[s, q], True) for q in range(n))
+        (total / n).backward()
+        _step_with_zeros(ropt, [*ref.parameters(), *oref.parameters()])
+        assert _max_diff(model, ref) < 1e-10, f"step {s}: {_max_diff(model, ref)}"
+        assert _max_diff(other, oref) < 1e-10, f"step {s}: {_max_diff(other, oref)}"
+
+
+def case_distributed_optimizer_gradients_only_in_its_last_bucket_on_some_ranks():
+    """Explicit groups (the first layer's two tensors the last bucket), after a first step:
+    one rank's loss reaches only one tensor of the last bucket, the others' all but the second
+    layer's bias (so their hooks start nothing either, or some buckets), then a metric's
+    allreduce and step(): the same buckets are issued everywhere and the weights match
+    single-process training."""
+    n, r = hvd.size(), hvd.rank()
+    torch.manual_seed(73)
+    a, b = torch.nn.Linear(3, 3).double(), torch.nn.Linear(3, 3).double()
+    ra, rb = copy.deepcopy(a), copy.deepcopy(b)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.1),
+                                   groups=[[a.weight, a.bias]])
+    ropt = torch.optim.SGD([*ra.parameters(), *rb.parameters()], lr=0.1)
+    x = torch.randn(n, 2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(13))
+
+    def loss(la, lb, s, q):
+        if s == 0:
+            return (lb(la(x[q])) ** 2).sum()
+        if q == n - 1 and n > 1:
+            return (la.bias ** 2).sum()  # the last bucket's second tensor only
+        return ((la(x[q]) @ lb.weight.T) ** 2).sum()  # no gradient for b.bias
+
+    for s in range(3):
+        opt.zero_grad()
+        ropt.zero_grad()
+        mine = loss(a, b, s, r)
+        mine.backward()
+        hvd.allreduce(mine.detach(), name="metric")
+        opt.step()
+        (sum(loss(ra, rb, s, q) for q in range(n)) / n).backward()
+        _step_with_zeros(ropt, [*ra.parameters(), *rb.parameters()])
+        got = torch.cat([p.detach().reshape(-1) for p in [*a.parameters(), *b.parameters()]])
+        want = torch.cat([p.detach().reshape(-1) for p in [*ra.parameters(), *rb.parameters()]])
+        assert (got - want).abs().max().item() < 1e-10, f"step {s}"
+
+
 def case_distributed_optimizer_one_backward_two_optimizers_rank_dependent():
     """One backward through a model with a branch some ranks skip (its optimizer has buckets
     per tensor) and a critic whose optimizer is one bucket, the critic stepped first: the
