@@ -208,9 +208,12 @@ class ElasticSampler(torch.utils.data.Sampler):
     hvd.elastic.ElasticSampler. Each epoch it takes the indices not yet processed in it
     (shuffled by seed + epoch when shuffle), pads them by repeating the first few to a multiple
     of size(), and gives this rank every size()-th one from its rank on. record_batch(i, n)
-    marks the i-th batch of n of this rank's indices processed; in a TorchState a reset then
-    re-splits what no rank had processed at the last commit over the survivors. Call
-    set_epoch(e + 1) at the end of epoch e (it forgets the processed indices)."""
+    marks the i-th batch of n processed, of every rank's indices (the ranks step together: a
+    dead rank's batches before the last commit are in the committed model, so they are not
+    redone; Horovod's records this rank's only, and a reset redoes the dead rank's); in a
+    TorchState a reset then re-splits what no rank had processed at the last commit over the
+    survivors. Call set_epoch(e + 1) at the end of epoch e (it forgets the processed
+    indices)."""
 
     def __init__(self, dataset, shuffle=True, seed=0):
         self.dataset, self.shuffle, self.seed = dataset, shuffle, seed
@@ -225,8 +228,11 @@ class ElasticSampler(torch.utils.data.Sampler):
         self.reset()
 
     def record_batch(self, batch_idx, batch_size):
-        """Mark this rank's batch_idx-th batch of batch_size indices processed."""
-        self.record_indices(self.get_indices(batch_idx, batch_size))
+        """Mark every rank's batch_idx-th batch of batch_size indices processed (since the last
+        reset): in the padded order the ranks' batches of one step are one run."""
+        step = self.num_replicas
+        start = batch_idx * batch_size * step
+        self.record_indices(self._order[start:min(start + batch_size * step, self.total_size)])
 
     def record_indices(self, indices):
         self.processed_indices.update(int(i) for i in indices)
@@ -263,6 +269,7 @@ class ElasticSampler(torch.utils.data.Sampler):
         if order:
             while len(order) < self.total_size:  # pad, as torch's DistributedSampler
                 order += order[:self.total_size - len(order)]
+        self._order = order  # every rank's, interleaved (record_batch)
         return order[self.rank:self.total_size:self.num_replicas]
 
     def __iter__(self):
@@ -279,7 +286,9 @@ def run(func):
     run the reset callbacks, sync, and call func again. Returns func's result once every rank
     has returned from it (a barrier). A live rank slower than MLFABRIC_TIMEOUT looks dead to the
     others: they reset, it fails its next call and resets with them, and all go on (at the same
-    size, from the last commit)."""
+    size, from the last commit). An error that is not a failure leaves run() on the rank that
+    raised it; its peers get a MismatchError naming that rank from their next call (and leave
+    too), not a reset."""
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
         from . import ops
@@ -301,11 +310,26 @@ def run(func):
                 return result
             except Exception as exc:  # noqa: BLE001 - only failures are handled, see below
                 if not is_failure(exc):
+                    if not _peers_told(exc):
+                        # An error of this rank alone (a bug in func, a local refusal): the
+                        # peers, in their next call, hear of it at once (a MismatchError
+                        # naming this rank) instead of timing out, taking this live rank for
+                        # dead and waiting forever to shrink with it.
+                        try:
+                            ops._reject_call(None, "elastic.run", False)
+                        except Exception:  # noqa: BLE001 - none to tell (not initialised...)
+                            pass
                     raise
                 state.restore()
                 _shrink_and_reinit(exc)
                 state.on_reset()
     return wrapper
+
+
+def _peers_told(exc):
+    """Whether the peers already know of exc: a mismatch every rank raises, or an error whose
+    call was rejected in its control round (ops._reject marks it)."""
+    return isinstance(exc, MismatchError) or getattr(exc, "_mlf_peers_told", False)
 
 
 def _ulfm_enabled():
@@ -330,6 +354,9 @@ def _shrink_and_reinit(cause):
             "with: run it as mpirun --with-ft ulfm --mca mpi_ft_detector true ...") from cause
     try:
         ctx.comm.Revoke()  # a survivor still inside a call on it leaves it at once
+        # and a live rank that left run() for good, waiting in its exit's agreement round on
+        # this one, leaves that round (its process then ends, and the shrink below with it)
+        ctx.exit_comm.Revoke()
         user.Revoke()
         survivors = user.Shrink()
     except (MPI.Exception, NotImplementedError, AttributeError) as exc:

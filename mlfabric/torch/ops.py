@@ -43,6 +43,7 @@ import copy
 import itertools
 import math
 import os
+import sys
 import threading
 import zlib
 from operator import attrgetter
@@ -664,6 +665,15 @@ def _reject_call(process_set, what, async_):
 
 
 def _reject(st, what, async_):
+    """Take part in the control round of the call `what` as 'rejected' (the peers raise a
+    MismatchError naming this rank). Called while handling the error this rank raises next,
+    which is marked as one the peers have heard of (elastic.run reads the mark)."""
+    told = sys.exc_info()[1]
+    if told is not None:
+        try:
+            told._mlf_peers_told = True
+        except AttributeError:  # an exception type without a __dict__
+            pass
     desc = np.zeros(_W, np.int64)
     desc[_STATE] = _REJECTED
 

@@ -18,8 +18,9 @@ function. In training mode with more than one rank:
   them like any other gradient (summed over ranks, they are the gradient of the sum of the
   ranks' losses).
 - errors on every rank: an input that does not fit this rank's layer (dimensions, channels,
-  dtype) is a ValueError / TypeError there and a MismatchError naming that rank elsewhere; layers
-  that differ between ranks are a MismatchError everywhere. A failed call leaves the module's
+  dtype, eps <= 0) is a ValueError / TypeError there and a MismatchError naming that rank
+  elsewhere; layers that differ between ranks (num_features, eps, momentum, affine,
+  track_running_stats) are a MismatchError everywhere. A failed call leaves the module's
   buffers and counter as they were.
 In eval mode, or with one rank, it is plain batch norm (torch's own code, no communication): eval
 mode needs no init() and ranks may call it any number of times (inference on one rank is fine).
@@ -95,12 +96,12 @@ def _centered(x, mean, shape, acc):
     return (x - hi.view(shape)) - lo.view(shape)
 
 
-def _sum_over_ranks(t, name, what):
+def _sum_over_ranks(t, name, what, layout):
     """In-place Sum allreduce of t; a MismatchError / PeerTimeoutError that says which layer and
     what most likely went wrong."""
     try:
         return ops._allreduce_call(t, ops.Sum, None, name, 1.0, 1.0, True, False,
-                                   layout=_LAYOUT)
+                                   layout=layout)
     except MismatchError as exc:
         # (a rank that rejected its input has its own error; the advice is for the others)
         if "rejected their arguments" in str(exc):
@@ -108,7 +109,8 @@ def _sum_over_ranks(t, name, what):
         raise MismatchError(
             f"{what} in training mode: {exc}. {_MODES} is already at its next collective, "
             "which met this layer's allreduce here. "
-            "Every rank must also run the same SyncBatchNorm layers (same num_features) in the "
+            "Every rank must also run the same SyncBatchNorm layers (same num_features, eps, "
+            "momentum, affine, track_running_stats) in the "
             "same order (the statistics travel as a (3, num_features) tensor forward, "
             "(2, num_features) backward)") from exc
     except PeerTimeoutError as exc:
@@ -119,7 +121,7 @@ def _sum_over_ranks(t, name, what):
 
 class _SyncBatchNormFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, input, weight, bias, running_mean, running_var, eps, factor, what):
+    def forward(ctx, input, weight, bias, running_mean, running_var, eps, factor, what, layout):
         dims, shape, acc = _layout(input)
         channels = input.shape[1]
         rows = input.numel() // channels if channels else 0  # values per channel here
@@ -136,7 +138,7 @@ class _SyncBatchNormFn(torch.autograd.Function):
             stats[0] = rows
             stats[1] = s1
             stats[2] = m2c + c * (2 * s1 - rows * c)
-        _sum_over_ranks(stats, _FWD, what)
+        _sum_over_ranks(stats, _FWD, what, layout)
         total = int(stats[0, 0].item()) if channels else 0  # the same on every rank
         if total == 1:
             # torch's error for a batch of one; raised on every rank alike (all know the total).
@@ -159,6 +161,7 @@ class _SyncBatchNormFn(torch.autograd.Function):
             out += bias.detach().to(acc).view(shape)
         ctx.save_for_backward(input, weight, mean, invstd)
         ctx.count, ctx.what, ctx.has_bias = count, what, bias is not None
+        ctx.layout = layout
         return out.to(input.dtype)
 
     @staticmethod
@@ -172,7 +175,7 @@ class _SyncBatchNormFn(torch.autograd.Function):
                              (dy * xmu).sum(dims, dtype=torch.float64)])
         # The allreduce runs whether or not this rank needs the input gradient, so that ranks
         # which disagree on requires_grad still issue the same calls.
-        total = _sum_over_ranks(local.clone(), _BWD, ctx.what)
+        total = _sum_over_ranks(local.clone(), _BWD, ctx.what, ctx.layout)
         grad_input = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
             mean_dy = total[0] / ctx.count
@@ -187,7 +190,7 @@ class _SyncBatchNormFn(torch.autograd.Function):
             grad_weight = (local[1] * invstd).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = local[0].to(weight.dtype if weight is not None else input.dtype)
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -233,6 +236,9 @@ class SyncBatchNorm(_BatchNorm):
             self._check_input_dim(input)
             if input.dtype not in _FLOATS:
                 raise TypeError(f"{what}: input dtype {input.dtype} is not floating point")
+            if not self.eps > 0:  # torch's own check (its kernels'), here before any NaN
+                raise ValueError(f"{what}: batch_norm eps must be positive during training, "
+                                 f"got {self.eps}")
         except (TypeError, ValueError):
             # This rank takes part in the statistics' round as 'rejected', so the others fail
             # at once with a MismatchError naming it instead of waiting for it.
@@ -248,7 +254,10 @@ class SyncBatchNorm(_BatchNorm):
             input, self.weight, self.bias,
             self.running_mean if self.track_running_stats else None,
             self.running_var if self.track_running_stats else None,
-            self.eps, factor, what)
+            self.eps, factor, what,
+            # the layer's settings in the calls' descriptor: layers built otherwise on some rank
+            # (eps, momentum, affine, track_running_stats) are a MismatchError everywhere
+            (_LAYOUT, float(self.eps), self.momentum, self.affine, self.track_running_stats))
         if tracked:
             self.num_batches_tracked.add_(1)
         return out

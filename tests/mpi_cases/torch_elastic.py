@@ -112,6 +112,34 @@ def case_only_peer_failures_trigger_a_reset():
         bad(state)
 
 
+def case_an_error_of_one_rank_is_an_error_everywhere_not_a_reset():
+    """A bug on one rank inside run() (not a failure) leaves run() there with its own error;
+    the others get a MismatchError naming that rank from their next call, not a
+    PeerTimeoutError that would take the live rank for dead and wait for it in a shrink; the
+    ranks stay in step."""
+    n, r = hvd.size(), hvd.rank()
+    if n == 1:
+        return
+    state = elastic.ObjectState(step=0)
+
+    @elastic.run
+    def train(state):
+        while state.step < 4:
+            if r == n - 1 and state.step == 2:
+                raise ValueError("a bug on the last rank")
+            hvd.allreduce(torch.ones(1), name="step")
+            state.step += 1
+            state.commit()
+
+    if r == n - 1:
+        with pytest.raises(ValueError, match="a bug on the last rank"):
+            train(state)
+    else:
+        with pytest.raises(hvd.MismatchError, match=rf"rank\(s\) \[{n - 1}\] rejected"):
+            train(state)
+    assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [n] * 2
+
+
 def case_without_ulfm_a_failure_is_a_clear_error():
     """This job runs without --with-ft ulfm: recovering is refused at once (Open MPI's shrink
     would wait forever), saying how to run, and mlfabric is left as it was."""
@@ -134,6 +162,8 @@ def case_elastic_sampler_splits_and_resplits():
     assert sum(map(len, shares)) == len(sampler) * n
     state = elastic.TorchState(sampler=sampler, epoch=0)
     sampler.record_batch(0, 2)
+    # every rank's first batch, recorded on each (a dead rank's would not be redone)
+    assert sampler.processed_indices == {i for share in shares for i in share[:2]}
     done = set().union(*map(set, hvd.allgather_object(sorted(sampler.processed_indices))))
     state.sync()  # the union of every rank's processed indices, then re-split
     assert sampler.processed_indices == done

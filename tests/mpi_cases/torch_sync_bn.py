@@ -299,6 +299,22 @@ def case_mismatched_layers_fail_on_every_rank():
                     f"rank(s) [{odd}] rejected")
     assert m.num_batches_tracked.item() == 0
     _still_works()
+    # eps <= 0 on one rank (torch's kernels refuse it; ours would give NaN): its ValueError
+    # there, a MismatchError naming it elsewhere.
+    m = SyncBatchNorm(C, eps=0.0 if r == odd else 1e-5)
+    if r == odd:
+        _expect(ValueError, lambda: m(torch.randn(4, C)), "eps must be positive")
+    else:
+        _expect(hvd.MismatchError, lambda: m(torch.randn(4, C)), f"rank(s) [{odd}] rejected")
+    _still_works()
+    # Layers built otherwise on one rank (each setting alone): a MismatchError on every rank,
+    # before any statistics move.
+    for setting in ({"eps": 1e-3}, {"momentum": 0.5}, {"momentum": None}, {"affine": False},
+                    {"track_running_stats": False}):
+        m = SyncBatchNorm(C, **(setting if r == odd else {}))
+        _expect(hvd.MismatchError, lambda: m(torch.randn(4, C)), "SyncBatchNorm statistics",
+                "same num_features, eps, momentum")
+    _still_works()
     # A rank that issues something else while the others run backward: a clear error on all.
     m = SyncBatchNorm(C).double()
     x = torch.randn(4, C, dtype=torch.float64, requires_grad=True)
