@@ -23,9 +23,13 @@ after each: when a rank dies the survivors redo the epoch it died in on shards r
 them, and carry on; --kill-rank R@E makes rank R SIGKILL itself as epoch E starts, to watch it;
 --replace N spawns new processes in place of the dead (up to N over the job), which join at
 their hvd.init() and take the survivors' state, so the job goes on at its full size.
+Every worker takes the same steps per epoch (the largest shard's batches; a shorter shard
+repeats a batch), so the modes that wait for every worker's step never wait for one not taken.
 Output: a progress bar on the reporting rank (rank 0, or the first worker in the PS modes), one
-JSON line per epoch (--metrics FILE), a final summary line, and --plot FILE.png (test accuracy vs
-time).
+JSON line per epoch (--metrics FILE), a final summary line (RESULT: steps and test_accuracy are
+the reporting rank's; in the PS modes pushed / applied / dropped are the job's, and
+final_test_accuracy is the server's model once every worker is done, with one server), and
+--plot FILE.png (test accuracy vs time).
 """
 import argparse
 import json
@@ -42,28 +46,34 @@ MODES = ("allreduce",) + tuple(PS_MODES)
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=MODES, default="allreduce")
-    p.add_argument("--model", default="mlp", help="mlp, convnet or logreg")
+    p.add_argument("--mode", choices=MODES, default="allreduce",
+                   help="allreduce (DistributedOptimizer) or a parameter-server mode (above)")
+    p.add_argument("--model", choices=("mlp", "convnet", "logreg"), default="mlp")
     p.add_argument("--dataset", choices=("digits", "synthetic"), default="digits")
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=16, help="per worker")
     p.add_argument("--lr", type=float, default=None,
                    help="learning rate (default: 0.1 for allreduce and ps-sync, 0.06 / workers "
                         "for the asynchronous modes, whose updates are applied one by one); "
-                        "decayed to 0 over the epochs (cosine)")
+                        "epoch e of E uses lr * (1 + cos(pi e / E)) / 2")
     p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--tau-max", type=float, default=math.inf, help="ps-async: staleness bound")
-    p.add_argument("--div-max", type=float, default=math.inf, help="with --replicas")
-    p.add_argument("--slack", type=int, default=2, help="ssp: K")
+    p.add_argument("--tau-max", type=float, default=None,
+                   help="ps-async: staleness bound (default: none)")
+    p.add_argument("--div-max", type=float, default=None,
+                   help="with --replicas: the replicas' divergence bound (default: none)")
+    p.add_argument("--slack", type=int, default=None, help="ssp: K (default 2)")
     p.add_argument("--batch-interval", type=float, default=0.005,
                    help="parameter-server modes: the scheduler plans every this many seconds "
                         "(the paper's 0.1 s suits its 100 ms steps; these steps take ~ms)")
-    p.add_argument("--servers", type=int, default=1)
-    p.add_argument("--replicas", type=int, default=0)
-    p.add_argument("--stragglers", default=None, help="C1, C2 or C3")
-    p.add_argument("--network", default=None,
+    p.add_argument("--servers", type=int, default=1,
+                   help="parameter-server modes: server ranks (the model sharded over them)")
+    p.add_argument("--replicas", type=int, default=0,
+                   help="parameter-server modes: replica ranks of the servers")
+    p.add_argument("--stragglers", choices=("C1", "C2", "C3"), default=None,
+                   help="the paper's straggler presets")
+    p.add_argument("--network", choices=("N0", "N1", "N2", "N3"), default=None,
                    help="N0 (constant base rate), N1, N2 or N3: pace the parameter-server data "
                         "plane (default: not paced)")
     p.add_argument("--base-rate", type=float, default=50e6, help="bytes/s for 10 Gbps")
@@ -108,6 +118,33 @@ def parse(argv=None):
         p.error("--replace N (N >= 0) is for --elastic")
     if args.epochs < 1 or args.batch_size < 1:
         p.error("--epochs and --batch-size must be >= 1")
+    # Checked here, before any rank starts MPI: a value only some roles read (the workers'
+    # optimizer, the reporting rank's files) would fail there alone and leave the others
+    # waiting for MLFABRIC_TIMEOUT.
+    for name in ("lr", "momentum", "tau_max", "div_max", "compute_ms"):
+        value = getattr(args, name)
+        if value is not None and not value >= 0:  # (NaN too)
+            p.error(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+    for name, needs in (("tau_max", ("ps-async",)), ("slack", ("ssp",))):
+        if getattr(args, name) is not None and args.mode not in needs:
+            p.error(f"--{name.replace('_', '-')} is for --mode {' / '.join(needs)} (the other "
+                    "modes do not bound it)")
+    if args.div_max is not None and not args.replicas:
+        p.error("--div-max bounds the replicas' divergence: it needs --replicas")
+    if args.compute_ms == 0 and args.stragglers:
+        p.error("--stragglers stretch the emulated compute: --compute-ms 0 leaves none")
+    for name in ("metrics", "plot"):
+        path = getattr(args, name)
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if path and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+            p.error(f"--{name} {path}: {folder} is not a folder this process can write to")
+    if args.plot:
+        import importlib.util
+        if importlib.util.find_spec("matplotlib") is None:
+            p.error("--plot needs matplotlib (pip install matplotlib)")
+    args.tau_max = math.inf if args.tau_max is None else args.tau_max
+    args.div_max = math.inf if args.div_max is None else args.div_max
+    args.slack = 2 if args.slack is None else args.slack
     if args.compute_ms is None:
         args.compute_ms = 20.0 if args.stragglers else 0.0
     return args
@@ -198,20 +235,22 @@ def pick_device(args, comm, hvd):
     return torch.device("cpu")
 
 
-def train_loop(args, model, opt, shard, test, worker, workers, report, compute,
-               device="cpu"):
-    """The same loop in every mode: epochs over this worker's shard, emulated compute per step."""
+def train_loop(args, model, opt, shard, test, worker, steps, report, compute, device="cpu"):
+    """The same loop in every mode: epochs of `steps` steps over this worker's shard, emulated
+    compute per step."""
     step, loss, acc = 0, float("nan"), float("nan")
     base_lr = [g["lr"] for g in opt.param_groups]
     for epoch in range(args.epochs):
         step, loss, acc = train_epoch(args, model, opt, shard, test, worker, report, compute,
-                                      device, epoch, step, base_lr)
+                                      device, epoch, step, base_lr, steps)
     return step, loss, acc
 
 
 def train_epoch(args, model, opt, shard, test, worker, report, compute, device, epoch, step,
-                base_lr):
-    """One epoch over this worker's shard; (steps so far, last loss, test accuracy)."""
+                base_lr, steps):
+    """One epoch over this worker's shard, in `steps` steps (every worker the same: ps-sync,
+    ssp and allreduce wait for every worker's step); (steps so far, last loss, test
+    accuracy)."""
     import torch
     from mlfabric.workloads import data, models
     X, y = shard
@@ -222,7 +261,10 @@ def train_epoch(args, model, opt, shard, test, worker, report, compute, device, 
     for g, lr in zip(opt.param_groups, base_lr):
         g["lr"] = lr * 0.5 * (1 + math.cos(math.pi * epoch / args.epochs))
     model.train()
-    for xb, yb in data.batches(X, y, args.batch_size, args.seed + worker, epoch):
+    order = list(data.batches(X, y, args.batch_size, args.seed + worker, epoch))
+    # shards differ by a sample at most, batch counts by one: a shorter one repeats its first
+    # batch (as torch's DistributedSampler pads), so no worker waits for steps never taken
+    for xb, yb in (order + order)[:steps]:
         opt.zero_grad()
         out = loss_fn(model(torch.from_numpy(xb).to(device)),
                       torch.from_numpy(yb).long().to(device))
@@ -269,7 +311,7 @@ def train_elastic(args, model, opt, data_xy, test, report, compute, device, hvd)
             shard = data.shard(*data_xy, hvd.rank(), hvd.size())
             state.step, state.loss, state.acc = train_epoch(
                 args, model, opt, shard, test, hvd.rank(), report, compute, device, state.epoch,
-                state.step, base_lr)
+                state.step, base_lr, epoch_steps(len(data_xy[0]), hvd.size(), args.batch_size))
             state.epoch += 1
             state.commit()
         return state.step, state.loss, state.acc, hvd.size()
@@ -277,8 +319,10 @@ def train_elastic(args, model, opt, data_xy, test, report, compute, device, hvd)
     return epochs(state)
 
 
-def steps_per_epoch(n, batch_size):
-    return (n + batch_size - 1) // batch_size
+def epoch_steps(n, workers, batch_size):
+    """Every worker's steps per epoch over n samples: the largest shard's batches."""
+    largest = -(-n // workers)  # data.shard's shards differ by one sample at most
+    return -(-largest // batch_size)
 
 
 def main(argv=None):
@@ -310,14 +354,14 @@ def main(argv=None):
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
         shard = data.shard(X, y, rank, size)
         compute = emu.compute_trace(size, args.compute_ms / 1e3) if args.compute_ms else None
-        report = Reporter(args, args.epochs * steps_per_epoch(len(shard[0]), args.batch_size),
-                          rank == 0)
+        steps = epoch_steps(len(X), size, args.batch_size)
+        report = Reporter(args, args.epochs * steps, rank == 0)
         if args.elastic:
             steps, loss, acc, size = train_elastic(args, model, opt, (X, y), (Xt, yt), report,
                                                    compute, device, hvd)
         else:
-            steps, loss, acc = train_loop(args, model, opt, shard, (Xt, yt), rank, size, report,
-                                          compute, device)
+            steps, loss, acc = train_loop(args, model, opt, shard, (Xt, yt), rank, steps,
+                                          report, compute, device)
         report.final(ranks=size, workers=size, steps=steps, loss=loss, test_accuracy=acc,
                      wall_s=time.monotonic() - t0, device=str(device))
         hvd.shutdown()
@@ -337,6 +381,7 @@ def main(argv=None):
                 acc = models.accuracy(model, Xt, yt)
             print("server: final model test accuracy %.4f (pushed %d, applied %d, dropped %s)"
                   % (acc, summary.pushed, summary.applied, dict(summary.dropped)), flush=True)
+            comm.send(float(acc), dest=roles.worker_ranks[0], tag=_FINAL_TAG)  # for RESULT
         return 0
     w = roles.worker_index(comm.rank)
     sync = args.mode == "ps-sync"
@@ -346,15 +391,36 @@ def main(argv=None):
                       model.parameters(), tau_max=args.tau_max, div_max=args.div_max)
     shard = data.shard(X, y, w, len(workers))
     compute = emu.compute_trace(len(workers), args.compute_ms / 1e3) if args.compute_ms else None
-    report = Reporter(args, args.epochs * steps_per_epoch(len(shard[0]), args.batch_size), w == 0)
-    steps, loss, acc = train_loop(args, model, opt, shard, (Xt, yt), w, len(workers), report,
-                                  compute)
+    steps = epoch_steps(len(X), len(workers), args.batch_size)
+    report = Reporter(args, args.epochs * steps, w == 0)
+    steps, loss, acc = train_loop(args, model, opt, shard, (Xt, yt), w, steps, report, compute)
     summary = opt.finish()
+    # test_accuracy: this worker's model at its last epoch (its last pull); in the asynchronous
+    # modes updates still in flight then, and the other workers' later steps, land after it.
+    # final_test_accuracy: the server's model once every worker is done (one server; with
+    # several, the model is sharded over them and this is left out)
+    final = _final_accuracy(comm, roles.server_ranks[0]) \
+        if w == 0 and args.servers == 1 else None
     report.final(ranks=comm.size, workers=len(workers), steps=steps, loss=loss,
-                 test_accuracy=acc, wall_s=time.monotonic() - t0, pushed=summary.pushed,
-                 applied=summary.applied, dropped=dict(summary.dropped),
+                 test_accuracy=acc, final_test_accuracy=final, wall_s=time.monotonic() - t0,
+                 pushed=summary.pushed, applied=summary.applied, dropped=dict(summary.dropped),
                  balanced=summary.balanced, max_delay=summary.max_delay)
     return 0
+
+
+_FINAL_TAG = 0x7A11  # the server's final accuracy to the reporting worker (COMM_WORLD)
+
+
+def _final_accuracy(comm, server):
+    """The server's final model accuracy, sent once every worker is done; None if it does not
+    come within MLFABRIC_TIMEOUT (the summary is printed anyway)."""
+    from mlfabric._config import timeout_s
+    deadline = time.monotonic() + timeout_s()
+    while time.monotonic() < deadline:
+        if comm.Iprobe(source=server, tag=_FINAL_TAG):
+            return comm.recv(source=server, tag=_FINAL_TAG)
+        time.sleep(0.01)
+    return None
 
 
 if __name__ == "__main__":

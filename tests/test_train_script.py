@@ -39,6 +39,8 @@ def test_every_mode_reaches_95_percent_on_digits_with_4_ranks(mode, tmp_path):
     if mode != "allreduce":
         # nothing lost: every pushed update applied (no tau_max given, so none is stale)
         assert r["balanced"] and r["pushed"] == r["applied"] == 2 * r["steps"], r
+        # the server's model once both workers are done, not only the reporting worker's view
+        assert r["final_test_accuracy"] >= 0.95, r
 
 
 @pytest.mark.mpi
@@ -67,12 +69,40 @@ def test_odd_rank_count_with_stragglers_network_and_a_plot(tmp_path):
     (["--kill-rank", "1@2"], "--kill-rank is for trying --elastic"),
     (["--elastic", "--kill-rank", "1"], "--kill-rank takes RANK@EPOCH"),
     (["--replace", "1"], "--replace N (N >= 0) is for --elastic"),
+    # options only some roles read, refused on every rank before MPI (not after a timeout)
+    (["--mode", "ps-async", "--tau-max", "-1"], "--tau-max must be >= 0"),
+    (["--mode", "ps-async", "--lr", "nan"], "--lr must be >= 0"),
+    (["--momentum", "-0.5"], "--momentum must be >= 0"),
+    (["--mode", "ps-async", "--compute-ms", "-5"], "--compute-ms must be >= 0"),
+    (["--mode", "ps-async", "--stragglers", "C2", "--compute-ms", "0"], "leaves none"),
+    (["--metrics", "/nonexistent/m.jsonl"], "is not a folder this process can write to"),
+    (["--mode", "vanilla", "--tau-max", "1"], "--tau-max is for --mode ps-async"),
+    (["--mode", "ps-async", "--slack", "3"], "--slack is for --mode ssp"),
+    (["--mode", "ps-async", "--div-max", "1"], "--div-max bounds the replicas' divergence"),
+    (["--model", "resnet"], "invalid choice"),
 ])
 def test_bad_options_fail_before_any_mpi(args, match):
     proc = subprocess.run([sys.executable, SCRIPT, *args], cwd=ROOT, env=mpi_env(),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=60)
     assert proc.returncode == 2 and match in proc.stdout, proc.stdout
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode, n, batch", [("ps-sync", 5, 479), ("ssp", 5, 479),
+                                            ("allreduce", 5, 41)])
+def test_shards_of_unequal_batch_counts_take_equal_steps(mode, n, batch):
+    """Shards one sample apart that straddle a batch boundary (1438 digits over 3 workers:
+    479, 479, 480 at batch 479; over 5 ranks at batch 41: 7 and 8 batches): every worker takes
+    the largest shard's steps (a shorter one repeats a batch), so the modes that wait for every
+    worker's step finish instead of waiting for a step never taken."""
+    proc = run_mpi(n, [SCRIPT, "--mode", mode, "--epochs", "2", "--batch-size", str(batch),
+                       "--quiet"], timeout=240, env={"MLFABRIC_TIMEOUT": "60"})
+    assert proc.returncode == 0, proc.stdout
+    r = result(proc.stdout)
+    assert r["steps"] == 2 * (2 if mode != "allreduce" else 8), r
+    if mode != "allreduce":
+        assert r["balanced"] and r["pushed"] == r["applied"] == 3 * r["steps"], r
 
 
 def _gpus_for(ranks):
