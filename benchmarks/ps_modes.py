@@ -215,7 +215,7 @@ class Jobs:
         settings = dict(size=a.size, iterations=a.iterations, compute_s=a.compute_ms / 1e3,
                         dtype=DTYPE, emulation=a.emulation, servers=a.servers,
                         batch_interval=a.batch_interval, seed=a.seed, **extra)
-        if mode in ("mlfabric-A", "ssp"):
+        if mode == "mlfabric-A":  # the one mode it bounds (the runtime refuses it elsewhere)
             settings["tau_max"] = a.tau_max
         if mode in PS_MODES:   # every commit: the commit rates are read off the log
             settings["applied_log_max"] = None

@@ -356,7 +356,7 @@ def traced_job(comm, mode, task, *, iterations, compute_s, emulation, tau_max=ma
                     seed=seed, update_fn=update_fn, model0=task.model0(comm))
     if mode in PS_MODES:   # every commit: the applied ids and drops are read off the log
         settings["applied_log_max"] = None
-    if mode in ("mlfabric-A", "ssp"):
+    if mode == "mlfabric-A":  # the one mode it bounds (the runtime refuses it elsewhere)
         settings["tau_max"] = tau_max
     if duration_s is not None:     # an asynchronous job: workers run for a time (run_job)
         settings["duration_s"] = duration_s
@@ -407,7 +407,7 @@ def _job_record(mode, task, parts, summary, settings, emulation, tau_max):
         applied = {u for p in parts for u in p["applied_ids"]}
         dropped = [(p["rank"], i) for p in sorted(workers, key=lambda p: p["rank"])
                    for i in range(len(p["iter_times"])) if (p["rank"] << 32) | i not in applied]
-    return {"mode": mode, "tau_max": tau_max if mode in ("mlfabric-A", "ssp") else None,
+    return {"mode": mode, "tau_max": tau_max if mode == "mlfabric-A" else None,
             "workers": len(workers), "iterations": settings["iterations"],
             "duration_s": settings.get("duration_s"),
             # per worker (rank order): a job run for a time gives fast workers more

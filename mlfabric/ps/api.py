@@ -149,12 +149,9 @@ def _launch(rt, role):
 def register_as_worker(tau_max=math.inf, div_max=math.inf):
     """Join as a worker. tau_max: the largest delay an applied update may have (mlfabric-A);
     div_max: the largest server-replica divergence the job tolerates (with replicas)."""
-    if not tau_max >= 0:
-        raise MlfabricError("tau_max must be >= 0, got %r" % (tau_max,))
-    if not div_max >= 0:
-        raise MlfabricError("div_max must be >= 0, got %r" % (div_max,))
     from ..runtime.worker import WorkerRole
-    rt = _start(WORKER, {"tau_max": float(tau_max), "div_max": float(div_max)})
+    # (checked in the start-up's agreement, so that a bad value fails every rank at once)
+    rt = _start(WORKER, {"tau_max": _number(tau_max), "div_max": _number(div_max)})
     _state["pushes"] = {s: 0 for s in rt.roles.server_ranks}
     _state["versions"] = {s: 0 for s in rt.roles.server_ranks}
     _state["next_id"] = 0  # ids are (rank << 32) | n: unique within the job
@@ -162,6 +159,13 @@ def register_as_worker(tau_max=math.inf, div_max=math.inf):
     role_obj = WorkerRole(rt)
     _state["dropped"] = role_obj.dropped   # readable after finish() too (late notices)
     _launch(rt, role_obj)
+
+
+def _number(value):
+    """value as a float, or as it is when it is not a real number (the agreement refuses it)."""
+    if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
+        return float(value)
+    return value
 
 
 def _check_server(rt, server, call):

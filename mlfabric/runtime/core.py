@@ -200,12 +200,26 @@ def _check_agreement(everyone, roles):
             problems.append("rank %d registered as %s but is a %s (%s)"
                             % (r, info.get("role"), want, roles.describe()))
     workers = [everyone[r][1] for r in roles.worker_ranks if everyone[r][1].get("role") == "worker"]
+    # the workers' bounds, checked here so that a bad one fails every rank at once (a worker
+    # refusing it alone would leave the others waiting for its registration)
+    bad = ["worker rank %d: %s must be a number >= 0, got %r" % (r, key, info[key])
+           for r in roles.worker_ranks for info in [everyone[r][1]]
+           if info.get("role") == "worker" for key in ("tau_max", "div_max")
+           if not (isinstance(info[key], float) and info[key] >= 0)]
+    problems += bad
     taus = {w["tau_max"] for w in workers}
-    if len(taus) > 1:
-        problems.append("workers disagree on tau_max: %s" % sorted(taus))
     divs = {w["div_max"] for w in workers}
-    if len(divs) > 1:
+    if not bad and len(taus) > 1:
+        problems.append("workers disagree on tau_max: %s" % sorted(taus))
+    if not bad and len(divs) > 1:
         problems.append("workers disagree on div_max: %s" % sorted(divs))
+    mode = configs[0].mode
+    if not bad and mode != "mlfabric-A" and any(t < math.inf for t in taus):
+        problems.append("tau_max=%g: only mode 'mlfabric-A' bounds staleness by it; mode %r "
+                        "does not" % (min(taus), mode))
+    if not bad and not configs[0].replicas and any(d < math.inf for d in divs):
+        problems.append("div_max=%g bounds the replicas' divergence; this job has none "
+                        "(replicas=0)" % min(divs))
     for r in roles.replica_ranks:
         info = everyone[r][1]
         if info.get("role") == "replica" and info.get("server") != roles.server_of(r):

@@ -19,7 +19,7 @@ from dataclasses import replace
 from math import inf
 
 from .. import _config
-from ..errors import PeerTimeoutError
+from ..errors import MlfabricError, PeerTimeoutError
 from ..sched import ReplicaState, Update, replicate, schedule
 from ..sched.view import SchedulerView
 from .gate import DivergenceGate
@@ -78,6 +78,7 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
         self.resolved = IdSet()   # ids applied (reported by servers) or dropped
         self.resolved_of = {w: 0 for w in self.workers}  # per worker, for the end condition
         self.done = {}            # worker -> its pushed count, once it has finished
+        self.reported_of = {}     # worker -> its updates reported ready (sync: see _uneven)
         self.ledgers = {}
         self.stopping = False
         self.iteration_ready = {}  # sync: (server, iteration) -> updates reported ready
@@ -104,6 +105,7 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
                     continue
                 self.ready_ids.add(uid)
                 self.pending[server].append(Update(uid, src, float(nbytes), version, now, norm))
+                self.reported_of[src] = self.reported_of.get(src, 0) + 1
                 if self.mode == "sync":
                     key = (server, version)
                     n = self.iteration_ready[key] = self.iteration_ready.get(key, 0) + 1
@@ -135,6 +137,8 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
         else:
             raise RuntimeError("scheduler: unexpected control message %r from rank %d"
                                % (kind, src))
+        if self.mode == "sync" and kind in ("ready", "done") and self.done:
+            self._uneven()
 
     def logical(self, rank):
         """The logical server a rank serves."""
@@ -176,6 +180,20 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
             self.ledgers[0] = rt.ledger
         if self.stopping and len(self.ledgers) == rt.size - len(rt.failed):
             self._summarize()
+
+    def _uneven(self):
+        """Sync: a worker that finished having pushed fewer updates than another pushed leaves
+        that one's later iterations waiting for an update that never comes: an error at once,
+        on every rank, rather than a wait until MLFABRIC_TIMEOUT."""
+        most = max(self.reported_of.values(), default=0)
+        short = sorted(w for w, n in self.done.items() if n < most and w not in self.rt.failed)
+        if short:
+            ahead = sorted(w for w, n in self.reported_of.items() if n == most)
+            raise MlfabricError(
+                "ps-sync: worker rank(s) %s finished after %s update(s) while rank(s) %s pushed "
+                "%d: a synchronous iteration waits for every worker's update, so theirs would "
+                "never complete. Every worker must take the same number of steps"
+                % (short, sorted({self.done[w] for w in short}), ahead, most))
 
     def _liveness(self, now_mono):
         """Tell every rank the scheduler runs, and check that every live rank's daemon does:

@@ -284,6 +284,8 @@ class ServerRole:
             self.asked[src] = self.rt.now()
         elif kind == "distribute":
             self._distribute(*body)
+        elif kind == "done":  # a worker finished: the SSP gate no longer waits for it
+            self.processed.pop(src, None)
         else:
             raise RuntimeError("server rank %d: unexpected control message %r from %d"
                                % (self.rt.rank, kind, src))
@@ -373,8 +375,8 @@ class ServerRole:
         self._serve_pulls()
 
     def _may_answer(self, clock):
-        """sync: the worker's next iteration is done; SSP: the slowest worker is at most `slack`
-        updates behind the asking worker's clock; otherwise always."""
+        """sync: the worker's next iteration is done; SSP: the slowest worker still training is
+        at most `slack` updates behind the asking worker's clock; otherwise always."""
         if self.mode == "mlfabric-S":
             return self.version >= clock
         if self.mode == "ssp":

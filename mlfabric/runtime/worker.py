@@ -146,6 +146,8 @@ class WorkerRole:
         elif kind == "finish":
             self.flush()
             rt.channel.send(0, "done", len(rt.ledger.pushed))
+            for r in sorted(set(self.server_rank.values())):  # SSP: stop waiting for it
+                rt.channel.send(r, "done", None)
 
     def _get(self, fut, server, clock):
         rid = self.next_get

@@ -5,6 +5,7 @@ job (init, register, train, finish) on every rank."""
 import time
 
 import numpy as np
+import pytest
 from mpi4py import MPI
 
 import mlfabric.ps as ps
@@ -397,6 +398,34 @@ def case_allreduce_mismatch_is_an_error_everywhere():
         raise AssertionError("mismatched allreduce accepted")
 
 
+def case_workers_taking_different_step_counts():
+    """Worker k takes 2 + k steps (push, then get). ps-sync: the first worker to finish short
+    would leave the others' next iteration waiting for its update forever: a clear error on
+    every rank at once, naming the ranks. SSP: a finished worker no longer holds the others
+    back (the gate waits for the workers still training), and every update is applied."""
+    roles = Roles(WORLD.size)
+    workers = roles.worker_ranks
+    if len(workers) < 2:
+        return
+    steps = 2 + roles.worker_index(WORLD.rank) if WORLD.rank in workers else 0
+
+    def work():
+        for _ in range(steps):
+            ps.push(1, np.full(3, 0.01))
+            ps.get(1)
+
+    role = ps.init("mlfabric-S", emulation=FAST, batch_interval=0.02)
+    with pytest.raises(MlfabricError, match=r"finished after \[2\] update\(s\).*same number "
+                                            "of steps"):
+        take_part(role, work)
+    ps.api._state.update(rt=None, config=None, role=None, handler=None)
+    WORLD.Barrier()
+    role = ps.init("ssp", slack=1, emulation=FAST, batch_interval=0.02)
+    _, summary = take_part(role, work)
+    want = sum(2 + k for k in range(len(workers)))
+    assert summary.pushed == summary.applied == want and summary.balanced, summary
+
+
 def case_wrong_role_or_disagreeing_settings_fail_on_every_rank():
     import os
     old = os.environ.get("MLFABRIC_TIMEOUT")
@@ -439,6 +468,22 @@ def case_wrong_role_or_disagreeing_settings_fail_on_every_rank():
             assert len(Roles(WORLD.size).worker_ranks) == 1, "disagreeing tau_max accepted"
             ps.api._state.update(rt=None)
         ps.api._state.update(rt=None, config=None, role=None, handler=None)
+        WORLD.Barrier()
+        # a bad bound on one worker, a bound the mode does not enforce: refused in the
+        # start-up's agreement, so every rank fails at once with the same words
+        for mode, taus, needle in (("mlfabric-A", {last: -1.0}, "tau_max must be a number >= 0"),
+                                   ("mlfabric-A", {last: "4"}, "tau_max must be a number >= 0"),
+                                   ("ssp", {}, "only mode 'mlfabric-A' bounds staleness")):
+            role = ps.init(mode)
+            with pytest.raises(MlfabricError, match=needle):
+                if role == "worker":
+                    ps.register_as_worker(tau_max=taus.get(WORLD.rank, 3))
+                elif role == "server":
+                    ps.register_as_server(np.zeros(3))
+                else:
+                    ps.serve()
+            ps.api._state.update(rt=None, config=None, role=None, handler=None)
+            WORLD.Barrier()
     finally:
         if old is None:
             del os.environ["MLFABRIC_TIMEOUT"]
