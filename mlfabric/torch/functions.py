@@ -7,10 +7,10 @@ only when the hashes differ; a difference is a MismatchError on every rank namin
 raised before any data moves. Objects travel pickled (cloudpickle when installed, as Horovod)
 in int64 tensors.
 """
+import hashlib
 import io
 import operator
 import pickle
-import zlib
 
 import numpy as np
 import torch
@@ -106,8 +106,10 @@ def allgather_object(obj, name=None, process_set=None):
         raise error
     failed = [r for r, n in enumerate(sizes.tolist()) if n < 0]
     if failed:
-        raise MlfabricError(f"{name}: rank(s) {failed} of the set could not pickle their object "
-                            "(their own errors say why)")
+        if process_set is not None and process_set.ranks and process_set.process_set_id != 0:
+            failed = [process_set.ranks[i] for i in failed]  # the set's places -> global ranks
+        raise MlfabricError(f"{name}: rank(s) {failed} could not pickle their object (their "
+                            "own errors say why)")
     gathered = ops.allgather(words, f"{name}.data", process_set)
     out, off, error = [], 0, None
     for n in sizes.tolist():
@@ -140,7 +142,8 @@ def _same_everywhere(summary, root_rank, what, describe, error=None):
 
 
 def _compare_summaries(summary, root_rank, what, describe):
-    h = zlib.crc32(pickle.dumps(summary))
+    # 56 bits (an int64 with room): a crc32 match between two different models is 1 in 4e9
+    h = int.from_bytes(hashlib.blake2b(pickle.dumps(summary), digest_size=7).digest(), "big")
     try:  # an int, or a numpy integer (as ops' root_rank)
         root = -1 if isinstance(root_rank, bool) else operator.index(root_rank)
     except TypeError:

@@ -143,6 +143,13 @@ def case_gather_scatter_broadcast_in_sets():
     assert hvd.allgather_object({"r": r}, process_set=mine) == [{"r": q} for q in mine.ranks]
     assert hvd.broadcast_object(r * 10 if r == mine.ranks[-1] else None,
                                 root_rank=mine.ranks[-1], process_set=mine) == mine.ranks[-1] * 10
+    # an object the set's last rank cannot pickle: the others' error names its global rank
+    import threading
+    last = mine.ranks[-1]
+    with pytest.raises(TypeError if r == last else hvd.MlfabricError) as info:
+        hvd.allgather_object(threading.Lock() if r == last else r, process_set=mine)
+    if r != last:
+        assert f"rank(s) [{last}] could not pickle" in str(info.value), info.value
     _remove(even, odd)
     _still_works()
 
