@@ -14,8 +14,9 @@ roles, the server side (`serve_model`) and the worker side (`PSOptimizer`).
 
 A worker's step() lets the wrapped optimizer step on its own copy of the model, pushes the change
 (new - old parameters: an update already scaled by the learning rate, as push() expects) to the
-server(s), and replaces its parameters with the server's model (get()). Any torch optimizer works;
-its state (momentum, Adam moments) stays local to the worker. The flat model is sharded over the
+server(s), and replaces its parameters with the server's model (get()). Any torch optimizer works,
+and the PSOptimizer is one of its class (learning-rate schedulers, state_dict()); its state
+(momentum, Adam moments) stays local to the worker. The flat model is sharded over the
 servers as in mlfabric.ps.driver (§10.2).
 
 Modes: "async" = mlfabric-A (scheduled, aggregated, updates staler than tau_max dropped), "sync" =
@@ -126,13 +127,30 @@ def serve_model(model_or_params):
 class PSOptimizer:
     """Wraps a torch optimizer on a worker: step() = local step, push the change, pull the model.
     `params`: the parameters the wrapped optimizer updates (model.parameters()), in the same order
-    on every rank. tau_max (async) and div_max (with replicas) are the worker's registration."""
+    on every rank. tau_max (mode async only) and div_max (with replicas) are the worker's
+    registration.
+
+    The object returned is a torch.optim.Optimizer of the wrapped optimizer's class, sharing its
+    parameter groups and state (as DistributedOptimizer): learning-rate schedulers, state_dict()
+    / load_state_dict() and zero_grad() work on it as on the wrapped optimizer."""
+
+    def __new__(cls, optimizer, params, **kwargs):
+        import torch
+        if cls is not PSOptimizer or not isinstance(optimizer, torch.optim.Optimizer):
+            return super().__new__(cls)  # (not an Optimizer: __init__ says so)
+        mixed = type(type(optimizer).__name__, (PSOptimizer, type(optimizer)), {})
+        return object.__new__(mixed)
 
     def __init__(self, optimizer, params, *, tau_max=math.inf, div_max=math.inf):
+        import torch
         roles = _started()
         if ps.role() != "worker":
             raise MlfabricError("PSOptimizer is for worker ranks; this rank is the %s (it calls "
                                 "serve_model)" % ps.role())
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError("PSOptimizer wraps a torch.optim.Optimizer, got %s"
+                            % type(optimizer).__name__)
+        self.__dict__.update(optimizer.__dict__)  # shares param_groups, state and hooks
         self.optimizer = optimizer
         self.params, vec = _flat(params)   # checked once: one dtype, CPU
         self.size, self.dtype = vec.size, vec.dtype
@@ -154,16 +172,9 @@ class PSOptimizer:
         _load(self.params, vec)
         self.last = vec
 
-    def zero_grad(self, set_to_none=True):
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
     def step(self, closure=None):
         """One worker iteration: returns the closure's loss, if any."""
-        loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        loss = super().step(closure) if closure is not None else super().step()
         change = _vector(self.params) - self.last
         if self.scale != 1.0:
             change *= self.scale
@@ -172,6 +183,10 @@ class PSOptimizer:
         self.steps += 1
         self._pull()
         return loss
+
+    # torch's Optimizer wraps a class's step() to run step hooks; the wrapped optimizer's own
+    # step() (called above) already does, so this one is marked as done (as DistributedOptimizer)
+    step.hooked = True
 
     def finish(self):
         """This worker is done: waits for the job's end and returns its Summary."""

@@ -35,20 +35,27 @@ def case_sync_equals_sgd_on_the_concatenated_batch():
         return
     w = roles.worker_index(WORLD.rank)
     opt = mft.PSOptimizer(torch.optim.SGD(net.parameters(), lr=LR), net.parameters())
+    # a torch optimizer of the wrapped one's class: a learning-rate scheduler drives it
+    assert isinstance(opt, torch.optim.SGD) and isinstance(opt, mft.PSOptimizer)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
     for step in range(STEPS):
         x, y = batch(w, step)
         opt.zero_grad()
         torch.nn.functional.mse_loss(net(x), y).backward()
         opt.step()
+        sched.step()
+    assert abs(opt.state_dict()["param_groups"][0]["lr"] - LR * 0.7 ** STEPS) < 1e-15
     summary = opt.finish()
     assert summary.balanced and summary.applied == STEPS * len(roles.worker_ranks) * servers
     ref = model()   # one process, the workers' batches concatenated (equal sizes: mean of means)
     sgd = torch.optim.SGD(ref.parameters(), lr=LR)
+    rsched = torch.optim.lr_scheduler.StepLR(sgd, step_size=1, gamma=0.7)
     for step in range(STEPS):
         xs, ys = zip(*(batch(k, step) for k in range(len(roles.worker_ranks))))
         sgd.zero_grad()
         torch.nn.functional.mse_loss(ref(torch.cat(xs)), torch.cat(ys)).backward()
         sgd.step()
+        rsched.step()
     for p, q in zip(net.parameters(), ref.parameters()):
         np.testing.assert_allclose(p.detach().numpy(), q.detach().numpy(), rtol=0, atol=1e-10)
 
