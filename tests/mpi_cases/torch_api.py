@@ -2389,6 +2389,38 @@ def case_distributed_optimizer_refuses_parameters_it_does_not_reduce():
         opt.step()
 
 
+def case_distributed_optimizer_with_grad_scaler():
+    """Horovod's mixed-precision recipe: scaler.scale(loss).backward(); synchronize();
+    scaler.unscale_(opt); clip; with skip_synchronize(): scaler.step(opt); scaler.update(). A
+    step where one rank's gradient overflows (an inf input there) is skipped on every rank
+    alike (the reduced gradients are the same everywhere) and the scale backs off everywhere;
+    the other steps match single-process training (float64, 1e-10)."""
+    n, r = hvd.size(), hvd.rank()
+    torch.manual_seed(79)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1)).double()
+    ref = copy.deepcopy(model)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    x = torch.randn(4, n, 2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(14))
+    x[2, n - 1, 0, 0] = float("inf")  # step 2 overflows on the last rank only
+    for s in range(4):
+        opt.zero_grad()
+        scaler.scale((model(x[s, r]) ** 2).sum()).backward()
+        opt.synchronize()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e6)
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update()
+        assert scaler.get_scale() == 2.0 ** 10 * (0.5 if s >= 2 else 1.0), (s, scaler.get_scale())
+        if s != 2:  # the reference skips the overflowing step too
+            ropt.zero_grad()
+            (sum((ref(x[s, q]) ** 2).sum() for q in range(n)) / n).backward()
+            ropt.step()
+        assert _max_diff(model, ref) < 1e-10, f"step {s}: {_max_diff(model, ref)}"
+
+
 def case_distributed_optimizer_fp16_over_steps():
     """Compression.fp16 through the buckets' float16 buffers, several steps, two backward
     passes, small buckets, gradients zeroed to None and to zeros: each step's reduced gradient
