@@ -352,6 +352,9 @@ def main(argv=None):
         if not args.elastic:  # elastic: its first sync broadcasts (a replacement joins there)
             hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+        if len(X) < size:  # every rank knows both: all refuse alike
+            raise SystemExit(f"train.py: {len(X)} training samples cannot give {size} ranks a "
+                             "shard each: run fewer ranks")
         shard = data.shard(X, y, rank, size)
         compute = emu.compute_trace(size, args.compute_ms / 1e3) if args.compute_ms else None
         steps = epoch_steps(len(X), size, args.batch_size)
@@ -368,6 +371,10 @@ def main(argv=None):
         return 0
 
     from mlfabric.torch.ps_optimizer import PSOptimizer, ps_init, serve_model
+    workers_asked = comm.size - 1 - args.servers - args.replicas  # (ps_init checks the rest)
+    if len(X) < workers_asked:  # every rank knows both: all refuse alike, before any role waits
+        raise SystemExit(f"train.py: {len(X)} training samples cannot give {workers_asked} "
+                         "workers a shard each: run fewer ranks")
     role = ps_init(PS_MODES[args.mode], servers=args.servers, replicas=args.replicas,
                    emulation=emu, slack=args.slack, seed=args.seed,
                    batch_interval=args.batch_interval)

@@ -16,6 +16,8 @@ balances.
   mlfabric.ps.checkpoint, restarts it); every rank gets that error.
 - A replica dies: its server goes on unreplicated.
 """
+import math
+
 from ..errors import MlfabricError
 from .idset import IdSet
 from .ledger import DROP_SERVER_FAILED, DROP_WORKER_FAILED
@@ -61,6 +63,8 @@ class SchedulerRecovery:
         processed = {}
         for uid in self.resolved:
             processed[uid >> 32] = processed.get(uid >> 32, 0) + 1
+        for w in self.done:  # finished: the new server's SSP gate must not wait for them
+            processed[w] = math.inf
         rt.channel.send(replica, "promote", (s, replica, processed))
 
     def promoted(self, rank, s, applied):

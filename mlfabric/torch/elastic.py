@@ -327,9 +327,15 @@ def run(func):
 
 
 def _peers_told(exc):
-    """Whether the peers already know of exc: a mismatch every rank raises, or an error whose
-    call was rejected in its control round (ops._reject marks it)."""
-    return isinstance(exc, MismatchError) or getattr(exc, "_mlf_peers_told", False)
+    """Whether every rank already knows of exc: an error of a call's control round over every
+    rank (ops._agree and ops._reject mark it with the state whose ranks took part: a process
+    set's leaves the others unaware), or another mismatch (the object helpers', over every
+    rank)."""
+    from . import ops
+    told = getattr(exc, "_mlf_peers_told", None)
+    if told is not None:
+        return told is ops._state()
+    return isinstance(exc, MismatchError)
 
 
 def _ulfm_enabled():

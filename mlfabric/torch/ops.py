@@ -461,7 +461,9 @@ def _agree(st, desc, what):
                                f"{exc}") from exc
     msg = _disagreement(table, what)
     if msg is not None:
-        raise MismatchError(msg)
+        err = MismatchError(msg)
+        err._mlf_peers_told = st  # every rank of st raises it (elastic.run reads the mark)
+        raise err
     return table
 
 
@@ -516,8 +518,8 @@ def _issue(what, plan, job, async_, tensor=None, group=None, process_set=None, t
     return _on_caller_stream(*result, tensor.device) if gpu else result
 
 
-# DistributedOptimizers (weak references) with buckets before their last that had gradients
-# since their last reduction, so may have buckets this rank's hooks did not start
+# DistributedOptimizers (weak references) with buckets before their last whose step's backward
+# passes have all brought this rank gradients, so may have buckets its hooks did not start
 # (optimizer.py; see _start_unstarted).
 _UNSTARTED = []
 _flushing = False  # inside _own_calls(): no call starts them
@@ -525,23 +527,23 @@ _graph_task = torch._C._current_graph_task_id  # -1 outside backward (~30 ns)
 
 
 def _start_unstarted(st, task):
-    """Before a call on st issued outside the backward pass (task: autograd's graph task, -1
-    outside any) that last brought a DistributedOptimizer on st a gradient, and before another
-    optimizer's first gradient of a later pass (its hook calls this): that optimizer starts the
-    buckets its hooks did not (all but its last, which synchronize() runs). Why: a
-    bucket starts in backward once all its parameters have had their gradients on this rank, so
-    a parameter that gets one on some ranks only (a branch taken on some, an expert given no
-    tokens) leaves its bucket unstarted until synchronize() on those ranks but not on the
-    others, and a later call (a metric's allreduce, another optimizer's buckets, in the next
-    backward pass too) would meet that bucket's allreduce on the others: a MismatchError on some
-    ranks, a PeerTimeoutError on the rest, or, between two optimizers of one model, gradients
-    summed with another bucket's. Started here, every rank has issued the same buckets before
-    the call. (Every rank must still bring the optimizer some gradient in its backward: a rank
-    that brings none cannot tell a backward pass happened.)"""
+    """Before a call on st made in autograd graph task `task` (-1: outside backward), and
+    before another optimizer's gradient (its hook calls this): each DistributedOptimizer on st
+    whose backward passes are over (none still runs, and the call's pass does not enclose them:
+    _mlf_after) starts the buckets its hooks did not (all but its last, which synchronize()
+    runs). Why: a bucket starts in backward once all its parameters have had their gradients on
+    this rank, so a parameter that gets one on some ranks only (a branch taken on some, an
+    expert given no tokens) leaves its bucket unstarted until synchronize() on those ranks but
+    not on the others, and a later call (a metric's allreduce, another optimizer's buckets, in
+    the next backward pass too) would meet that bucket's allreduce on the others: a
+    MismatchError on some ranks, a PeerTimeoutError on the rest, or, between two optimizers of
+    one model, gradients summed with another bucket's. Started here, every rank has issued the
+    same buckets before the call. (Every rank must still bring the optimizer some gradient in
+    each pass: a rank that brings none cannot tell a backward pass happened.)"""
     with _own_calls():
         for ref in list(_UNSTARTED):
             opt = ref()
-            if opt is None or (opt._mlf_state is st and opt._mlf_task != task):
+            if opt is None or (opt._mlf_state is st and opt._mlf_after(task)):
                 _UNSTARTED.remove(ref)
                 if opt is not None:
                     opt._mlf_start_unstarted()
@@ -667,11 +669,11 @@ def _reject_call(process_set, what, async_):
 def _reject(st, what, async_):
     """Take part in the control round of the call `what` as 'rejected' (the peers raise a
     MismatchError naming this rank). Called while handling the error this rank raises next,
-    which is marked as one the peers have heard of (elastic.run reads the mark)."""
+    which is marked with the state whose ranks have heard of it (elastic.run reads the mark)."""
     told = sys.exc_info()[1]
     if told is not None:
         try:
-            told._mlf_peers_told = True
+            told._mlf_peers_told = st
         except AttributeError:  # an exception type without a __dict__
             pass
     desc = np.zeros(_W, np.int64)

@@ -32,17 +32,18 @@ How it works:
   every parameter keeps its hook (see below);
 - a bucket whose parameters did not all get their gradients on this rank (a branch some ranks
   skip, an expert given no tokens) is not started by the hooks, where on other ranks it is. So
-  that every rank issues the same buckets before any other call, the first mlfabric.torch call
-  issued outside the backward pass that last brought this optimizer a gradient (a metric's
-  allreduce, another optimizer's bucket, SyncBatchNorm's call in the next pass), and the first
-  gradient another optimizer gets in a later pass, first start the buckets before the last that
-  the hooks did not (ops._start_unstarted; missing gradients count as zeros, as at
-  synchronize()). A gradient that comes for such a bucket afterwards (a second backward() for
-  the same step, without backward_passes_per_step) is an error. What still needs every rank to
-  compute gradients for the same parameters (as DDP without find_unused_parameters): calls
-  issued during the same backward pass (SyncBatchNorm's, the hooks of two multi-bucket
-  optimizers). A rank whose backward brings this optimizer no gradient at all cannot tell that
-  a backward pass happened: every rank must bring it at least one;
+  that every rank issues the same buckets before any other call, once the step's
+  backward_passes_per_step passes are over (autograd's graph tasks tell them apart, a reentrant
+  checkpoint's nested pass counting as part of its own), the next mlfabric.torch collective (a
+  metric's allreduce, another optimizer's bucket, SyncBatchNorm's call in a later pass) and the
+  next gradient of another optimizer first start the buckets before the last that the hooks did
+  not (ops._start_unstarted; missing gradients count as zeros, as at synchronize()). A gradient
+  that comes for such a bucket afterwards (a further backward() for the same step) is an
+  error. What still needs every rank to compute gradients for the same parameters (as DDP
+  without find_unused_parameters): calls issued during the same backward pass (SyncBatchNorm's,
+  the hooks of two multi-bucket optimizers). A rank whose pass brings this optimizer no
+  gradient at all cannot tell that the pass happened: every rank must bring it at least one in
+  each;
 - synchronize() starts the buckets the hooks did not, waits for them in order, and runs the
   last (parameters without a gradient contribute zeros and get a zero gradient, as in
   Horovod); step() calls it unless inside skip_synchronize(), then runs the wrapped step(). A
@@ -132,6 +133,7 @@ class _Slot:
 
 
 _graph_task = torch._C._current_graph_task_id  # -1 outside backward
+_ENGINE = torch.autograd.Variable._execution_engine  # queue_callback: at the task's end
 
 
 def _hook(ref, index, param):
@@ -176,7 +178,7 @@ class _DistributedOptimizer:
         # the parameters reduced; the others of the optimizer (not trainable now) are watched
         # by step() (see _mlf_check_unreduced)
         self._mlf_reduced = frozenset(id(p) for p in params)
-        self._mlf_groups = 0
+        self._mlf_groups = None  # (groups, parameters) when _mlf_unreduced was read
         self._mlf_unreduced = []
         self._mlf_compression = compression
         self._mlf_passes = backward_passes_per_step
@@ -247,7 +249,7 @@ class _DistributedOptimizer:
         # synchronize() knows whether (and which) gradients came since the last reduction.
         # With buckets before the last, every gradient runs the Python hook: which buckets
         # the hooks started can differ between ranks, and ops._start_unstarted must know of
-        # every backward pass that brought this rank a gradient (_mlf_task).
+        # every backward pass that brought this rank a gradient (_mlf_enter).
         tail = self._mlf_buckets[-1] if self._mlf_buckets else None
         self._mlf_early = len(self._mlf_buckets) > 1
         self._mlf_params = [p for b in self._mlf_buckets for p in b.params]
@@ -262,11 +264,13 @@ class _DistributedOptimizer:
         self._mlf_synchronized = False  # reduced since the last backward pass / step()
         self._mlf_should_sync = True    # False inside skip_synchronize()
         self._mlf_ref = ref = weakref.ref(self)
-        # With buckets before the last, a call issued in this state outside the backward pass
-        # that last brought this rank a gradient (_mlf_task: its autograd graph task) first
-        # starts the buckets the hooks did not (ops._start_unstarted).
+        # With buckets before the last, once the step's backward passes are over, a call issued
+        # in this state first starts the buckets the hooks did not (ops._start_unstarted). The
+        # passes are told apart by autograd's graph tasks (_mlf_enter):
         self._mlf_state = st  # (refreshed by _mlf_pend: an elastic reset makes another)
-        self._mlf_task = -1
+        self._mlf_open = set()    # tasks that brought a gradient and are still running
+        self._mlf_newest = -1     # the newest such task since the reduction (ids only grow)
+        self._mlf_passes_seen = 0  # backward passes that brought one, nested ones not counted
         self._mlf_failed = None  # the error of a bucket ops._start_unstarted could not start
         # bucket index -> its first slot (the slots are in bucket order)
         self._mlf_first = np.cumsum([0] + [len(b.params) for b in self._mlf_buckets]).tolist()
@@ -297,18 +301,21 @@ class _DistributedOptimizer:
                 f"({self._mlf_passes}) times before step() or synchronize(); raise "
                 "backward_passes_per_step to accumulate more passes locally")
         self._mlf_synchronized = False
-        self._mlf_task = task = _graph_task()  # (~30 ns)
+        task = _graph_task()  # (~30 ns)
+        if self._mlf_early and task not in self._mlf_open:
+            self._mlf_enter(task)
         pending = ops._UNSTARTED
         if pending and (len(pending) > 1 or pending[0] is not self._mlf_ref):
-            # another optimizer had gradients in an earlier backward pass: its buckets start
-            # now, before any of this pass's, on every rank (whether this pass's hooks start a
-            # bucket, or issue any call before step(), can differ between ranks)
-            ops._start_unstarted(self._mlf_state, task)
+            # another optimizer's backward passes are over: its buckets start now, before any
+            # of this pass's, on every rank (whether this pass's hooks start a bucket, or issue
+            # any call before step(), can differ between ranks)
+            try:
+                ops._start_unstarted(ops._state(self._mlf_process_set), task)
+            except (TypeError, ValueError, MlfabricError):  # not initialised...: none to start
+                pass
         slot.delay -= 1
         if slot.delay == 0:
             self._mlf_done += 1
-            if self._mlf_done == 1 and self._mlf_early:  # the first since the reduction
-                self._mlf_pend()
             b = slot.bucket
             if b is None:  # the last bucket: synchronize() starts it
                 self._mlf_last = slot
@@ -316,6 +323,29 @@ class _DistributedOptimizer:
             b.waiting -= 1
             if not b.waiting and b.index == self._mlf_next:
                 self._mlf_start_ready()
+
+    def _mlf_enter(self, task):
+        """The first gradient for this optimizer from autograd graph task `task`: the task is
+        open until it ends (an engine callback). It counts as one of the step's backward passes
+        unless it runs inside one (a reentrant checkpoint's pass, nested in the backward pass
+        that started it: task ids grow, so it is newer than a pass still open, or an enclosing
+        pass seen after it is older). Once the step's passes are all there, a call issued after
+        them starts the buckets the hooks did not (ops._start_unstarted): counting passes, not
+        parameters through theirs, every rank gets there, whichever parameters its passes
+        reached."""
+        if not self._mlf_open and task > self._mlf_newest:
+            self._mlf_passes_seen += 1
+            if self._mlf_passes_seen == self._mlf_passes:
+                self._mlf_pend()
+        self._mlf_open.add(task)
+        self._mlf_newest = max(self._mlf_newest, task)
+        _ENGINE.queue_callback(functools.partial(self._mlf_open.discard, task))
+
+    def _mlf_after(self, task):
+        """Whether a call made in graph task `task` (-1: outside backward) comes after this
+        optimizer's backward passes: none of them still runs, and the call's pass does not
+        enclose them (it would be older than the newest)."""
+        return not self._mlf_open and (task < 0 or task > self._mlf_newest)
 
     def _mlf_pend(self):
         """Have a call issued after backward start the buckets the hooks do not (see
@@ -485,6 +515,9 @@ class _DistributedOptimizer:
         self._mlf_done = 0
         self._mlf_next = 0
         self._mlf_last = self._mlf_seen.param = None
+        self._mlf_open = set()
+        self._mlf_newest = -1
+        self._mlf_passes_seen = 0
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -517,10 +550,11 @@ class _DistributedOptimizer:
         gradient and the replicas drift apart silently (Horovod's behaviour). requires_grad,
         not a gradient present: that is the same on every rank, so all refuse together."""
         groups = self.param_groups
-        if len(groups) != self._mlf_groups:  # the first step, or add_param_group since
+        shape = (len(groups), sum(len(g["params"]) for g in groups))
+        if shape != self._mlf_groups:  # the first step, add_param_group, params added in place
             skip = self._mlf_reduced | self._mlf_local
             self._mlf_unreduced = [p for g in groups for p in g["params"] if id(p) not in skip]
-            self._mlf_groups = len(groups)
+            self._mlf_groups = shape
         if not any(map(_REQUIRES_GRAD, self._mlf_unreduced)):  # a loop in C
             return
         late = [p for p in self._mlf_unreduced if p.requires_grad]

@@ -2286,6 +2286,74 @@ def case_distributed_optimizer_metric_calls_between_accumulated_passes():
         assert _max_diff(model, ref) < 1e-10, f"step {s}: {_max_diff(model, ref)}"
 
 
+def case_distributed_optimizer_reentrant_checkpoint_beside_sync_batch_norm():
+    """A reentrant checkpoint (its backward a graph task nested in the outer one) after a
+    SyncBatchNorm layer (its backward allreduce in the outer task, after the nested one ended),
+    a bucket per tensor: the SyncBatchNorm call comes inside the optimizer's backward pass, so
+    it starts no bucket early; the weights match single-process training with BatchNorm on the
+    concatenated batch (float64, 1e-10)."""
+    from torch.utils.checkpoint import checkpoint
+    n, r = hvd.size(), hvd.rank()
+    torch.manual_seed(83)
+    l0, l1, l2 = (torch.nn.Linear(4, 6).double(), torch.nn.Linear(6, 6).double(),
+                  torch.nn.Linear(6, 1).double())
+    model = torch.nn.ModuleList([l0, hvd.SyncBatchNorm(6).double(), l1, l2])
+    ref = copy.deepcopy(torch.nn.ModuleList([l0, torch.nn.BatchNorm1d(6).double(), l1, l2]))
+    os.environ["MLFABRIC_FUSION_THRESHOLD"] = "0"
+    try:
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    finally:
+        os.environ.pop("MLFABRIC_FUSION_THRESHOLD")
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(3, n, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(15))
+    for s in range(3):
+        opt.zero_grad()
+        h = model[1](model[0](x[s, r]))
+        y = checkpoint(lambda t: model[3](torch.relu(model[2](t))), h, use_reentrant=True)
+        y.pow(2).mean().backward()
+        opt.step()
+        ropt.zero_grad()
+        ref[3](torch.relu(ref[2](ref[1](ref[0](x[s].reshape(-1, 4)))))).pow(2).mean().backward()
+        ropt.step()
+        assert _max_diff(model, ref) < 1e-10, f"step {s}: {_max_diff(model, ref)}"
+
+
+def case_distributed_optimizer_accumulated_passes_reaching_different_layers():
+    """backward_passes_per_step=2 where one rank's passes each reach one layer (no parameter
+    gets both its passes there) and the others' reach both, then a metric's allreduce before
+    step(): counting passes, not parameters through theirs, every rank starts the same buckets
+    before the metric; the weights match single-process training (float64, 1e-10)."""
+    n, r = hvd.size(), hvd.rank()
+    torch.manual_seed(89)
+    a, b = torch.nn.Linear(3, 3).double(), torch.nn.Linear(3, 3).double()
+    model = torch.nn.ModuleList([a, b])
+    ref = copy.deepcopy(model)
+    os.environ["MLFABRIC_FUSION_THRESHOLD"] = "0"
+    try:
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       backward_passes_per_step=2)
+    finally:
+        os.environ.pop("MLFABRIC_FUSION_THRESHOLD")
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(2, n, 2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(16))
+
+    def losses(m, s, q):
+        if q == n - 1 and n > 1:  # one layer a pass
+            return [(m[1](x[s, q]) ** 2).sum(), (m[0](x[s, q]) ** 2).sum()]
+        return [(m[1](m[0](x[s, q])) ** 2).sum() for _ in range(2)]
+
+    for s in range(2):
+        opt.zero_grad()
+        ropt.zero_grad()
+        for loss in losses(model, s, r):
+            loss.backward()
+        hvd.allreduce(torch.ones(1), name="metric")
+        opt.step()
+        (sum(sum(losses(ref, s, q)) for q in range(n)) / n).backward()
+        ropt.step()
+        assert _max_diff(model, ref) < 1e-10, f"step {s}: {_max_diff(model, ref)}"
+
+
 def case_distributed_optimizer_gradient_after_a_call_that_started_its_bucket():
     """Two backward passes for one step (backward_passes_per_step=1) with a collective call
     between them: the call starts the buckets the first pass left unstarted, so a gradient the

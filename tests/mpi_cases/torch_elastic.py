@@ -138,6 +138,29 @@ def case_an_error_of_one_rank_is_an_error_everywhere_not_a_reset():
         with pytest.raises(hvd.MismatchError, match=rf"rank\(s\) \[{n - 1}\] rejected"):
             train(state)
     assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [n] * 2
+    if n < 3:
+        return
+    # A bad argument to a process set's call: its ranks hear of it there (a MismatchError),
+    # the ranks outside it from their next global call, all at once
+    pair = hvd.add_process_set([0, 1])
+    state = elastic.ObjectState(step=0)
+
+    @elastic.run
+    def in_a_set(state):
+        while state.step < 3:
+            if state.step == 1 and r in (0, 1):
+                hvd.allreduce(torch.ones(2) if r == 1 else "not a tensor", process_set=pair)
+            hvd.allreduce(torch.ones(1), name="step")
+            state.step += 1
+            state.commit()
+
+    want = {0: (TypeError, "must be a torch.Tensor"),
+            1: (hvd.MismatchError, r"rank\(s\) \[0\] rejected")}.get(
+        r, (hvd.MismatchError, r"rank\(s\) \[0, 1\] rejected"))
+    with pytest.raises(want[0], match=want[1]):
+        in_a_set(state)
+    assert hvd.remove_process_set(pair) is True
+    assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [n] * 2
 
 
 def case_without_ulfm_a_failure_is_a_clear_error():
