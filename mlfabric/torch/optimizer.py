@@ -518,6 +518,8 @@ class _DistributedOptimizer:
         self._mlf_open = set()
         self._mlf_newest = -1
         self._mlf_passes_seen = 0
+        if self._mlf_ref in ops._UNSTARTED:  # (zero_grad() after passes that started nothing)
+            ops._UNSTARTED.remove(self._mlf_ref)
 
     @contextlib.contextmanager
     def skip_synchronize(self):

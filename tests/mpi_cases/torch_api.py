@@ -1804,11 +1804,7 @@ def case_distributed_optimizer_hooks_in_any_order():
     model = torch.nn.ModuleList([torch.nn.Linear(4, 4).double() for _ in range(4)])
     ref = torch.nn.ModuleList([torch.nn.Linear(4, 4).double() for _ in range(4)])
     ref.load_state_dict(model.state_dict())
-    os.environ["MLFABRIC_FUSION_THRESHOLD"] = "0"
-    try:
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    finally:
-        os.environ.pop("MLFABRIC_FUSION_THRESHOLD")
+    opt = _bucket_per_tensor(model.parameters())
     x = torch.randn(n, 3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     order = list(range(4)) if r % 2 else [2, 0, 3, 1]
     loss = 0
@@ -2047,11 +2043,7 @@ def case_distributed_optimizer_parameters_unused_on_some_ranks():
     model = torch.nn.ModuleList([torch.nn.Linear(3, 3).double() for _ in range(2)])
     ref = torch.nn.ModuleList([torch.nn.Linear(3, 3).double() for _ in range(2)])
     ref.load_state_dict(model.state_dict())
-    os.environ["MLFABRIC_FUSION_THRESHOLD"] = "0"  # a bucket per tensor
-    try:
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    finally:
-        os.environ.pop("MLFABRIC_FUSION_THRESHOLD")
+    opt = _bucket_per_tensor(model.parameters())
     ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
     x = torch.randn(5, n, 2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
     preset = torch.full((3,), 0.25, dtype=torch.float64)  # rank 0's hand-set bias gradient
@@ -2077,6 +2069,16 @@ def case_distributed_optimizer_parameters_unused_on_some_ranks():
         assert _max_diff(model, ref) < 1e-10, f"step {s}: {_max_diff(model, ref)}"
 
 
+def _bucket_per_tensor(params, **kwargs):
+    """DistributedOptimizer over SGD (lr 0.1) with a gradient bucket per tensor (kwargs: more of
+    its arguments)."""
+    os.environ["MLFABRIC_FUSION_THRESHOLD"] = "0"
+    try:
+        return hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1), **kwargs)
+    finally:
+        os.environ.pop("MLFABRIC_FUSION_THRESHOLD")
+
+
 def _branchy(n, seed, **kwargs):
     """Three layers, the last used on some ranks only, its optimizer (kwargs: more of
     DistributedOptimizer's) with a bucket per tensor (six buckets: the branch's two come first,
@@ -2084,11 +2086,7 @@ def _branchy(n, seed, **kwargs):
     torch.manual_seed(seed)
     model = torch.nn.ModuleList([torch.nn.Linear(3, 3).double() for _ in range(3)])
     ref = copy.deepcopy(model)
-    os.environ["MLFABRIC_FUSION_THRESHOLD"] = "0"
-    try:
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
-    finally:
-        os.environ.pop("MLFABRIC_FUSION_THRESHOLD")
+    opt = _bucket_per_tensor(model.parameters(), **kwargs)
     return model, ref, opt
 
 
@@ -2299,11 +2297,7 @@ def case_distributed_optimizer_reentrant_checkpoint_beside_sync_batch_norm():
                   torch.nn.Linear(6, 1).double())
     model = torch.nn.ModuleList([l0, hvd.SyncBatchNorm(6).double(), l1, l2])
     ref = copy.deepcopy(torch.nn.ModuleList([l0, torch.nn.BatchNorm1d(6).double(), l1, l2]))
-    os.environ["MLFABRIC_FUSION_THRESHOLD"] = "0"
-    try:
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    finally:
-        os.environ.pop("MLFABRIC_FUSION_THRESHOLD")
+    opt = _bucket_per_tensor(model.parameters())
     ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
     x = torch.randn(3, n, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(15))
     for s in range(3):
@@ -2328,12 +2322,7 @@ def case_distributed_optimizer_accumulated_passes_reaching_different_layers():
     a, b = torch.nn.Linear(3, 3).double(), torch.nn.Linear(3, 3).double()
     model = torch.nn.ModuleList([a, b])
     ref = copy.deepcopy(model)
-    os.environ["MLFABRIC_FUSION_THRESHOLD"] = "0"
-    try:
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                       backward_passes_per_step=2)
-    finally:
-        os.environ.pop("MLFABRIC_FUSION_THRESHOLD")
+    opt = _bucket_per_tensor(model.parameters(), backward_passes_per_step=2)
     ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
     x = torch.randn(2, n, 2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(16))
 
@@ -2379,17 +2368,23 @@ def case_distributed_optimizer_gradient_after_a_call_that_started_its_bucket():
     assert _max_diff(model, ref) < 1e-10
 
 
+def _two_layers(seed, out):
+    """(model 3 -> 4 -> out in float64, its copy, a DistributedOptimizer over SGD for the
+    model, SGD for the copy)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, out)).double()
+    ref = copy.deepcopy(model)
+    return (model, ref, hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1)),
+            torch.optim.SGD(ref.parameters(), lr=0.1))
+
+
 def case_distributed_optimizer_set_backward_passes_per_step():
     """Horovod's set_backward_passes_per_step: from 1 to 2 passes between steps, the weights
     match single-process training on every pass of every rank; called after a backward pass it
     is refused; ranks that set different counts fail at the next reduction with a
     MismatchError on every rank, and train on once they agree again."""
     n, r = hvd.size(), hvd.rank()
-    torch.manual_seed(53)
-    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)).double()
-    ref = copy.deepcopy(model)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    model, ref, opt, ropt = _two_layers(53, 2)
     x = torch.randn(3, 2, n, 2, 3, dtype=torch.float64,
                     generator=torch.Generator().manual_seed(10))
     for s, passes in enumerate((1, 2, 2)):
@@ -2464,11 +2459,7 @@ def case_distributed_optimizer_with_grad_scaler():
     alike (the reduced gradients are the same everywhere) and the scale backs off everywhere;
     the other steps match single-process training (float64, 1e-10)."""
     n, r = hvd.size(), hvd.rank()
-    torch.manual_seed(79)
-    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1)).double()
-    ref = copy.deepcopy(model)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    model, ref, opt, ropt = _two_layers(79, 1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
     x = torch.randn(4, n, 2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(14))
     x[2, n - 1, 0, 0] = float("inf")  # step 2 overflows on the last rank only
