@@ -134,6 +134,7 @@ class _Slot:
 
 _graph_task = torch._C._current_graph_task_id  # -1 outside backward
 _ENGINE = torch.autograd.Variable._execution_engine  # queue_callback: at the task's end
+_current_node = torch._C._current_autograd_node  # in a task's end callback: None unless nested
 
 
 def _hook(ref, index, param):
@@ -290,11 +291,12 @@ class _DistributedOptimizer:
         if slot.delay < 0:  # its bucket was started by ops._start_unstarted
             raise MlfabricError(
                 f"DistributedOptimizer: a gradient for {slot.bucket.name} came after its "
-                "bucket's reduction had started: a collective call issued after backward and "
-                "before step() starts the buckets whose gradients have not all come on this "
-                "rank (ranks may differ in which parameters get one). With several backward "
-                "passes per step, pass backward_passes_per_step, or issue the call after "
-                "step()")
+                "bucket's reduction had started: once the step's backward_passes_per_step "
+                f"({self._mlf_passes}) backward passes are over, the next collective call (or "
+                "another optimizer's gradient) starts the buckets whose gradients have not all "
+                "come on this rank (ranks may differ in which parameters get one). With more "
+                "backward passes per step, raise backward_passes_per_step, or issue the call "
+                "after step()")
         if slot.delay == 0:
             raise MlfabricError(
                 "gradients were computed more than backward_passes_per_step "
@@ -337,9 +339,31 @@ class _DistributedOptimizer:
             self._mlf_passes_seen += 1
             if self._mlf_passes_seen == self._mlf_passes:
                 self._mlf_pend()
-        self._mlf_open.add(task)
         self._mlf_newest = max(self._mlf_newest, task)
-        _ENGINE.queue_callback(functools.partial(self._mlf_open.discard, task))
+        self._mlf_open_task(task)
+
+    def _mlf_open_task(self, task):
+        self._mlf_open.add(task)
+        _ENGINE.queue_callback(functools.partial(self._mlf_leave, task))
+
+    def _mlf_leave(self, task):
+        """The end of graph task `task` (an engine callback). A nested one (a reentrant
+        checkpoint's) ends inside a node of the pass that encloses it, which still runs: that
+        pass is opened, when the node is done (a hook on it, in that pass's task), so that a
+        second checkpointed segment's task, starting while nothing else of this optimizer is
+        open, is not taken for a new pass."""
+        self._mlf_open.discard(task)
+        node = _current_node()
+        if node is None:  # a pass of its own
+            return
+        handles = []
+
+        def reopen(*_):
+            handles.pop().remove()
+            outer = _graph_task()
+            if outer >= 0 and outer not in self._mlf_open:
+                self._mlf_open_task(outer)
+        handles.append(node.register_hook(reopen))
 
     def _mlf_after(self, task):
         """Whether a call made in graph task `task` (-1: outside backward) comes after this

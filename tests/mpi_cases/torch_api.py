@@ -2284,32 +2284,45 @@ def case_distributed_optimizer_metric_calls_between_accumulated_passes():
         assert _max_diff(model, ref) < 1e-10, f"step {s}: {_max_diff(model, ref)}"
 
 
-def case_distributed_optimizer_reentrant_checkpoint_beside_sync_batch_norm():
-    """A reentrant checkpoint (its backward a graph task nested in the outer one) after a
-    SyncBatchNorm layer (its backward allreduce in the outer task, after the nested one ended),
-    a bucket per tensor: the SyncBatchNorm call comes inside the optimizer's backward pass, so
-    it starts no bucket early; the weights match single-process training with BatchNorm on the
-    concatenated batch (float64, 1e-10)."""
+def case_distributed_optimizer_reentrant_checkpoints_beside_sync_batch_norm():
+    """Reentrant checkpoints (each segment's backward a graph task nested in the outer one): a
+    first layer, a segment ending in SyncBatchNorm, a segment with nothing after it (so the
+    outer pass brings this optimizer no gradient of its own between the two nested ones), a
+    bucket per tensor. SyncBatchNorm's backward call comes inside the optimizer's backward
+    pass, the second segment is not a pass of its own, so no bucket starts early; with two
+    passes a step and a metric's allreduce after each, the first pass's does not start them
+    either. The weights match single-process training with BatchNorm on the concatenated batch
+    (float64, 1e-10)."""
     from torch.utils.checkpoint import checkpoint
     n, r = hvd.size(), hvd.rank()
-    torch.manual_seed(83)
-    l0, l1, l2 = (torch.nn.Linear(4, 6).double(), torch.nn.Linear(6, 6).double(),
-                  torch.nn.Linear(6, 1).double())
-    model = torch.nn.ModuleList([l0, hvd.SyncBatchNorm(6).double(), l1, l2])
-    ref = copy.deepcopy(torch.nn.ModuleList([l0, torch.nn.BatchNorm1d(6).double(), l1, l2]))
-    opt = _bucket_per_tensor(model.parameters())
-    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    x = torch.randn(3, n, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(15))
-    for s in range(3):
-        opt.zero_grad()
-        h = model[1](model[0](x[s, r]))
-        y = checkpoint(lambda t: model[3](torch.relu(model[2](t))), h, use_reentrant=True)
-        y.pow(2).mean().backward()
-        opt.step()
-        ropt.zero_grad()
-        ref[3](torch.relu(ref[2](ref[1](ref[0](x[s].reshape(-1, 4)))))).pow(2).mean().backward()
-        ropt.step()
-        assert _max_diff(model, ref) < 1e-10, f"step {s}: {_max_diff(model, ref)}"
+    for passes in (1, 2):
+        torch.manual_seed(83)
+        ls = [torch.nn.Linear(4, 4).double() for _ in range(4)]
+        model = torch.nn.ModuleList([*ls[:2], hvd.SyncBatchNorm(4).double(), *ls[2:]])
+        ref = copy.deepcopy(torch.nn.ModuleList([*ls[:2], torch.nn.BatchNorm1d(4).double(),
+                                                 *ls[2:]]))
+        opt = _bucket_per_tensor(model.parameters(), backward_passes_per_step=passes)
+        ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        x = torch.randn(3, passes, n, 5, 4, dtype=torch.float64,
+                        generator=torch.Generator().manual_seed(15))
+
+        def forward(m, inp, ck):
+            h = ck(lambda t: torch.relu(m[2](m[1](t))), m[0](inp))
+            return ck(lambda t: m[4](torch.relu(m[3](t))), h)
+
+        for s in range(3):
+            opt.zero_grad()
+            for k in range(passes):
+                loss = forward(model, x[s, k, r],
+                               lambda f, t: checkpoint(f, t, use_reentrant=True)).pow(2).mean()
+                loss.backward()
+                hvd.allreduce(loss.detach(), name="metric")
+            opt.step()
+            ropt.zero_grad()
+            sum(forward(ref, x[s, k].reshape(-1, 4), lambda f, t: f(t)).pow(2).mean()
+                for k in range(passes)).backward()
+            ropt.step()
+            assert _max_diff(model, ref) < 1e-10, f"passes {passes}, step {s}"
 
 
 def case_distributed_optimizer_accumulated_passes_reaching_different_layers():
