@@ -540,13 +540,18 @@ def _start_unstarted(st, task):
     one model, gradients summed with another bucket's. Started here, every rank has issued the
     same buckets before the call. (Every rank must still bring the optimizer some gradient in
     each pass: a rank that brings none cannot tell a backward pass happened.)"""
+    due = [ref for ref in _UNSTARTED
+           if (opt := ref()) is None or (opt._mlf_state is st and opt._mlf_after(task))]
+    if not due:  # the usual case within a pass: its own buckets' calls
+        return
     with _own_calls():
-        for ref in list(_UNSTARTED):
+        for ref in due:
+            if ref not in _UNSTARTED:  # (reduced meanwhile: nothing left to start)
+                continue
+            _UNSTARTED.remove(ref)
             opt = ref()
-            if opt is None or (opt._mlf_state is st and opt._mlf_after(task)):
-                _UNSTARTED.remove(ref)
-                if opt is not None:
-                    opt._mlf_start_unstarted()
+            if opt is not None:
+                opt._mlf_start_unstarted()
 
 
 @contextlib.contextmanager
