@@ -202,10 +202,14 @@ def _check_agreement(everyone, roles):
     workers = [everyone[r][1] for r in roles.worker_ranks if everyone[r][1].get("role") == "worker"]
     # the workers' bounds, checked here so that a bad one fails every rank at once (a worker
     # refusing it alone would leave the others waiting for its registration)
-    bad = ["worker rank %d: %s must be a number >= 0, got %r" % (r, key, info[key])
-           for r in roles.worker_ranks for info in [everyone[r][1]]
-           if info.get("role") == "worker" for key in ("tau_max", "div_max")
-           if not (isinstance(info[key], float) and info[key] >= 0)]
+    bad = []
+    for r in roles.worker_ranks:
+        info = everyone[r][1]
+        if info.get("role") != "worker":
+            continue  # (reported above)
+        for key in ("tau_max", "div_max"):
+            if not (isinstance(info[key], float) and info[key] >= 0):
+                bad.append("worker rank %d: %s must be a number >= 0, got %r" % (r, key, info[key]))
     problems += bad
     taus = {w["tau_max"] for w in workers}
     divs = {w["div_max"] for w in workers}

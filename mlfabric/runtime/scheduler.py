@@ -105,8 +105,8 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
                     continue
                 self.ready_ids.add(uid)
                 self.pending[server].append(Update(uid, src, float(nbytes), version, now, norm))
-                self.reported_of[src] = self.reported_of.get(src, 0) + 1
                 if self.mode == "sync":
+                    self.reported_of[src] = self.reported_of.get(src, 0) + 1
                     key = (server, version)
                     n = self.iteration_ready[key] = self.iteration_ready.get(key, 0) + 1
                     if n == len(self.workers):
