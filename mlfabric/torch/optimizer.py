@@ -5,7 +5,8 @@ How it works:
 - gradient buckets are fixed at construction: the parameters in reverse order (gradients become
   ready roughly from the last layer back), fused per dtype as DDP does: a first bucket of at most
   1 MiB, so that the first allreduce starts early in backward, then buckets of at most
-  MLFABRIC_FUSION_THRESHOLD bytes (default 4 MiB; see ops.fusion_threshold). Every rank builds the
+  MLFABRIC_FUSION_THRESHOLD bytes (default 4 MiB; see ops.fusion_threshold); a model whose
+  gradients all fit in one such bucket gets just one (_first_cap). Every rank builds the
   same buckets from the same model, and buckets always start in bucket order, so every rank
   issues the same allreduces in the same order whatever order its hooks fire in;
 - each bucket owns one flat buffer for the optimizer's lifetime, and each parameter's .grad is a
@@ -169,8 +170,8 @@ class _DistributedOptimizer:
             groups = num_groups if groups is None else groups
             groups = None if isinstance(groups, int) and groups == 0 else groups  # 0: none
             threshold = ops.fusion_threshold()
-            plan = ops.fuse(order, threshold, min(FIRST_BUCKET, threshold)) if groups is None \
-                else _grouped_plan(order, groups)
+            plan = ops.fuse(order, threshold, _first_cap(order, threshold)) \
+                if groups is None else _grouped_plan(order, groups)
         except Exception as exc:  # noqa: BLE001 - the peers hear of any, then it is raised
             _construction_round(st, 0, torch.device("cpu"), exc)  # raises exc, after the round
             raise
@@ -707,6 +708,18 @@ def _construction_round(st, layout, device, problem):
                             "arguments (see the error on those ranks); nothing was set up")
     return bool(st.ctx.shm is not None and device.type == "cpu"
                 and (every[:, :2] == every[0, :2]).all())
+
+
+def _first_cap(order, threshold):
+    """The first bucket's cap: DDP's 1 MiB, so that the first allreduce starts early in
+    backward, unless every gradient fits in one bucket. Then the model gets one bucket, run by
+    synchronize() right after backward (as in Horovod, whose 5 ms cycle fuses a small model's
+    gradients into one allreduce): a first bucket apart would hide little of so small a
+    reduction and cost a second allreduce, its hand-off to the queue thread and a Python hook
+    per gradient (100 gradients of 16 KiB: 2.2x the cost of one bucket, BENCHMARKS.md)."""
+    if sum(p.numel() * p.element_size() for p in order) <= threshold:
+        return threshold
+    return min(FIRST_BUCKET, threshold)
 
 
 def _bucket_buffers(st, buckets, shared):

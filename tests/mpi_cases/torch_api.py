@@ -2032,6 +2032,23 @@ def case_distributed_optimizer_gradients_are_bucket_views():
                             f"passes {passes}, threshold {threshold}")
 
 
+def case_distributed_optimizer_one_bucket_for_a_small_model():
+    """A model whose gradients fit in one bucket (the default 4 MiB) gets one bucket, with no
+    1 MiB first bucket apart (optimizer._first_cap); one just over it gets DDP's first bucket,
+    then buckets of the threshold. Both reduce to the float64 mean over ranks."""
+    n, r = hvd.size(), hvd.rank()
+    for count, want in ((4, [4]), (5, [1, 4])):  # parameters of 1 MiB - 64 KiB, float32
+        params = [torch.nn.Parameter(torch.zeros((1 << 18) - (1 << 14))) for _ in range(count)]
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=1.0))
+        assert [len(b.params) for b in opt._mlf_buckets] == want, (count, want)
+        opt.zero_grad()
+        sum(p.sum() * (r + 1 + i) for i, p in enumerate(params)).backward()
+        opt.step()
+        for i, p in enumerate(params):  # the mean of r + 1 + i over ranks, subtracted once
+            expected = -(np.mean([q + 1 + i for q in range(n)]))
+            assert torch.all(p.detach().double() == expected), (count, i, p[:3])
+
+
 def case_distributed_optimizer_parameters_unused_on_some_ranks():
     """A branch that some ranks skip in some steps: those ranks contribute zeros for its
     gradient (Horovod's rule), never what their bucket held from an earlier step, whether the
