@@ -22,6 +22,12 @@ def test_dead_peer_times_out(n):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("n", [2, 3])
+def test_timeout_after_a_mismatch_names_it(n):
+    run_cases("torch_mismatch_timeout", n, timeout=120, env={"MLFABRIC_TIMEOUT": "3"})
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("n", [4, 5])
 def test_ps_job_end_is_bounded_by_liveness(n):
     run_cases("ps_liveness", n, timeout=120, env={"MLFABRIC_TIMEOUT": "3"})

@@ -342,6 +342,7 @@ class _State:
         self.grouped_layouts = {}  # the same for grouped_reducescatter (grouped_ops.py)
         self.streams = {}  # GPU -> mlfabric's stream there for calls on CUDA tensors
         self.fusion_pause = 0  # async allreduces left to run without offering fusion
+        self.mismatch = None  # (call, message) of the last control round, if it mismatched
         self.sets = {}  # global state only: process set id -> (ranks, its _State or None)
         self.set_ids = itertools.count(1)  # the next process set's id (0: the global set)
 
@@ -457,13 +458,23 @@ def _agree(st, desc, what):
     try:
         table = _control(st, desc)
     except PeerTimeoutError as exc:  # its own words name the engine's allgather, not the call
+        # After a mismatch the ranks' calls may no longer line up (a call some rank issued
+        # once more, e.g. an async one queued behind the call that failed): a round no peer
+        # joins times out, and its cause is that earlier error, which may have gone unseen
+        # (an async call's, until synchronize())
+        after = "" if st.mismatch is None else (
+            f" (this rank's earlier call {st.mismatch[0]} failed with MismatchError: "
+            f"{st.mismatch[1][:300]}; after a mismatch the ranks' calls may no longer line up, "
+            "so the peers may never issue this one)")
         raise PeerTimeoutError(f"{what}: in the control round (the ranks agreeing on the call): "
-                               f"{exc}") from exc
+                               f"{exc}{after}") from exc
     msg = _disagreement(table, what)
     if msg is not None:
+        st.mismatch = (what, msg)
         err = MismatchError(msg)
         err._mlf_peers_told = st  # every rank of st raises it (elastic.run reads the mark)
         raise err
+    st.mismatch = None
     return table
 
 
