@@ -3,7 +3,8 @@
     torch.distributed.init_process_group("mlfabric")     # under mpirun, no env vars needed
     DistributedDataParallel(model)                        # runs unchanged, on mlfabric
 
-work on CPU tensors. Owns the ProcessGroup subclass (MlfabricProcessGroup), its Work objects,
+work on CPU tensors (and torch's functional collectives, DeviceMesh and DTensor, which find the
+group by the name torch gives it). Owns the ProcessGroup subclass (MlfabricProcessGroup), its Work objects,
 the "mlfabric://" rendezvous and the registrations with torch; the data moves through mlfabric's
 public collectives (mlfabric/collectives.py), which also turn a shape, dtype or op that differs
 between ranks into an error on every rank.
@@ -448,6 +449,23 @@ class MlfabricProcessGroup(dist.ProcessGroup):
 
     def getBackendName(self):
         return BACKEND
+
+    # torch names every group (_set_group_name) and finds it again by that name: functional
+    # collectives, DeviceMesh, DTensor. The C++ ProcessGroup keeps the name in its C++
+    # backends, of which this Python group has none, so it keeps its own.
+    def _set_group_name(self, name):
+        self._group_name = name
+
+    @property
+    def group_name(self):
+        return getattr(self, "_group_name", "")
+
+    def _set_group_desc(self, desc):
+        self._group_desc = desc
+
+    @property
+    def group_desc(self):
+        return getattr(self, "_group_desc", "")
 
     def __repr__(self):
         return f"MlfabricProcessGroup(rank={self._rank}, size={self._size})"

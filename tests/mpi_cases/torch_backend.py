@@ -497,6 +497,23 @@ def case_send_recv_ring_and_barrier():
     dist.barrier()
 
 
+def case_functional_collectives_and_dtensor_find_the_group_by_name():
+    """torch finds a group by its name (functional collectives, DeviceMesh, DTensor): the
+    mlfabric group keeps the name torch gives it, and those APIs run on it."""
+    import torch.distributed._functional_collectives as fc
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    n, r = _n_r()
+    assert dist.group.WORLD.group_name  # torch's name for the default group
+    x, _ = _input(r, 7, "float64", "sum")
+    got = fc.all_reduce(x, "sum", dist.group.WORLD)
+    want = reference("sum", [values(q, 7, "float64", "sum") for q in range(n)], n)
+    assert_close(got.numpy(), want, "float64", "functional all_reduce")
+    mesh = init_device_mesh("cpu", (n,))
+    whole = torch.arange(4.0 * n, dtype=torch.float64)
+    assert torch.equal(distribute_tensor(whole, mesh, [Shard(0)]).full_tensor(), whole)
+
+
 def case_leaf_that_requires_grad_takes_a_broadcast_in_any_layout():
     """A leaf that requires grad (a parameter) takes results as under gloo, contiguous or not,
     directly written or copied back (complex: carried as float pairs); it stays a leaf."""
