@@ -322,6 +322,13 @@ def _flat(t):
     return t.reshape(-1)
 
 
+def _same_storage(a, b):
+    """Whether a and b are views of one storage: torch lets a call's input be the caller's
+    part of its output (all_gather_into_tensor, reduce_scatter_tensor in place), which
+    mlfabric refuses (an output partly overlapping its input); one shard is copied instead."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 def _put(dst, src):
     """Copy src's elements into dst (any layout; src may be wider or a real view: cast back).
     Detached: the backend writes results as gloo does, where autograd does not look (a leaf that
@@ -608,6 +615,8 @@ class MlfabricProcessGroup(dist.ProcessGroup):
         _same([inp], out, what, out.numel() * self._size, "input")
         rows = inp.detach().reshape(self._size, out.numel())
         w = _into(out)
+        if _same_storage(w, rows):  # out is this rank's part of input (torch allows it)
+            w = torch.empty_like(w)
         return _launch(what, mf.reduce_scatter_async(rows, op=op, out=w),
                        lambda _: _back(out, w))
 
@@ -683,6 +692,8 @@ class MlfabricProcessGroup(dist.ProcessGroup):
         w = _wire(inp.detach())
         if w.dtype == inp.dtype:  # straight into output, no staging copy
             o = _into(out)
+            if _same_storage(w, o):  # input is this rank's part of output (FSDP's in place)
+                w = w.clone()
             return _launch(what, mf.allgather_async(_flat(w), out=o), lambda _: _back(out, o))
 
         def finish(res):

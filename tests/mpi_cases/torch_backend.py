@@ -200,6 +200,24 @@ def case_reduce_scatter_forms():
         assert_close(o, want[r * k:(r + 1) * k], "float32", f"coalesced reduce_scatter {k}")
 
 
+def case_gather_and_scatter_in_place_in_one_tensor():
+    """torch's in-place forms (FSDP's): all_gather_into_tensor whose input is this rank's part
+    of the output, reduce_scatter_tensor whose output is this rank's part of the input."""
+    n, r = _n_r()
+    c = 4
+    for op in ("sum", "max"):
+        full, _ = _input(r, n * c, "float64", op, salt=30)
+        mine = full[r * c:(r + 1) * c]
+        dist.reduce_scatter_tensor(mine, full, op=TORCH_OPS[op])
+        want = reference(op, [values(q, n * c, "float64", op, salt=30) for q in range(n)], n)
+        assert_close(mine, want[r * c:(r + 1) * c], "float64", f"reduce_scatter_tensor {op}")
+    out = torch.zeros(n * c, dtype=torch.float64)
+    out[r * c:(r + 1) * c] = _input(r, c, "float64", "sum", salt=31)[0]
+    dist.all_gather_into_tensor(out, out[r * c:(r + 1) * c])
+    want = np.concatenate([values(q, c, "float64", "sum", salt=31) for q in range(n)])
+    assert_close(out, want, "float64", "all_gather_into_tensor in place")
+
+
 def case_reduce_to_each_root():
     n, r = _n_r()
     for root in range(n):
