@@ -4,7 +4,8 @@ Public API (this __all__ is the contract; everything else is private):
     init(comm=None), finalize(), initialized(), rank(), size(), local_rank(), local_size(),
     cross_rank(), cross_size(), is_homogeneous()
     allreduce(x, op="sum", out=None, algorithm="auto"), reduce, broadcast(x, root=0),
-    allgather(x), reduce_scatter(x, op="sum"), barrier(), send, recv, *_async -> Handle
+    allgather(x), reduce_scatter(x, op="sum"), barrier(), send, recv, *_async -> Handle,
+    isend, irecv -> Request
     shared_empty / shared_zeros / is_shared (zero-copy shared buffers)
     cuda_built(), MlfabricError and its subclasses
 """
@@ -27,8 +28,8 @@ from .errors import MismatchError, MlfabricError, NotInitializedError, PeerTimeo
 _LAZY = {name: ".collectives" for name in (
     "Handle", "allgather", "allgather_async", "allreduce", "allreduce_async", "alltoall",
     "alltoall_async", "barrier",
-    "broadcast", "broadcast_async", "recv", "reduce", "reduce_scatter", "reduce_scatter_async",
-    "send")}
+    "broadcast", "broadcast_async", "irecv", "isend", "recv", "reduce", "reduce_scatter",
+    "reduce_scatter_async", "Request", "send")}
 _LAZY.update({name: ".context" for name in ("finalize", "init", "initialized")})
 _LAZY.update({name: ".shared" for name in ("is_shared", "shared_empty", "shared_zeros")})
 
@@ -103,6 +104,6 @@ __all__ = ["init", "finalize", "initialized", "rank", "size", "local_rank", "loc
            "cross_rank", "cross_size", "is_homogeneous",
            "allreduce", "allreduce_async", "reduce", "broadcast", "broadcast_async", "allgather",
            "allgather_async", "reduce_scatter", "reduce_scatter_async", "barrier", "send", "recv",
-           "Handle", "shared_empty", "shared_zeros", "is_shared", "cuda_built", "nccl_built",
+           "isend", "irecv", "Request", "Handle", "shared_empty", "shared_zeros", "is_shared", "cuda_built", "nccl_built",
            "MlfabricError", "MismatchError", "NotInitializedError", "PeerTimeoutError",
            "__version__", "alltoall", "alltoall_async"]

@@ -13,6 +13,8 @@ place and returns x. Inputs may be numpy arrays or CPU torch tensors; non-contig
 (and outputs copied back). Every call blocks until this rank's part is done; *_async forms return a
 Handle whose wait() gives the result (buffers must be left alone until then).
 """
+import threading
+
 import numpy as np
 from mpi4py import MPI
 
@@ -287,7 +289,7 @@ def reduce(x, root=0, op="sum", out=None):
 
 # --- broadcast ----------------------------------------------------------------------------------
 
-def _broadcast(x, root, async_):
+def _broadcast(x, root, async_, element=0):
     what = "broadcast"
     if _device.is_device(x):
         return _gpu().broadcast(x, root, async_)
@@ -297,14 +299,14 @@ def _broadcast(x, root, async_):
         r = _check_root(root, ctx.size)
         if ctx.shm is not None:
             zc, peers = ctx.shm.zero_copy_info(xb)
-            hdr = header.make(what, xb.code, 0, False, r, xb.shape, "shm", zc)
+            hdr = header.make(what, xb.code, 0, False, r, xb.shape, "shm", zc, element=element)
 
             def body(hdr):
                 ctx.shm.run(what, what, hdr, xb.code, root=r, out=xb, count=xb.count,
                             peer_in=peers)
                 return _finish(x, xb)
         else:
-            hdr = header.make(what, xb.code, 0, False, r, xb.shape, "tree")
+            hdr = header.make(what, xb.code, 0, False, r, xb.shape, "tree", element=element)
 
             def body(hdr):
                 _exchange_headers(ctx, what, hdr)
@@ -315,18 +317,20 @@ def _broadcast(x, root, async_):
     return _run(what, prepare, async_)
 
 
-def broadcast(x, root=0):
-    """Copy root's x into x on every rank, in place; returns x."""
-    return _broadcast(x, root, False)
+def broadcast(x, root=0, element=0):
+    """Copy root's x into x on every rank, in place; returns x. element (for adapters that
+    widen their callers' data, as the torch.distributed backend does): the index in
+    comm.header.ELEMENTS of the type x had before, compared between ranks like the dtype."""
+    return _broadcast(x, root, False, element)
 
 
-def broadcast_async(x, root=0):
-    return _broadcast(x, root, True)
+def broadcast_async(x, root=0, element=0):
+    return _broadcast(x, root, True, element)
 
 
 # --- allgather ----------------------------------------------------------------------------------
 
-def _allgather(x, out, async_):
+def _allgather(x, out, async_, element=0):
     what = "allgather"
     if _device.is_device(x):
         return _gpu().allgather(x, out, async_)
@@ -337,14 +341,14 @@ def _allgather(x, out, async_):
         res, ob = _output(xb, out, what, ctx.size * xb.count, shape)
         if ctx.shm is not None:
             zc, peers = ctx.shm.zero_copy_info(xb)
-            hdr = header.make(what, xb.code, 0, False, 0, xb.shape, "shm", zc)
+            hdr = header.make(what, xb.code, 0, False, 0, xb.shape, "shm", zc, element=element)
 
             def body(hdr):
                 ctx.shm.run(what, what, hdr, xb.code, inp=xb, out=ob, count=xb.count,
                             peer_in=peers)
                 return _finish(res, ob)
         else:
-            hdr = header.make(what, xb.code, 0, False, 0, xb.shape, "ring")
+            hdr = header.make(what, xb.code, 0, False, 0, xb.shape, "ring", element=element)
 
             def body(hdr):
                 _exchange_headers(ctx, what, hdr)
@@ -355,21 +359,22 @@ def _allgather(x, out, async_):
     return _run(what, prepare, async_)
 
 
-def allgather(x, out=None):
+def allgather(x, out=None, element=0):
     """Concatenate every rank's x along axis 0 (rank order); 0-d inputs give shape (size,).
-    All ranks must pass the same shape."""
+    All ranks must pass the same shape. element: as broadcast's."""
     ctx, arr = _direct(x)
-    if ctx is not None and out is None and arr.ndim and arr.size:  # as allreduce's direct path
+    if ctx is not None and out is None and not element and arr.ndim and arr.size:
+        # (as allreduce's direct path)
         plan = _plain_plan(ctx, "allgather", arr)
         if plan is not None:
             res = np.empty((ctx.size * arr.shape[0], *arr.shape[1:]), arr.dtype)
             if ctx.shm.run_plan("allgather", plan, arr, res):
                 return _as_input(res, x, arr)
-    return _allgather(x, out, False)
+    return _allgather(x, out, False, element)
 
 
-def allgather_async(x, out=None):
-    return _allgather(x, out, True)
+def allgather_async(x, out=None, element=0):
+    return _allgather(x, out, True, element)
 
 
 # --- reduce_scatter -----------------------------------------------------------------------------
@@ -453,47 +458,145 @@ def _user_tag(tag):
     return _SEND_TAG_BASE + int(tag)
 
 
-def send(x, dest, tag=0):
+def _meta_of(xb, element):
+    """What a send tells its receiver first: dtype code, element count, element type (see
+    broadcast's element), checked by the receiver against its own array."""
+    return np.array([xb.code, xb.count, element], np.int64)
+
+
+def _recv_mismatch(what, source, meta, xb, element):
+    """The MismatchError of a receive whose sender's array differs, or None."""
+    code, count, sent_element = (int(v) for v in meta)
+    if code == xb.code and count == xb.count and sent_element == element:
+        return None
+    elements = header.ELEMENTS
+
+    def shown(n, c, e):
+        return f"{n} x {_dtypes.DTYPE_NAMES[c]}" + (f" (from {elements[e]})" if e else "")
+    return MismatchError(f"{what}: rank {source} sent {shown(count, code, sent_element)}, this "
+                         f"rank expects {shown(xb.count, xb.code, element)}")
+
+
+def send(x, dest, tag=0, element=0):
     """Send x to rank dest; blocks until x may be reused. The receiver's array must have the
-    same dtype and number of elements: a mismatch raises MismatchError at the receiver."""
+    same dtype and number of elements: a mismatch raises MismatchError at the receiver.
+    element: as broadcast's."""
     ctx = context.get()
     xb = _buffers.wrap(x)
     dest = _check_root(dest, ctx.size)
     t = _user_tag(tag)
-    meta = np.array([xb.code, xb.count], np.int64)
+    meta = _meta_of(xb, element)
     reqs = [ctx.comm.Isend(meta, dest, t), ctx.comm.Isend([p2p.as_bytes(xb.arr), MPI.BYTE], dest, t)]
     ctx.executor.run("send", lambda: p2p.wait(reqs, [dest, dest], f"send to rank {dest}",
                                                  [False, False]))
 
 
-def recv(x, source, tag=0):
+def recv(x, source, tag=0, element=0):
     """Receive into x from rank source (in place); returns x. See send()."""
     ctx = context.get()
     xb = _buffers.wrap(x, writable=True)
     source = _check_root(source, ctx.size)
     t = _user_tag(tag)
-    meta = np.empty(2, np.int64)
+    meta = np.empty(3, np.int64)
     what = f"recv from rank {source}"
 
     def body():
         p2p.wait([ctx.comm.Irecv(meta, source, t)], [source], what, [True])
-        code, count = int(meta[0]), int(meta[1])
-        if code != xb.code or count != xb.count:
+        error = _recv_mismatch(what, source, meta, xb, element)
+        if error is not None:
             # Drain the payload so the channel stays usable, then report.
-            scratch = np.empty(count * _dtypes.ITEMSIZE[code], np.uint8)
+            scratch = np.empty(int(meta[1]) * _dtypes.ITEMSIZE[int(meta[0])], np.uint8)
             p2p.wait([ctx.comm.Irecv([scratch, MPI.BYTE], source, t)], [source], what, [True])
-            raise MismatchError(
-                f"{what}: rank {source} sent {count} x {_dtypes.DTYPE_NAMES[code]}, this rank "
-                f"expects {xb.count} x {_dtypes.DTYPE_NAMES[xb.code]}")
+            raise error
         p2p.wait([ctx.comm.Irecv([p2p.as_bytes(xb.arr), MPI.BYTE], source, t)], [source], what, [True])
         return _finish(x, xb)
 
     return ctx.executor.run("recv", body)
 
 
+class Request:
+    """A send or receive in flight (isend / irecv), posted when made, so that a program whose
+    ranks post receives before sends (batch_isend_irecv, a pipeline's exchange) progresses.
+    wait() completes it, on the calling thread, within MLFABRIC_TIMEOUT like every wait in
+    mlfabric, and returns the received array (irecv) or None (isend); test() says whether it
+    is complete, without waiting. A receive checks what the sender said it sent (dtype, count,
+    element type) when it completes: a mismatch is a MismatchError there (the payload, received
+    into the array or cut short by MPI, is then not a result)."""
+
+    def __init__(self, what, peer, reqs, recv=None):
+        self._what, self._peer, self._reqs, self._recv = what, peer, reqs, recv
+        self._lock = threading.Lock()
+        self._done = False
+        self._result = self._error = None
+
+    def test(self):
+        """Whether wait() would return (or raise) at once."""
+        if not self._done:
+            try:
+                if not MPI.Request.Testall(self._reqs):
+                    return False
+            except MPI.Exception:
+                pass  # an MPI error (a truncated receive): wait() reports it
+        return True
+
+    def wait(self):
+        with self._lock:
+            if not self._done:
+                try:
+                    self._result = self._complete()
+                except BaseException as exc:
+                    self._error = exc
+                self._done = True
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def _complete(self):
+        peers, what = [self._peer] * len(self._reqs), self._what
+        if self._recv is None:
+            p2p.wait(self._reqs, peers, what, [False] * len(self._reqs))
+            return None
+        x, xb, meta, element = self._recv
+        p2p.wait(self._reqs[:1], peers[:1], what, [True])
+        error = _recv_mismatch(what, self._peer, meta, xb, element)
+        try:
+            p2p.wait(self._reqs[1:], peers[1:], what, [True])
+        except MlfabricError:  # a payload longer than the array: MPI cut it short
+            if error is None:
+                raise
+        if error is not None:
+            raise error
+        return _finish(x, xb)
+
+
+def isend(x, dest, tag=0, element=0):
+    """Start sending x to rank dest: a Request (leave x alone until its wait() returns). See
+    send()."""
+    ctx = context.get()
+    xb = _buffers.wrap(x)
+    dest = _check_root(dest, ctx.size)
+    t = _user_tag(tag)
+    meta = _meta_of(xb, element)
+    return Request(f"send to rank {dest}", dest, [
+        ctx.comm.Isend(meta, dest, t), ctx.comm.Isend([p2p.as_bytes(xb.arr), MPI.BYTE], dest, t)])
+
+
+def irecv(x, source, tag=0, element=0):
+    """Start receiving into x (in place) from rank source: a Request whose wait() returns x.
+    See recv()."""
+    ctx = context.get()
+    xb = _buffers.wrap(x, writable=True)
+    source = _check_root(source, ctx.size)
+    t = _user_tag(tag)
+    meta = np.empty(3, np.int64)
+    return Request(f"recv from rank {source}", source, [
+        ctx.comm.Irecv(meta, source, t), ctx.comm.Irecv([p2p.as_bytes(xb.arr), MPI.BYTE],
+                                                       source, t)], (x, xb, meta, element))
+
+
 __all__ = ["allreduce", "allreduce_async", "reduce", "broadcast", "broadcast_async", "allgather",
            "allgather_async", "reduce_scatter", "reduce_scatter_async", "barrier", "send", "recv",
-           "Handle"]
+           "isend", "irecv", "Request", "Handle"]
 
 
 # --- alltoall -----------------------------------------------------------------------------------

@@ -19,19 +19,26 @@ ALGORITHMS = ("none", "shm", "ring", "rhd", "tree", "nccl")
 ALGO_CODES = {a: i for i, a in enumerate(ALGORITHMS)}
 REJECTED = -1       # kind word of a rank that refused its own arguments
 _MAX_DIMS = 6
+# The caller's element types that an adapter (the torch.distributed backend) widens to a dtype
+# mlfabric carries, for calls that only move data: passed as element=, compared with the rest,
+# so that ranks passing int8 and uint8 (both sent as int32) fail instead of reinterpreting.
+ELEMENTS = ("as sent", "int8", "uint8", "int16", "uint16", "uint32", "bool", "complex32",
+            "complex64", "complex128")
+_ELEMENT_SHIFT = 12  # of the op word: op (3 bits), avg (1), algorithm (8), then the element
 
 
 def make(kind, code=0, op=0, avg=False, root=0, shape=(), algorithm="none",
-         zc_in=(-1, -1), zc_out=(-1, -1)):
-    """The header of one call, as a list of 16 ints."""
+         zc_in=(-1, -1), zc_out=(-1, -1), element=0):
+    """The header of one call, as a list of 16 ints. element: an index in ELEMENTS."""
     dims = list(shape)
     if len(dims) > _MAX_DIMS:  # long shapes: the tail is folded into one hash word
         tail = zlib.crc32(np.asarray(dims[_MAX_DIMS - 1:], np.int64).tobytes())
         dims = dims[:_MAX_DIMS - 1] + [tail]
     dims += [-1] * (_MAX_DIMS - len(dims))
     count = math.prod(shape)
-    return [KIND_CODES[kind], code, op | (8 if avg else 0) | (ALGO_CODES[algorithm] << 4), root,
-            count, len(shape), *dims, zc_in[0], zc_in[1], zc_out[0], zc_out[1]]
+    word = op | (8 if avg else 0) | (ALGO_CODES[algorithm] << 4) | (element << _ELEMENT_SHIFT)
+    return [KIND_CODES[kind], code, word, root, count, len(shape), *dims, zc_in[0], zc_in[1],
+            zc_out[0], zc_out[1]]
 
 
 def rejected(kind):
@@ -53,14 +60,18 @@ def _describe(field, h):
     if field == "op":
         return "avg" if h[2] & 8 else _dtypes.OPS[h[2] & 7]
     if field == "algorithm":
-        return ALGORITHMS[(h[2] >> 4) & 15]
+        return ALGORITHMS[(h[2] >> 4) & 255]
+    if field == "element type":
+        e = h[2] >> _ELEMENT_SHIFT
+        return ELEMENTS[e] if 0 <= e < len(ELEMENTS) else "?"
     if field == "root":
         return str(h[3])
     return str(_shape(h))
 
 
-_FIELDS = (("kind", lambda h: h[0]), ("dtype", lambda h: h[1]), ("op", lambda h: h[2] & 15),
-           ("algorithm", lambda h: h[2] >> 4), ("root", lambda h: h[3]),
+_FIELDS = (("kind", lambda h: h[0]), ("element type", lambda h: h[2] >> _ELEMENT_SHIFT),
+           ("dtype", lambda h: h[1]), ("op", lambda h: h[2] & 15),
+           ("algorithm", lambda h: (h[2] >> 4) & 255), ("root", lambda h: h[3]),
            ("shape", lambda h: tuple(h[4:CHECKED])))
 
 

@@ -28,8 +28,10 @@ not used: mlfabric's own bound (MLFABRIC_TIMEOUT) applies.
 
 Calls: every torch call is one mlfabric call (gather, all_to_all and sparse all_reduce: more,
 below), in the order issued. Collectives are non-blocking: Work.wait() returns, and the Work's
-future completes, when mlfabric is done; send, recv, reduce and barrier complete before they return
-(mlfabric has no non-blocking forms of them). Future callbacks run on a small thread pool, so one
+future completes, when mlfabric is done; reduce and barrier complete before they return (mlfabric
+has no non-blocking forms of them). send and recv are mlfabric.isend / irecv, posted when made
+(ranks may post receives first, as batch_isend_irecv does) and completed by Work.wait() on the
+caller's thread. Future callbacks run on a small thread pool, so one
 may wait for another collective; but a collective issued from a callback races the training thread
 for its place in the issue order, which must be the same on every rank, so hooks that do that
 (PowerSGD) are not supported. all_to_all_single takes any split sizes (rows of dimension 0; zero
@@ -41,7 +43,9 @@ gathered: an allgather, faster there). gather is an allgather too, after one sma
 ranks' roots (an allgather's header has none to compare). Outputs are checked before the call: one
 whose elements share memory (an expanded tensor) is refused.
 Reductions: SUM, AVG, PRODUCT, MIN, MAX on float32/64, float16, bfloat16, int32, int64; calls
-that only move data carry any dtype (narrow ones widened, complex as pairs).
+that only move data carry any dtype (narrow ones widened, complex as pairs), the dtype each rank
+had compared with the rest of the call (element=, comm/header.py: int8 against uint8 is a
+MismatchError on every rank, though both travel as int32).
 all_reduce of a sparse COO tensor (SUM or AVG) is gloo's sparse allreduce, which DDP uses for
 nn.Embedding(sparse=True): allgathers of every rank's entries (sparse.combine sums them).
 """
@@ -53,6 +57,7 @@ import math
 import operator
 import os
 import socket
+import threading
 import zlib
 from datetime import timedelta
 from urllib.parse import parse_qsl, urlparse
@@ -67,6 +72,7 @@ from torch._C._distributed_c10d import (AllreduceCoalescedOptions, AllreduceOpti
 import mlfabric as mf
 from mlfabric import _buffers
 from mlfabric import context as _context
+from mlfabric.comm import header as _header
 from mlfabric.comm import nccl as _nccl
 from mlfabric.errors import MismatchError, MlfabricError
 
@@ -80,6 +86,8 @@ _OPS = ((ReduceOp.SUM, "sum"), (ReduceOp.AVG, "avg"), (ReduceOp.PRODUCT, "prod")
 # What mlfabric carries as is; other dtypes are widened for the calls that do not reduce.
 _WIRE_DTYPES = frozenset((torch.float32, torch.float64, torch.float16, torch.bfloat16,
                           torch.int32, torch.int64))
+_ELEMENTS = {getattr(torch, name): i for i, name in enumerate(_header.ELEMENTS)
+             if isinstance(getattr(torch, name, None), torch.dtype)}
 _ENV_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
 # The module (torch.distributed.rendezvous is also the name of a function in torch.distributed).
 _rdzv = importlib.import_module("torch.distributed.rendezvous")
@@ -153,6 +161,58 @@ def _launch(what, handle, finish):
         return out
 
     return MlfabricWork(_context.get().executor.submit(what, complete), future)
+
+
+class _P2PWork(dist.Work):
+    """A send or receive in flight (mlfabric.isend / irecv, posted when made: ranks may post
+    receives before sends, as batch_isend_irecv does). wait() completes it on the calling thread
+    (within MLFABRIC_TIMEOUT), then finish(the request's result) puts a received tensor in
+    place; the future completes then. get_future() has a pool thread wait, so that the future
+    completes without a wait() of the caller's."""
+
+    def __init__(self, request, finish):
+        super().__init__()
+        self._request, self._finish = request, finish
+        self._future = torch.futures.Future()
+        self._lock = threading.Lock()
+        self._out = self._error = None
+        self._done = self._waiter = False
+
+    def wait(self, timeout=None):
+        with self._lock:
+            if not self._done:
+                try:
+                    self._out = self._finish(self._request.wait())
+                except BaseException as exc:  # noqa: BLE001 - raised to every waiter
+                    self._error = exc
+                self._done = True
+                if self._error is not None:
+                    _completer.submit(self._future.set_exception, self._error)
+                else:
+                    _completer.submit(self._future.set_result, self._out)
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self):
+        return self._done or self._request.test()
+
+    def get_future(self):
+        with self._lock:
+            if not self._done and not self._waiter:
+                self._waiter = True
+                _completer.submit(self._wait_quietly)
+        return self._future
+
+    def _wait_quietly(self):
+        try:
+            self.wait()
+        except BaseException:  # noqa: BLE001 - the future carries it
+            pass
+
+    def result(self):
+        self.wait()
+        return self._out
 
 
 def _completed(out):
@@ -296,6 +356,15 @@ def _wire(t):
     if t.is_floating_point() or t.element_size() > 4:
         _fail(TypeError(f"dtype {t.dtype} is not supported by the mlfabric backend"))
     return t.to(torch.int32)
+
+
+def _element(t):
+    """What _wire(t) hides, for mlfabric to compare between ranks with the dtype (element=):
+    the index of t's dtype in comm.header.ELEMENTS, 0 where t travels as it is. Without it,
+    ranks passing int8 and uint8 (both sent as int32) would reinterpret each other's data."""
+    if t.dtype in _WIRE_DTYPES:
+        return 0
+    return _ELEMENTS.get(t.dtype, 0)
 
 
 def _into(t):
@@ -662,7 +731,7 @@ class MlfabricProcessGroup(dist.ProcessGroup):
         if self._rank != root:  # the root's tensor is only read
             _writable(t, what, "tensor")
         w = _into(_wire(t))
-        return _launch(what, mf.broadcast_async(w, root=root),
+        return _launch(what, mf.broadcast_async(w, root=root, element=_element(t)),
                        lambda _: _back(t, w) if self._rank != root else [t])
 
     @_checked
@@ -681,7 +750,7 @@ class MlfabricProcessGroup(dist.ProcessGroup):
             for r, o in enumerate(outs[0]):
                 _put(o, res[r * n:(r + 1) * n])
             return outs[0]
-        return _launch(what, mf.allgather_async(flat), finish)
+        return _launch(what, mf.allgather_async(flat, element=_element(inp)), finish)
 
     @_checked
     def all_gather_single(self, output, input, opts=None):
@@ -699,7 +768,7 @@ class MlfabricProcessGroup(dist.ProcessGroup):
         def finish(res):
             _put(out, res)
             return [out]
-        return _launch(what, mf.allgather_async(_flat(w)), finish)
+        return _launch(what, mf.allgather_async(_flat(w), element=_element(inp)), finish)
 
     _allgather_base = all_gather_single
 
@@ -724,7 +793,7 @@ class MlfabricProcessGroup(dist.ProcessGroup):
                 _put(o, rows[:, off:off + w.numel()])
                 off += w.numel()
             return outs
-        return _launch(what, mf.allgather_async(flat), finish)
+        return _launch(what, mf.allgather_async(flat, element=_element(ins[0])), finish)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -751,7 +820,7 @@ class MlfabricProcessGroup(dist.ProcessGroup):
             for r, o in enumerate(outs[0]):
                 _put(o, res[r * n:(r + 1) * n])
             return outs[0]
-        return _launch(what, mf.allgather_async(flat), finish)
+        return _launch(what, mf.allgather_async(flat, element=_element(inp)), finish)
 
     @_checked
     def scatter(self, output_tensors, input_tensors, opts=None):
@@ -773,7 +842,7 @@ class MlfabricProcessGroup(dist.ProcessGroup):
         def finish(_):
             _put(out, rows[self._rank])
             return [out]
-        return _launch(what, mf.broadcast_async(rows, root=root), finish)
+        return _launch(what, mf.broadcast_async(rows, root=root, element=_element(out)), finish)
 
     @_checked
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
@@ -868,18 +937,18 @@ class MlfabricProcessGroup(dist.ProcessGroup):
 
     @_checked_p2p
     def send(self, tensors, dst, tag=0):
-        """Send one tensor to rank dst; complete on return (mlfabric's send blocks)."""
+        """Start sending one tensor to rank dst (isend / send: torch waits on the Work)."""
         t = _one(tensors, "send")
-        mf.send(_wire(t.detach()).contiguous(), int(dst), tag=int(tag))
-        return _completed([t])
+        return _P2PWork(mf.isend(_wire(t.detach()).contiguous(), int(dst), tag=int(tag),
+                                 element=_element(t)), lambda _: [t])
 
     @_checked_p2p
     def recv(self, tensors, src, tag=0):
-        """Receive into one tensor from rank src; complete on return."""
+        """Start receiving into one tensor from rank src (irecv / recv)."""
         t = _writable(_one(tensors, "recv"), "recv")
         w = _into(_wire(t))
-        mf.recv(w, int(src), tag=int(tag))
-        return _completed(_back(t, w))
+        return _P2PWork(mf.irecv(w, int(src), tag=int(tag), element=_element(t)),
+                        lambda _: _back(t, w))
 
     def recv_anysource(self, tensors, tag=0):
         raise NotImplementedError("recv from any source (dist.recv(src=None)) is not supported "

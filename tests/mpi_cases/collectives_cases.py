@@ -268,6 +268,29 @@ def case_barrier_and_send_recv():
     assert (got == np.arange(10) + left).all()
 
 
+def case_isend_irecv_posted_when_made():
+    """isend / irecv return Requests posted when made: every rank may post its receive before
+    its send (a ring, small and large); test() polls; blocking send pairs with irecv."""
+    n, r = mf.size(), mf.rank()
+    if n < 2:
+        return
+    right, left = (r + 1) % n, (r - 1) % n
+    for count in (10, 1 << 18):
+        got = np.empty(count, np.float64)
+        rreq = mf.irecv(got, left, tag=5)
+        sreq = mf.isend(np.arange(count, dtype=np.float64) + r, right, tag=5)
+        assert rreq.wait() is got and sreq.wait() is None
+        assert rreq.test() and sreq.test()
+        assert (got == np.arange(count) + left).all()
+    if r == 0:
+        mf.send(np.full(4, 3, np.int32), 1)
+    elif r == 1:
+        req = mf.irecv(np.empty(4, np.int32), 0)
+        while not req.test():
+            pass
+        assert (req.wait() == 3).all()
+
+
 def case_broadcast_then_barrier_rounds():
     # Broadcasts of a few pipeline steps (fewer than the slots) let the root run ahead: the next
     # call's header must not land on a header a slow peer still reads.

@@ -108,9 +108,16 @@ def case_send_recv_mismatch():
         return
     if r == 0:
         mf.send(np.ones(5, np.float32), 1, tag=7)
+        mf.isend(np.ones(7, np.float32), 1, tag=7).wait()  # longer than the receiver's
+        mf.isend(np.ones(3, np.int64), 1, tag=7, element=1).wait()
     elif r == 1:
         with pytest.raises(mf.MismatchError, match="5 x float32"):
             mf.recv(np.empty(6, np.float32), 0, tag=7)
+        with pytest.raises(mf.MismatchError, match="sent 7 x float32, this rank expects 6"):
+            mf.irecv(np.empty(6, np.float32), 0, tag=7).wait()
+        with pytest.raises(mf.MismatchError, match=r"3 x int64 \(from int8\), this rank "
+                                                   r"expects 3 x int64$"):
+            mf.irecv(np.empty(3, np.int64), 0, tag=7).wait()
     _still_works()
 
 

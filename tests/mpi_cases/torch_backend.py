@@ -505,7 +505,7 @@ def case_send_recv_ring_and_barrier():
     for dtype in (torch.float64, torch.uint8):
         got = torch.empty(1000, dtype=dtype)
         mine = (torch.arange(1000) % 200 + r).to(dtype)
-        if r == 0:  # send and recv complete before returning: break the ring's cycle
+        if r == 0:  # blocking ones, the ring's cycle broken by rank 0's order
             dist.send(mine, nxt)
             dist.recv(got, prv)
         else:
@@ -513,6 +513,78 @@ def case_send_recv_ring_and_barrier():
             dist.isend(mine, nxt).wait()
         assert torch.equal(got, (torch.arange(1000) % 200 + prv).to(dtype))
     dist.barrier()
+
+
+def case_nonblocking_send_recv_posted_when_made():
+    """isend / irecv are posted when made, so the patterns gloo runs run here too: every rank
+    posting its receive before its send (by hand and through batch_isend_irecv), small and
+    large, and a send waited for after a collective that the receiver makes before its recv."""
+    n, r = _n_r()
+    if n == 1:
+        return
+    nxt, prv = (r + 1) % n, (r - 1) % n
+    for count in (4, 1 << 18):
+        mine = torch.arange(count, dtype=torch.float64) + 1000 * r
+        got = torch.empty(count, dtype=torch.float64)
+        recv = dist.irecv(got, prv)
+        send = dist.isend(mine, nxt)
+        recv.wait()
+        send.wait()
+        assert torch.equal(got, torch.arange(count, dtype=torch.float64) + 1000 * prv), count
+        got2 = torch.empty(count, dtype=torch.float64)
+        ops = [dist.P2POp(dist.irecv, got2, prv), dist.P2POp(dist.isend, mine * 2, nxt)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        assert torch.equal(got2, 2 * (torch.arange(count, dtype=torch.float64) + 1000 * prv))
+    # rank 0 sends to 1 and reduces; rank 1 reduces, then receives
+    if r in (0, 1):
+        x = torch.full((1 << 18,), 7.0)
+        work = dist.isend(x, 1) if r == 0 else None
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    assert (t == n).all()
+    if r == 0:
+        work.wait()
+        assert work.is_completed() and work.get_future().wait() == [x]
+    elif r == 1:
+        y = torch.empty(1 << 18)
+        work = dist.irecv(y, 0)
+        fut = work.get_future()  # completes without a wait() of ours
+        assert fut.wait() == [y] and (y == 7.0).all() and work.is_completed()
+
+
+def case_narrow_dtypes_that_differ_between_ranks_fail_everywhere():
+    """Calls that only move data carry narrow dtypes widened (int8, uint8, bool... as int32);
+    ranks passing different ones fail on every rank (the header compares the dtype they had),
+    never reinterpreting each other's data."""
+    n, r = _n_r()
+    if n == 1:
+        return
+    dt = torch.int8 if r == 0 else torch.uint8
+    with _naming("broadcast int8 / uint8"):
+        _expect_everywhere(mf.MismatchError, lambda: dist.broadcast(torch.zeros(3, dtype=dt), 0),
+                           "element type", "int8 on rank(s) [0]")
+    dt = torch.int16 if r == 0 else torch.bool
+    with _naming("all_gather_into_tensor int16 / bool"):
+        _expect_everywhere(mf.MismatchError, lambda: dist.all_gather_into_tensor(
+            torch.zeros(2 * n, dtype=dt), torch.zeros(2, dtype=dt)), "element type")
+    with _naming("scatter int8 / uint8"):
+        out = torch.zeros(2, dtype=torch.int8 if r == 0 else torch.uint8)
+        ins = [torch.zeros(2, dtype=torch.int8)] * n if r == 0 else None
+        _expect_everywhere(mf.MismatchError, lambda: dist.scatter(out, ins, src=0),
+                           "element type")
+    if r == 0:
+        dist.send(torch.full((3,), -2, dtype=torch.int8), 1)
+    elif r == 1:
+        with _naming("recv of int8 into uint8"):
+            _expect_everywhere(mf.MismatchError, lambda: dist.recv(
+                torch.zeros(3, dtype=torch.uint8), 0), "(from int8)", "(from uint8)")
+    # and the same dtypes everywhere still move (widened and back)
+    for dtype in (torch.int8, torch.uint8, torch.bool, torch.int16):
+        t = torch.arange(5).to(dtype) if r == 0 else torch.zeros(5, dtype=dtype)
+        dist.broadcast(t, 0)
+        assert torch.equal(t, torch.arange(5).to(dtype)), dtype
+    _still_works()
 
 
 def case_functional_collectives_and_dtensor_find_the_group_by_name():
