@@ -18,18 +18,51 @@ MLFABRIC_TORCH_META
                    0 makes mlfabric.torch read its grouped calls' tensors through torch's Python
                    API instead of PyTorch's C shim (default 1; the results are the same).
 """
+import math
 import os
 
 from .errors import MlfabricError
 
-# Settings that shape the collectives' protocol: every rank must use the same values (init()
-# checks, so a difference is an error on every rank rather than a crash or a hang).
+# Settings that shape the collectives' protocol (and mlfabric.torch's fusion, which decides how
+# many calls a list of tensors makes): every rank must use the same values. init() compares the
+# values as read (unset and the default are the same), so a difference is an error on every rank
+# rather than a crash or a hang. nranks: the communicator's size (CMA's defaults depend on it).
+def _shaping(nranks):
+    lo, hi = cma_range(nranks)
+    return (("MLFABRIC_SHM", shm_enabled), ("MLFABRIC_SHM_BLOCK", shm_block_bytes),
+            ("MLFABRIC_SHM_SLOTS", shm_slots), ("MLFABRIC_CMA_MIN", lambda: lo),
+            ("MLFABRIC_CMA_MAX", lambda: hi), ("MLFABRIC_NCCL_SHARE_GPU", nccl_share_gpu),
+            ("MLFABRIC_FUSION_THRESHOLD", fusion_threshold))
+
+
 SHAPING = ("MLFABRIC_SHM", "MLFABRIC_SHM_BLOCK", "MLFABRIC_SHM_SLOTS", "MLFABRIC_CMA_MIN",
-           "MLFABRIC_CMA_MAX", "MLFABRIC_NCCL_SHARE_GPU")
+           "MLFABRIC_CMA_MAX", "MLFABRIC_NCCL_SHARE_GPU", "MLFABRIC_FUSION_THRESHOLD")
 
 
-def shaping_settings():
-    return tuple(os.environ.get(name) for name in SHAPING)
+def shaping_settings(nranks):
+    """(name, value as read, or the error of a bad one, as text) of each shaping setting (and
+    of a bad MLFABRIC_ISA): a rank with a bad value still takes part in init()'s exchange, then
+    raises its error, and its peers one naming it."""
+    try:
+        readers = _shaping(nranks)
+    except MlfabricError as exc:  # a bad CMA bound
+        return tuple((name, f"error: {exc}") for name in SHAPING)
+    out = []
+    for name, read in readers:
+        try:
+            out.append((name, read()))
+        except MlfabricError as exc:
+            out.append((name, f"error: {exc}"))
+    try:  # not compared (it does not shape the protocol), but a bad one is an error
+        check_isa()
+    except MlfabricError as exc:
+        out.append(("MLFABRIC_ISA", f"error: {exc}"))
+    return tuple(out)
+
+
+def is_error(value):
+    """Whether a value of shaping_settings() is a bad setting's error."""
+    return isinstance(value, str) and value.startswith("error: ")
 
 
 def _number(name, default, cast=float, minimum=None):
@@ -40,9 +73,37 @@ def _number(name, default, cast=float, minimum=None):
         value = cast(raw)
     except ValueError:
         raise MlfabricError(f"{name}={raw!r} is not a number") from None
+    if not math.isfinite(value):  # nan would compare false with every bound: no bound at all
+        raise MlfabricError(f"{name}={raw!r} must be a finite number")
     if minimum is not None and value < minimum:
         raise MlfabricError(f"{name}={raw!r} must be at least {minimum}")
     return value
+
+
+def fusion_threshold():
+    """MLFABRIC_FUSION_THRESHOLD (bytes; default 4 MiB, 0 turns fusion off): see
+    mlfabric.torch.ops.fusion_threshold."""
+    return _number("MLFABRIC_FUSION_THRESHOLD", 4 << 20, int, 0)
+
+
+def debug_enabled():
+    """MLFABRIC_DEBUG=1: the parameter-server runtime prints every control message and failure
+    (runtime/daemon.py)."""
+    raw = os.environ.get("MLFABRIC_DEBUG", "0").strip() or "0"
+    if raw not in ("0", "1"):
+        raise MlfabricError(f"MLFABRIC_DEBUG must be 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
+ISAS = ("auto", "scalar", "avx2", "avx512")
+
+
+def check_isa():
+    """MLFABRIC_ISA names an instruction set the kernels have (the native core picks it, or the
+    best this CPU has when it lacks that one, with a warning: correct on every ISA)."""
+    raw = os.environ.get("MLFABRIC_ISA", "").strip()
+    if raw and raw not in ISAS:
+        raise MlfabricError(f"MLFABRIC_ISA must be one of {', '.join(ISAS)}, got {raw!r}")
 
 
 def timeout_s():

@@ -146,15 +146,26 @@ def _has_failed(comm):
 
 
 def _check_same_settings(comm):
-    """MismatchError-like failure on every rank when ranks run with different settings."""
-    every = comm.allgather(_config.shaping_settings())
+    """MismatchError-like failure on every rank when ranks run with different settings (the
+    values as read: unset and the default agree). A rank whose value is bad raises its own
+    error, after the exchange, so its peers do not wait for it."""
+    mine = _config.shaping_settings(comm.size)
+    every = comm.allgather(mine)
+    for name, value in mine:
+        if _config.is_error(value):
+            raise MlfabricError(f"init: {value[len('error: '):]}")
+    bad = {r: [v for _, v in s if _config.is_error(v)] for r, s in enumerate(every)}
+    bad = {r: errors for r, errors in bad.items() if errors}
+    if bad:  # the peers of a rank with a bad value fail with it, instead of waiting for it
+        r, errors = next(iter(bad.items()))
+        raise MlfabricError(f"init: rank(s) {sorted(bad)} have a bad setting (rank {r}: "
+                            f"{errors[0][len('error: '):]})")
     for i, name in enumerate(_config.SHAPING):
         values = {}
         for r, s in enumerate(every):
-            values.setdefault(s[i], []).append(r)
+            values.setdefault(s[i][1], []).append(r)
         if len(values) > 1:
-            parts = "; ".join(f"{'unset' if v is None else repr(v)} on rank(s) {ranks}"
-                              for v, ranks in values.items())
+            parts = "; ".join(f"{v!r} on rank(s) {ranks}" for v, ranks in values.items())
             raise MlfabricError(f"init: ranks disagree on {name}: {parts}; every rank must use "
                                 "the same value")
 

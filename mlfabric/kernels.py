@@ -110,7 +110,8 @@ def isa():
 
 def set_isa(name):
     """Force the CPU kernels' instruction set (for tests and benchmarks); ValueError if the name is
-    unknown or this CPU lacks it. MLFABRIC_ISA sets the initial choice the same way."""
+    unknown or this CPU lacks it. MLFABRIC_ISA sets the initial choice: an unknown name there is
+    an error at init() (_config.check_isa), one this CPU lacks warns and takes the best."""
     if name not in ISAS:
         raise ValueError(f"unknown instruction set {name!r}; expected one of {', '.join(ISAS)}")
     if not _C.set_isa(name):

@@ -76,21 +76,54 @@ def test_shm_can_be_disabled():
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout
 
 
-@pytest.mark.mpi
-@pytest.mark.parametrize("name,value", [("MLFABRIC_SHM_BLOCK", "1048576"),
-                                        ("MLFABRIC_NCCL_SHARE_GPU", "1")])
-def test_ranks_with_different_settings_fail_at_init(name, value):
-    # MPMD launch: rank 1 runs with another setting than rank 0.
+def _mpmd_init(name, value):
+    """rank 0 with the environment as it is, rank 1 with name=value: what each printed."""
     from tests.mpi_util import mpirun_path
     code = ("import mlfabric as mf\ntry:\n    mf.init()\nexcept mf.MlfabricError as e:\n"
-            "    print('REFUSED', e)\nelse:\n    print('ACCEPTED')")
+            "    print('REFUSED', mf.rank() if mf.initialized() else '?', e)\nelse:\n"
+            "    print('ACCEPTED')")
     cmd = [mpirun_path(), "--oversubscribe", "-n", "1", sys.executable, "-c", code, ":",
            "-n", "1", "env", f"{name}={value}", sys.executable, "-c", code]
     proc = subprocess.run(cmd, cwd=ROOT, env=mpi_env(), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=120)
-    assert proc.stdout.count("REFUSED") == 2, proc.stdout
-    assert f"ranks disagree on {name}: unset on rank(s) [0]; '{value}' on rank(s) [1]" \
-        in proc.stdout
+    return proc.stdout
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name,value,shown", [
+    ("MLFABRIC_SHM_BLOCK", "1048576", "262144 on rank(s) [0]; 1048576 on rank(s) [1]"),
+    ("MLFABRIC_NCCL_SHARE_GPU", "1", "False on rank(s) [0]; True on rank(s) [1]"),
+    ("MLFABRIC_FUSION_THRESHOLD", "5", "4194304 on rank(s) [0]; 5 on rank(s) [1]")])
+def test_ranks_with_different_settings_fail_at_init(name, value, shown):
+    # MPMD launch: rank 1 runs with another setting than rank 0; values compared as read
+    out = _mpmd_init(name, value)
+    assert out.count("REFUSED") == 2, out
+    assert f"ranks disagree on {name}: {shown}" in out, out
+
+
+@pytest.mark.mpi
+def test_a_setting_at_its_default_agrees_with_it_unset():
+    out = _mpmd_init("MLFABRIC_SHM", "1")
+    assert out.count("ACCEPTED") == 2, out
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name,value,own", [
+    ("MLFABRIC_SHM_SLOTS", "x", "MLFABRIC_SHM_SLOTS='x' is not a number"),
+    ("MLFABRIC_ISA", "bogus", "MLFABRIC_ISA must be one of auto, scalar, avx2, avx512")])
+def test_a_bad_setting_on_one_rank_fails_every_rank(name, value, own):
+    """The rank with the bad value raises its own error, its peer one naming it: nobody waits."""
+    out = _mpmd_init(name, value)
+    assert out.count("REFUSED") == 2, out
+    assert out.count(own) == 2 and "rank(s) [1] have a bad setting" in out, out
+
+
+def test_non_finite_and_unknown_values_are_errors():
+    for env, needle in (({"MLFABRIC_TIMEOUT": "nan"}, "MLFABRIC_TIMEOUT='nan' must be a finite"),
+                        ({"MLFABRIC_TIMEOUT": "inf"}, "MLFABRIC_TIMEOUT='inf' must be a finite"),
+                        ({"MLFABRIC_DEBUG": "false"}, "MLFABRIC_DEBUG must be 0 or 1")):
+        proc = _python("import mlfabric as mf, mlfabric.runtime.daemon; mf.init()", env)
+        assert proc.returncode != 0 and needle in proc.stdout, (env, proc.stdout)
 
 
 def test_a_gpu_and_a_host_call_disagree_on_the_algorithm():

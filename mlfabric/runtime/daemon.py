@@ -7,7 +7,6 @@ kernels) release it, so the training thread computes while transfers proceed. Wh
 here, the error is kept, every waiting call in the training thread gets it, and the other ranks are
 told (control message 'error') so they stop with the same message instead of waiting on us.
 """
-import os
 import sys
 import threading
 import time
@@ -15,12 +14,12 @@ import traceback
 
 from mpi4py import MPI
 
-from .. import exit_guard
+from .. import _config, exit_guard
 from ..errors import MlfabricError
 from .monitor import Reporter
 
 # MLFABRIC_DEBUG=1: every control message and failure, one line each on stderr
-DEBUG = os.environ.get("MLFABRIC_DEBUG", "") not in ("", "0")
+DEBUG = _config.debug_enabled()
 # Longest sleep while nothing is timed: a control message waits at most this. A role may ask for
 # less while it expects an answer (poll_s()): the scheduler always (it is the control plane's
 # hub, and it has a machine of its own in the paper), a worker while its updates wait for a plan.

@@ -42,7 +42,6 @@ import contextlib
 import copy
 import itertools
 import math
-import os
 import sys
 import threading
 import zlib
@@ -53,6 +52,7 @@ import torch
 from torch.autograd.graph import increment_version as _increment_version
 
 from .. import _C
+from .. import _config
 from .. import _buffers
 from .. import collectives as _coll
 from .. import context as _context
@@ -1617,16 +1617,7 @@ def fusion_threshold():
     overlap more of backward; each costs a control round and an allreduce call, which with
     buckets in shared memory (zero-copy) is cheap enough that 4 MiB beat DDP's 25 MiB (the
     previous default) on every step measured (BENCHMARKS.md, DistributedOptimizer)."""
-    raw = os.environ.get("MLFABRIC_FUSION_THRESHOLD", "").strip()
-    if not raw:
-        return 4 << 20
-    try:
-        value = int(raw)
-    except ValueError:
-        raise MlfabricError(f"MLFABRIC_FUSION_THRESHOLD={raw!r} is not a number of bytes") from None
-    if value < 0:
-        raise MlfabricError(f"MLFABRIC_FUSION_THRESHOLD={raw!r} must be at least 0")
-    return value
+    return _config.fusion_threshold()  # (init() checks that every rank reads the same)
 
 
 def fuse(tensors, threshold, first=None):
