@@ -147,7 +147,9 @@ def _launch(rt, role):
 
 # --- worker ---------------------------------------------------------------------------------------
 def register_as_worker(tau_max=math.inf, div_max=math.inf):
-    """Join as a worker. tau_max: the largest delay an applied update may have (mlfabric-A);
+    """Join as a worker. tau_max: the largest delay an applied update may have (mlfabric-A;
+    delays count from 1, a lone worker's update taking the model one version past the one it
+    was computed from, so a tau_max below 1 drops every update: the tests use that);
     div_max: the largest server-replica divergence the job tolerates (with replicas)."""
     from ..runtime.worker import WorkerRole
     # (checked in the start-up's agreement, so that a bad value fails every rank at once)
