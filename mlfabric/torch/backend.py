@@ -31,7 +31,7 @@ below), in the order issued. Collectives are non-blocking: Work.wait() returns, 
 future completes, when mlfabric is done; reduce and barrier complete before they return (mlfabric
 has no non-blocking forms of them). send and recv are mlfabric.isend / irecv, posted when made
 (ranks may post receives first, as batch_isend_irecv does) and completed by Work.wait() on the
-caller's thread. Future callbacks run on a small thread pool, so one
+caller's thread; their tags are ints in [0, 8192) (mlfabric keeps the tags above for itself). Future callbacks run on a small thread pool, so one
 may wait for another collective; but a collective issued from a callback races the training thread
 for its place in the issue order, which must be the same on every rank, so hooks that do that
 (PowerSGD) are not supported. all_to_all_single takes any split sizes (rows of dimension 0; zero
