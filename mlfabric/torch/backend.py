@@ -43,7 +43,8 @@ gathered: an allgather, faster there). gather is an allgather too, after one sma
 ranks' roots (an allgather's header has none to compare). Outputs are checked before the call: one
 whose elements share memory (an expanded tensor) is refused.
 Reductions: SUM, AVG, PRODUCT, MIN, MAX on float32/64, float16, bfloat16, int32, int64; calls
-that only move data carry any dtype (narrow ones widened, complex as pairs), the dtype each rank
+that only move data carry those, the narrow integers and bool (widened to int32) and complex ones
+(as float pairs); others (float8 kinds, uint64) are a TypeError. The dtype each rank
 had compared with the rest of the call (element=, comm/header.py: int8 against uint8 is a
 MismatchError on every rank, though both travel as int32).
 all_reduce of a sparse COO tensor (SUM or AVG) is gloo's sparse allreduce, which DDP uses for
