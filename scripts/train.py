@@ -4,7 +4,7 @@
     mpirun -n 4 python scripts/train.py --mode ps-async --tau-max 4
     mpirun -n 6 python scripts/train.py --mode ps-sync --stragglers C2 --network N1 --plot acc.png
     mpirun -n 4 python scripts/train.py --device cuda          # a GPU per rank, over NCCL
-    mpirun --with-ft ulfm --mca mpi_ft_detector true -n 4 python scripts/train.py --elastic \
+    mpirun --with-ft ulfm --mca mpi_ft_detector true -n 4 python scripts/train.py --elastic \\
         --kill-rank 1@3                                      # rank 1 dies; the others go on
 
 Modes: allreduce (mlfabric.torch.DistributedOptimizer: every rank trains), ps-async (mlfabric-A:
@@ -60,23 +60,28 @@ def parse(argv=None):
                         "epoch e of E uses lr * (1 + cos(pi e / E)) / 2")
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--tau-max", type=float, default=None,
-                   help="ps-async: staleness bound (default: none)")
+                   help="ps-async: staleness bound, >= 1 (default: none)")
     p.add_argument("--div-max", type=float, default=None,
                    help="with --replicas: the replicas' divergence bound (default: none)")
     p.add_argument("--slack", type=int, default=None, help="ssp: K (default 2)")
-    p.add_argument("--batch-interval", type=float, default=0.005,
+    # (the parameter-server options default to None, filled in below, so that the allreduce
+    # mode can tell one given from the default and refuse it)
+    p.add_argument("--batch-interval", type=float, default=None,
                    help="parameter-server modes: the scheduler plans every this many seconds "
-                        "(the paper's 0.1 s suits its 100 ms steps; these steps take ~ms)")
-    p.add_argument("--servers", type=int, default=1,
-                   help="parameter-server modes: server ranks (the model sharded over them)")
-    p.add_argument("--replicas", type=int, default=0,
-                   help="parameter-server modes: replica ranks of the servers")
+                        "(default 0.005: the paper's 0.1 s suits its 100 ms steps; these steps "
+                        "take ~ms)")
+    p.add_argument("--servers", type=int, default=None,
+                   help="parameter-server modes: server ranks (the model sharded over them; "
+                        "default 1)")
+    p.add_argument("--replicas", type=int, default=None,
+                   help="parameter-server modes: replica ranks of the servers (default 0)")
     p.add_argument("--stragglers", choices=("C1", "C2", "C3"), default=None,
                    help="the paper's straggler presets")
     p.add_argument("--network", choices=("N0", "N1", "N2", "N3"), default=None,
                    help="N0 (constant base rate), N1, N2 or N3: pace the parameter-server data "
                         "plane (default: not paced)")
-    p.add_argument("--base-rate", type=float, default=50e6, help="bytes/s for 10 Gbps")
+    p.add_argument("--base-rate", type=float, default=None,
+                   help="with --network: bytes/s for 10 Gbps (default 50e6)")
     p.add_argument("--compute-ms", type=float, default=None,
                    help="emulated compute per step (default 0, or 20 with --stragglers)")
     p.add_argument("--seed", type=int, default=0)
@@ -99,8 +104,12 @@ def parse(argv=None):
     if args.network and args.mode == "allreduce":
         p.error("--network emulates NIC rates on the parameter-server data plane; the allreduce "
                 "mode runs on the shared-memory engine, which is not paced")
-    if args.replicas and args.mode == "allreduce":
-        p.error("--replicas is for the parameter-server modes")
+    for name in ("replicas", "servers", "batch_interval", "base_rate"):
+        if getattr(args, name) is not None and args.mode == "allreduce":
+            p.error(f"--{name.replace('_', '-')} is for the parameter-server modes")
+    if args.base_rate is not None and not args.network:
+        p.error("--base-rate sets the pace of --network's links: without --network the data "
+                "plane is not paced")
     if args.device == "cuda" and args.mode != "allreduce":
         p.error("--device cuda is for --mode allreduce: the parameter-server modes train on the "
                 "CPU (their updates travel through the host data plane)")
@@ -114,6 +123,10 @@ def parse(argv=None):
             p.error(f"--kill-rank takes RANK@EPOCH, got {args.kill_rank!r}")
         if not args.elastic:
             p.error("--kill-rank is for trying --elastic")
+        # (a rank beyond the job's size is refused in main(), once the size is known)
+        if args.kill_rank[0] < 0 or not 0 <= args.kill_rank[1] < args.epochs:
+            p.error(f"--kill-rank {args.kill_rank[0]}@{args.kill_rank[1]}: no such rank or "
+                    f"epoch (ranks from 0, epochs 0..{args.epochs - 1}), so no rank would die")
     if args.replace is not None and (not args.elastic or args.replace < 0):
         p.error("--replace N (N >= 0) is for --elastic")
     if args.epochs < 1 or args.batch_size < 1:
@@ -121,10 +134,21 @@ def parse(argv=None):
     # Checked here, before any rank starts MPI: a value only some roles read (the workers'
     # optimizer, the reporting rank's files) would fail there alone and leave the others
     # waiting for MLFABRIC_TIMEOUT.
-    for name in ("lr", "momentum", "tau_max", "div_max", "compute_ms"):
+    for name in ("lr", "momentum", "div_max", "compute_ms", "slack", "replicas"):
         value = getattr(args, name)
         if value is not None and not value >= 0:  # (NaN too)
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+    if args.tau_max is not None and not args.tau_max >= 1:
+        p.error(f"--tau-max must be >= 1, got {args.tau_max}: an update's delay is 1 at least "
+                "(the version it makes minus the one it was computed from), so a smaller bound "
+                "would drop every update")
+    if args.servers is not None and args.servers < 1:
+        p.error(f"--servers must be >= 1, got {args.servers}")
+    if args.batch_interval is not None and not 0 < args.batch_interval < math.inf:
+        p.error(f"--batch-interval must be a positive number of seconds, got "
+                f"{args.batch_interval}")
+    if args.base_rate is not None and not args.base_rate > 0:
+        p.error(f"--base-rate must be > 0 bytes/s, got {args.base_rate}")
     for name, needs in (("tau_max", ("ps-async",)), ("slack", ("ssp",))):
         if getattr(args, name) is not None and args.mode not in needs:
             p.error(f"--{name.replace('_', '-')} is for --mode {' / '.join(needs)} (the other "
@@ -138,6 +162,11 @@ def parse(argv=None):
         folder = os.path.dirname(os.path.abspath(path)) if path else None
         if path and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
             p.error(f"--{name} {path}: {folder} is not a folder this process can write to")
+        # else only the reporting rank would fail, at open, and the others wait for it
+        if path and os.path.isdir(path):
+            p.error(f"--{name} {path} is a folder: give a file name")
+        if path and os.path.exists(path) and not os.access(path, os.W_OK):
+            p.error(f"--{name} {path}: this process cannot write to that file")
     if args.plot:
         import importlib.util
         if importlib.util.find_spec("matplotlib") is None:
@@ -145,6 +174,10 @@ def parse(argv=None):
     args.tau_max = math.inf if args.tau_max is None else args.tau_max
     args.div_max = math.inf if args.div_max is None else args.div_max
     args.slack = 2 if args.slack is None else args.slack
+    args.servers = 1 if args.servers is None else args.servers
+    args.replicas = 0 if args.replicas is None else args.replicas
+    args.batch_interval = 0.005 if args.batch_interval is None else args.batch_interval
+    args.base_rate = 50e6 if args.base_rate is None else args.base_rate
     if args.compute_ms is None:
         args.compute_ms = 20.0 if args.stragglers else 0.0
     return args
@@ -166,6 +199,16 @@ class Reporter:
         self.bar = Progress(steps, "train %s" % args.mode, enabled=active and not args.quiet)
         self.out = open(args.metrics, "w") if active and args.metrics else None
         self.t0 = time.monotonic()
+
+    def take_over(self, active):
+        """--elastic, after a rank died: whoever is rank 0 now reports. A new reporter appends
+        to the metrics file the dead one began, so every epoch and the summary end up in it."""
+        if active and not self.out and self.args.metrics:
+            self.out = open(self.args.metrics, "a")
+        elif not active and self.out:
+            self.out.close()
+            self.out = None
+        self.active = active
 
     def step(self, loss):
         self.bar.update(1, loss=float(loss))
@@ -297,7 +340,7 @@ def train_elastic(args, model, opt, data_xy, test, report, compute, device, hvd)
                                    acc=float("nan"))
 
     def on_reset():
-        report.active = hvd.rank() == 0  # the summary comes from whoever is rank 0 now
+        report.take_over(hvd.rank() == 0)  # the summary comes from whoever is rank 0 now
         if report.active:
             print(f"train.py: a rank died; {hvd.size()} rank(s) go on from epoch {state.epoch}"
                   f"{' (replacements included)' if respawn.spawned else ''}", flush=True)
@@ -338,13 +381,22 @@ def main(argv=None):
     X, y, Xt, yt = load_data(args)
     in_shape = X.shape[1:]
     model = models.build(args.model, in_shape, 10, args.seed)   # the same on every rank
-    emu = emulation(args)
+    try:
+        emu = emulation(args)
+    except ValueError as e:  # every rank alike: one line each, not a traceback
+        raise SystemExit(f"train.py: {e}")
     t0 = time.monotonic()
 
     if args.mode == "allreduce":
         import mlfabric.torch as hvd
         hvd.init()
         rank, size = hvd.rank(), hvd.size()
+        from mlfabric import respawn
+        # every rank knows the size: all refuse alike, before the first collective (not a
+        # replacement for a dead rank, which joins a job already past this check)
+        if args.kill_rank and args.kill_rank[0] >= size and not respawn.joining:
+            raise SystemExit(f"train.py: --kill-rank {args.kill_rank[0]}@{args.kill_rank[1]}: "
+                             f"this job has ranks 0..{size - 1}, so no rank would die")
         lr = args.lr if args.lr is not None else 0.1
         device = pick_device(args, comm, hvd)
         model = model.to(device)
@@ -375,9 +427,13 @@ def main(argv=None):
     if len(X) < workers_asked:  # every rank knows both: all refuse alike, before any role waits
         raise SystemExit(f"train.py: {len(X)} training samples cannot give {workers_asked} "
                          "workers a shard each: run fewer ranks")
-    role = ps_init(PS_MODES[args.mode], servers=args.servers, replicas=args.replicas,
-                   emulation=emu, slack=args.slack, seed=args.seed,
-                   batch_interval=args.batch_interval)
+    from mlfabric.errors import MlfabricError
+    try:  # refused on every rank (too few ranks for the roles asked, ...): one line each
+        role = ps_init(PS_MODES[args.mode], servers=args.servers, replicas=args.replicas,
+                       emulation=emu, slack=args.slack, seed=args.seed,
+                       batch_interval=args.batch_interval)
+    except (MlfabricError, ValueError) as e:
+        raise SystemExit(f"train.py: {e}")
     from mlfabric.runtime.roles import Roles
     roles = Roles(comm.size, args.servers, args.replicas)
     workers = roles.worker_ranks

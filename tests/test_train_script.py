@@ -14,6 +14,7 @@ pytest.importorskip("torch")
 pytest.importorskip("sklearn")
 
 SCRIPT = os.path.join("scripts", "train.py")
+ULFM = ("--with-ft", "ulfm", "--mca", "mpi_ft_detector", "true")  # mpirun's, for --elastic
 
 
 def result(out):
@@ -70,22 +71,63 @@ def test_odd_rank_count_with_stragglers_network_and_a_plot(tmp_path):
     (["--elastic", "--kill-rank", "1"], "--kill-rank takes RANK@EPOCH"),
     (["--replace", "1"], "--replace N (N >= 0) is for --elastic"),
     # options only some roles read, refused on every rank before MPI (not after a timeout)
-    (["--mode", "ps-async", "--tau-max", "-1"], "--tau-max must be >= 0"),
+    (["--mode", "ps-async", "--tau-max", "-1"], "--tau-max must be >= 1"),
+    (["--mode", "ps-async", "--tau-max", "0"], "would drop every update"),
+    (["--mode", "ps-async", "--servers", "0"], "--servers must be >= 1"),
+    (["--mode", "ps-async", "--replicas", "-1"], "--replicas must be >= 0"),
+    (["--mode", "ssp", "--slack", "-1"], "--slack must be >= 0"),
+    (["--mode", "ps-async", "--batch-interval", "0"], "--batch-interval must be a positive"),
+    (["--mode", "ps-async", "--network", "N1", "--base-rate", "-5"], "--base-rate must be > 0"),
+    (["--mode", "ps-async", "--base-rate", "1e6"], "without --network the data plane is not"),
     (["--mode", "ps-async", "--lr", "nan"], "--lr must be >= 0"),
     (["--momentum", "-0.5"], "--momentum must be >= 0"),
     (["--mode", "ps-async", "--compute-ms", "-5"], "--compute-ms must be >= 0"),
     (["--mode", "ps-async", "--stragglers", "C2", "--compute-ms", "0"], "leaves none"),
     (["--metrics", "/nonexistent/m.jsonl"], "is not a folder this process can write to"),
+    (["--metrics", "scripts"], "--metrics scripts is a folder"),   # (else rank 0 alone failed)
+    # ignored by the allreduce mode: refused, not silently dropped
+    (["--servers", "2"], "--servers is for the parameter-server modes"),
+    (["--batch-interval", "1"], "--batch-interval is for the parameter-server modes"),
+    (["--base-rate", "1e6"], "--base-rate is for the parameter-server modes"),
+    # a victim that never comes (rank < 0, or an epoch never run) is refused, not a no-op
+    (["--elastic", "--epochs", "3", "--kill-rank", "1@3"], "so no rank would die"),
+    (["--elastic", "--kill-rank=-1@1"], "so no rank would die"),
     (["--mode", "vanilla", "--tau-max", "1"], "--tau-max is for --mode ps-async"),
     (["--mode", "ps-async", "--slack", "3"], "--slack is for --mode ssp"),
     (["--mode", "ps-async", "--div-max", "1"], "--div-max bounds the replicas' divergence"),
     (["--model", "resnet"], "invalid choice"),
 ])
 def test_bad_options_fail_before_any_mpi(args, match):
+    _assert_refused(args, match)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write to any file")
+def test_a_metrics_file_it_cannot_write_fails_before_any_mpi(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text("")
+    metrics.chmod(0o444)
+    _assert_refused(["--metrics", str(metrics)], "cannot write to that file")
+
+
+def _assert_refused(args, match):
     proc = subprocess.run([sys.executable, SCRIPT, *args], cwd=ROOT, env=mpi_env(),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=60)
     assert proc.returncode == 2 and match in proc.stdout, proc.stdout
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("args, mpirun_args, match", [
+    # ps_init's refusal: too few ranks for the roles
+    (["--mode", "ps-async"], (), "train.py: 2 ranks are too few for 1 scheduler"),
+    # a victim beyond the job's size, known only once MPI runs
+    (["--elastic", "--kill-rank", "2@0"], ULFM, "train.py: --kill-rank 2@0: this job has ranks"),
+])
+def test_errors_known_under_mpi_fail_every_rank_in_one_line(args, mpirun_args, match):
+    proc = run_mpi(2, [SCRIPT, *args, "--epochs", "1", "--quiet"], timeout=120,
+                   env={"MLFABRIC_TIMEOUT": "20"}, mpirun_args=mpirun_args)
+    assert proc.returncode != 0, proc.stdout
+    assert proc.stdout.count(match) == 2 and "Traceback" not in proc.stdout, proc.stdout
 
 
 @pytest.mark.mpi
@@ -126,8 +168,7 @@ def test_elastic_training_survives_a_killed_rank():
     """--elastic under ULFM: rank 1 of 4 dies as epoch 3 starts; the 3 others redo that epoch on
     re-split shards and still reach 95% on digits, with rank 0's summary naming 3 ranks."""
     proc = run_mpi(4, [SCRIPT, "--elastic", "--kill-rank", "1@3", "--quiet"], timeout=240,
-                   env={"MLFABRIC_TIMEOUT": "10"},
-                   mpirun_args=("--with-ft", "ulfm", "--mca", "mpi_ft_detector", "true"))
+                   env={"MLFABRIC_TIMEOUT": "10"}, mpirun_args=ULFM)
     assert "3 rank(s) go on from epoch 3" in proc.stdout, proc.stdout
     assert proc.returncode == 0, proc.stdout  # the survivors' exit too
     r = result(proc.stdout)
@@ -143,8 +184,23 @@ def test_elastic_training_replaces_a_killed_rank():
                    timeout=300, env={"MLFABRIC_TIMEOUT": "10",
                                      # shared memory does not connect separate jobs
                                      "OMPI_MCA_btl": f"self,{shared_memory_btl()},tcp"},
-                   mpirun_args=("--with-ft", "ulfm", "--mca", "mpi_ft_detector", "true"))
+                   mpirun_args=ULFM)
     assert "4 rank(s) go on from epoch 3 (replacements included)" in proc.stdout, proc.stdout
     assert proc.returncode == 0, proc.stdout
     r = result(proc.stdout)
     assert r["ranks"] == 4 and r["test_accuracy"] >= 0.95, r
+
+
+@pytest.mark.mpi
+def test_elastic_metrics_go_on_when_rank_0_dies(tmp_path):
+    """--elastic --metrics: rank 0 of 3 dies as epoch 1 starts; the new rank 0 appends the
+    epochs after it and the summary to the file the dead one began."""
+    metrics = tmp_path / "m.jsonl"
+    proc = run_mpi(3, [SCRIPT, "--elastic", "--kill-rank", "0@1", "--epochs", "2", "--quiet",
+                       "--metrics", str(metrics)], timeout=120, env={"MLFABRIC_TIMEOUT": "10"},
+                   mpirun_args=ULFM)
+    assert proc.returncode == 0, proc.stdout
+    r = result(proc.stdout)
+    rows = [json.loads(ln) for ln in metrics.read_text().splitlines()]
+    assert [row.get("epoch") for row in rows] == [0, 1, None], rows
+    assert rows[-1] == r and r["ranks"] == 2, rows
