@@ -21,7 +21,7 @@ from mpi4py import MPI
 from . import _C, _buffers, _device, _dtypes, context
 from .comm import algorithms, header, p2p
 from .comm.executor import Handle
-from .errors import MismatchError, MlfabricError
+from .errors import MismatchError, MlfabricError, PeerTimeoutError
 
 ALGORITHMS = ("auto", "shm", "ring", "rhd", "tree")
 
@@ -292,7 +292,7 @@ def reduce(x, root=0, op="sum", out=None):
 def _broadcast(x, root, async_, element=0):
     what = "broadcast"
     if _device.is_device(x):
-        return _gpu().broadcast(x, root, async_)
+        return _gpu().broadcast(x, root, async_, element)
 
     def prepare(ctx):
         xb = _buffers.wrap(x, writable=True)
@@ -333,7 +333,7 @@ def broadcast_async(x, root=0, element=0):
 def _allgather(x, out, async_, element=0):
     what = "allgather"
     if _device.is_device(x):
-        return _gpu().allgather(x, out, async_)
+        return _gpu().allgather(x, out, async_, element)
 
     def prepare(ctx):
         xb = _buffers.wrap(x)
@@ -530,14 +530,18 @@ class Request:
         self._result = self._error = None
 
     def test(self):
-        """Whether wait() would return (or raise) at once."""
-        if not self._done:
-            try:
-                if not MPI.Request.Testall(self._reqs):
-                    return False
-            except MPI.Exception:
-                pass  # an MPI error (a truncated receive): wait() reports it
-        return True
+        """Whether wait() would return (or raise) at once. While another thread is inside
+        wait(), False (MPI forbids testing a request another thread is waiting on)."""
+        if self._done:
+            return True
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            return self._done or bool(MPI.Request.Testall(self._reqs))
+        except MPI.Exception:  # an MPI error (a truncated receive): wait() reports it
+            return True
+        finally:
+            self._lock.release()
 
     def wait(self):
         with self._lock:
@@ -557,7 +561,11 @@ class Request:
             p2p.wait(self._reqs, peers, what, [False] * len(self._reqs))
             return None
         x, xb, meta, element = self._recv
-        p2p.wait(self._reqs[:1], peers[:1], what, [True])
+        try:
+            p2p.wait(self._reqs[:1], peers[:1], what, [True])
+        except PeerTimeoutError:  # the payload's receive must not write into x later either
+            p2p.park(self._reqs[1:], [True])
+            raise
         error = _recv_mismatch(what, self._peer, meta, xb, element)
         try:
             p2p.wait(self._reqs[1:], peers[1:], what, [True])

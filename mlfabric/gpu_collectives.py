@@ -117,7 +117,7 @@ def reduce(x, root, op, out):
     return _coll._run(what, prepare)
 
 
-def broadcast(x, root, async_):
+def broadcast(x, root, async_, element=0):
     what = "broadcast"
 
     def now():
@@ -136,12 +136,12 @@ def broadcast(x, root, async_):
             if xb.count:
                 comm.broadcast(what, xb.devices, ready, xb.ptr, xb.count, xb.code, r)
             return x
-        return header.make(what, xb.code, 0, False, r, xb.shape, "nccl"), body
+        return header.make(what, xb.code, 0, False, r, xb.shape, "nccl", element=element), body
 
     return _coll._run(what, prepare, async_)
 
 
-def allgather(x, out, async_):
+def allgather(x, out, async_, element=0):
     what = "allgather"
 
     def now():
@@ -162,7 +162,7 @@ def allgather(x, out, async_):
             if xb.count:
                 comm.allgather(what, xb.devices, ready, xb.ptr, ob.ptr, xb.count, xb.code)
             return res
-        return header.make(what, xb.code, 0, False, 0, xb.shape, "nccl"), body
+        return header.make(what, xb.code, 0, False, 0, xb.shape, "nccl", element=element), body
 
     return _coll._run(what, prepare, async_)
 

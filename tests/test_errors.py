@@ -28,6 +28,11 @@ def test_timeout_after_a_mismatch_names_it(n):
 
 
 @pytest.mark.mpi
+def test_a_late_sender_never_writes_after_a_receive_timed_out():
+    run_cases("p2p_timeout_cases", 2, timeout=120, env={"MLFABRIC_TIMEOUT": "2"})
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("n", [4, 5])
 def test_ps_job_end_is_bounded_by_liveness(n):
     run_cases("ps_liveness", n, timeout=120, env={"MLFABRIC_TIMEOUT": "3"})

@@ -164,17 +164,18 @@ def _poll(reqs, peers, what, is_recv):
     _give_up(reqs, peers, is_recv, what, timeout)
 
 
-def _give_up(reqs, peers, is_recv, what, timeout):
-    global timeouts
-    timeouts += 1
-    one_each = len(peers) == len(reqs)
-    if is_recv is None:
-        is_recv = [False] * len(reqs)
-    late = []
+def park(reqs, is_recv):
+    """Give up on requests: cancel the unfinished receives and keep every unfinished request
+    (with the buffer it references) for the life of the process, so MPI never writes into or
+    reads from freed memory. The indices of the unfinished ones."""
+    unfinished = []
     for i, (req, recv) in enumerate(zip(reqs, is_recv)):
-        if req == MPI.REQUEST_NULL or req.Test():
+        try:
+            if req == MPI.REQUEST_NULL or req.Test():
+                continue
+        except MPI.Exception:  # it completed, in error: nothing left to touch the buffer
             continue
-        late.extend([peers[i]] if one_each else peers)
+        unfinished.append(i)
         if recv:
             # Cancelling a receive is well defined: it completes as cancelled, and a message that
             # comes later is matched by nobody. Cancelling a send is deprecated in MPI 4 and
@@ -186,6 +187,16 @@ def _give_up(reqs, peers, is_recv, what, timeout):
                 pass
         if req != MPI.REQUEST_NULL:
             _abandoned.append(req)  # mpi4py requests hold a reference to their buffer
+    return unfinished
+
+
+def _give_up(reqs, peers, is_recv, what, timeout):
+    global timeouts
+    timeouts += 1
+    one_each = len(peers) == len(reqs)
+    late = []
+    for i in park(reqs, is_recv if is_recv is not None else [False] * len(reqs)):
+        late.extend([peers[i]] if one_each else peers)
     late = sorted(set(late))
     raise PeerTimeoutError(
         f"{describe(what)}: no progress from rank(s) {late} within {timeout:g} s "

@@ -4,10 +4,10 @@
     DistributedDataParallel(model)                        # runs unchanged, on mlfabric
 
 work on CPU tensors (and torch's functional collectives, DeviceMesh and DTensor, which find the
-group by the name torch gives it). Owns the ProcessGroup subclass (MlfabricProcessGroup), its Work objects,
-the "mlfabric://" rendezvous and the registrations with torch; the data moves through mlfabric's
-public collectives (mlfabric/collectives.py), which also turn a shape, dtype or op that differs
-between ranks into an error on every rank.
+group by the name torch gives it). Owns the ProcessGroup subclass (MlfabricProcessGroup), its
+Work objects, the "mlfabric://" rendezvous and the registrations with torch; the data moves
+through mlfabric's public collectives (mlfabric/collectives.py), which also turn a shape, dtype
+or op that differs between ranks into an error on every rank.
 
 Ranks and world size come from MPI (mlfabric.init() on MPI.COMM_WORLD if not yet initialised).
 Rendezvous: init_method="mlfabric://" asks MPI, and so does the default init_method ("env://")
@@ -31,14 +31,15 @@ below), in the order issued. Collectives are non-blocking: Work.wait() returns, 
 future completes, when mlfabric is done; reduce and barrier complete before they return (mlfabric
 has no non-blocking forms of them). send and recv are mlfabric.isend / irecv, posted when made
 (ranks may post receives first, as batch_isend_irecv does) and completed by Work.wait() on the
-caller's thread; their tags are ints in [0, 8192) (mlfabric keeps the tags above for itself). Future callbacks run on a small thread pool, so one
-may wait for another collective; but a collective issued from a callback races the training thread
-for its place in the issue order, which must be the same on every rank, so hooks that do that
-(PowerSGD) are not supported. all_to_all_single takes any split sizes (rows of dimension 0; zero
-too), all_to_all tensors of any sizes: first one small allgather of every rank's split sizes, on
-the caller's thread (so after the calls issued before it), so sizes that disagree anywhere (a rank
-expecting rows that are not sent it) are a MismatchError on every rank before any data moves; then
-one mlfabric alltoall, in the background (equal splits everywhere and at most _ALLGATHER_BYTES
+caller's thread (or, once get_future() is asked for, by one polling thread); their tags are ints in
+[0, 8192) (mlfabric keeps the tags above for itself). Future callbacks run on a small thread pool,
+so one may wait for another collective; but a collective issued from a callback races the training
+thread for its place in the issue order, which must be the same on every rank, so hooks that do
+that (PowerSGD) are not supported. all_to_all_single takes any split sizes (rows of dimension 0;
+zero too), all_to_all tensors of any sizes: first one small allgather of every rank's split sizes,
+on the caller's thread (so after the calls issued before it), so sizes that disagree anywhere (a
+rank expecting rows that are not sent it) are a MismatchError on every rank before any data moves;
+then one mlfabric alltoall, in the background (equal splits everywhere and at most _ALLGATHER_BYTES
 gathered: an allgather, faster there). gather is an allgather too, after one small allgather of the
 ranks' roots (an allgather's header has none to compare). Outputs are checked before the call: one
 whose elements share memory (an expanded tensor) is refused.
@@ -59,6 +60,7 @@ import operator
 import os
 import socket
 import threading
+import time
 import zlib
 from datetime import timedelta
 from urllib.parse import parse_qsl, urlparse
@@ -71,7 +73,7 @@ from torch._C._distributed_c10d import (AllreduceCoalescedOptions, AllreduceOpti
                                         ReduceScatterOptions, ScatterOptions)
 
 import mlfabric as mf
-from mlfabric import _buffers
+from mlfabric import _buffers, _config
 from mlfabric import context as _context
 from mlfabric.comm import header as _header
 from mlfabric.comm import nccl as _nccl
@@ -168,8 +170,10 @@ class _P2PWork(dist.Work):
     """A send or receive in flight (mlfabric.isend / irecv, posted when made: ranks may post
     receives before sends, as batch_isend_irecv does). wait() completes it on the calling thread
     (within MLFABRIC_TIMEOUT), then finish(the request's result) puts a received tensor in
-    place; the future completes then. get_future() has a pool thread wait, so that the future
-    completes without a wait() of the caller's."""
+    place; the future completes then. is_completed() says True only once that is done. A
+    future asked for completes by itself: _P2P_POLLER finishes the Work when its request is
+    done (one thread for them all, so that pending receives cannot take the threads that
+    complete the collectives' futures)."""
 
     def __init__(self, request, finish):
         super().__init__()
@@ -177,7 +181,8 @@ class _P2PWork(dist.Work):
         self._future = torch.futures.Future()
         self._lock = threading.Lock()
         self._out = self._error = None
-        self._done = self._waiter = False
+        self._done = False
+        self._polled = False
 
     def wait(self, timeout=None):
         with self._lock:
@@ -196,13 +201,18 @@ class _P2PWork(dist.Work):
         return True
 
     def is_completed(self):
-        return self._done or self._request.test()
+        if self._done:
+            return True
+        if not self._request.test():
+            return False
+        self._wait_quietly()  # at once: puts a received tensor in place
+        return True
 
     def get_future(self):
         with self._lock:
-            if not self._done and not self._waiter:
-                self._waiter = True
-                _completer.submit(self._wait_quietly)
+            if not self._done and not self._polled:
+                self._polled = True
+                _P2P_POLLER.add(self)
         return self._future
 
     def _wait_quietly(self):
@@ -214,6 +224,56 @@ class _P2PWork(dist.Work):
     def result(self):
         self.wait()
         return self._out
+
+
+class _P2PPoller:
+    """One thread that finishes the p2p Works whose futures were asked for, as their requests
+    complete (polling, with a back-off to 1 ms while nothing completes). One still pending
+    MLFABRIC_TIMEOUT after it came is handed to a pool thread to wait, whose own bound then
+    raises into its future."""
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._works = []  # (work, deadline)
+        self._thread = None
+
+    def add(self, work):
+        with self._cv:
+            self._works.append((work, time.monotonic() + _config.timeout_s()))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="mlfabric-p2p",
+                                                daemon=True)
+                self._thread.start()
+            self._cv.notify()
+
+    def _loop(self):
+        from mpi4py import MPI  # (imported by then: a request exists)
+        nap = 20e-6
+        while True:
+            with self._cv:
+                while not self._works:
+                    self._cv.wait()
+                    nap = 20e-6
+                works = list(self._works)
+            if MPI.Is_finalized():  # a receive left pending at exit: nothing can finish it
+                return
+            now, finished = time.monotonic(), set()
+            for work, deadline in works:
+                if work.is_completed():
+                    finished.add(id(work))
+                elif now > deadline:
+                    _completer.submit(work._wait_quietly)
+                    finished.add(id(work))
+            if finished:
+                with self._cv:
+                    self._works = [(w, d) for w, d in self._works if id(w) not in finished]
+                nap = 20e-6
+            else:
+                time.sleep(nap)
+                nap = min(nap * 2, 1e-3)
+
+
+_P2P_POLLER = _P2PPoller()
 
 
 def _completed(out):

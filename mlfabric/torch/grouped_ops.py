@@ -21,13 +21,13 @@ import torch
 
 from .. import _C
 from .. import collectives as _coll
-from ..errors import MismatchError
 from . import tensor_meta as _meta
 from .compression import Compression
 from .ops import (_ACTIVE, _ALLGATHER, _CORE_OPS, _DTYPE_CODE, _DTYPES, _REDUCESCATTER,
                   _ROW_HASH, _STATE, Average, _agree, _check_differentiable, _check_name,
                   _compression, _control, _desc, _disagreement, _gather, _groups, _issue,
-                  _LAYOUTS_KEPT, _clone_all, _layout, _recorded, _ReducePlan, _resolve_op,
+                  _LAYOUTS_KEPT, _clone_all, _layout, _mismatched, _recorded, _ReducePlan,
+                  _resolve_op,
                   _scan, _state, _what, _wire)
 from .ops import _grouped_call as _grouped_allreduce_call
 
@@ -60,19 +60,19 @@ def _list_desc(kind, code, op, shape, name, codes, shapes, tensor, rows=True):
 def _agree_list(st, desc, what, rows=True):
     """ops._agree, naming lists that differ (rather than the shape of a row of the first
     round's tensor, which the user never passed). rows: as _list_desc's."""
-    table = _control(st, desc)
+    table = _control(st, desc, what)
     states = table[:, _STATE]
     active = np.flatnonzero(states == _ACTIVE)
     if (states >= 0).all() and active.size and \
             (table[active, _ROW_HASH] != table[active[0], _ROW_HASH]).any():
         groups = _groups(table, active, lambda d: int(d[_ROW_HASH]))
-        raise MismatchError(
+        raise _mismatched(st, what, (
             f"{what}: the ranks' lists differ (their length, dtypes, or shapes"
             f"{' after the first dimension' if rows else ''}; ranks grouped by list: "
-            f"{' | '.join(map(str, groups))})")
+            f"{' | '.join(map(str, groups))})"))
     msg = _disagreement(table, what)
     if msg is not None:
-        raise MismatchError(msg)
+        raise _mismatched(st, what, msg)
     return table
 
 

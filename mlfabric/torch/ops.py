@@ -442,39 +442,48 @@ def _drain():
 atexit.register(_drain)
 
 
-def _control(st, desc):
+def _control(st, desc, what=None):
+    """The control round: every rank's descriptor, as a table. what: the call, named in the
+    PeerTimeoutError of a round that times out."""
     timing = _timeline.negotiating()
     try:
         table = _coll.allgather(desc).reshape(st.ctx.size, _W)
-    finally:
-        if timing is not None:  # a round that failed (a dead peer) is the one to see
-            timing[1].append((timing[0], _timeline._now_us()))
-    st.rounds += 1
-    return table
-
-
-def _agree(st, desc, what):
-    """Control round of an active rank: the table, or the MismatchError every rank raises."""
-    try:
-        table = _control(st, desc)
-    except PeerTimeoutError as exc:  # its own words name the engine's allgather, not the call
-        # After a mismatch the ranks' calls may no longer line up (a call some rank issued
-        # once more, e.g. an async one queued behind the call that failed): a round no peer
-        # joins times out, and its cause is that earlier error, which may have gone unseen
-        # (an async call's, until synchronize())
+    except PeerTimeoutError as exc:
+        if what is None:
+            raise
+        # its own words name the engine's allgather, not the call. After a mismatch the
+        # ranks' calls may no longer line up (a call some rank issued once more, e.g. an async
+        # one queued behind the call that failed): a round no peer joins times out, and its
+        # cause is that earlier error, which may have gone unseen (an async call's, until
+        # synchronize())
         after = "" if st.mismatch is None else (
             f" (this rank's earlier call {st.mismatch[0]} failed with MismatchError: "
             f"{st.mismatch[1][:300]}; after a mismatch the ranks' calls may no longer line up, "
             "so the peers may never issue this one)")
         raise PeerTimeoutError(f"{what}: in the control round (the ranks agreeing on the call): "
                                f"{exc}{after}") from exc
+    finally:
+        if timing is not None:  # a round that failed (a dead peer) is the one to see
+            timing[1].append((timing[0], _timeline._now_us()))
+    st.rounds += 1
+    st.mismatch = None  # the ranks' calls line up again (the caller records a new mismatch)
+    return table
+
+
+def _mismatched(st, what, msg):
+    """The MismatchError every rank of st raises for call `what`, recorded for _control."""
+    st.mismatch = (what, msg)
+    err = MismatchError(msg)
+    err._mlf_peers_told = st  # every rank of st raises it (elastic.run reads the mark)
+    return err
+
+
+def _agree(st, desc, what):
+    """Control round of an active rank: the table, or the MismatchError every rank raises."""
+    table = _control(st, desc, what)
     msg = _disagreement(table, what)
     if msg is not None:
-        st.mismatch = (what, msg)
-        err = MismatchError(msg)
-        err._mlf_peers_told = st  # every rank of st raises it (elastic.run reads the mark)
-        raise err
-    st.mismatch = None
+        raise _mismatched(st, what, msg)
     return table
 
 

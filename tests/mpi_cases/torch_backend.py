@@ -551,6 +551,26 @@ def case_nonblocking_send_recv_posted_when_made():
         work = dist.irecv(y, 0)
         fut = work.get_future()  # completes without a wait() of ours
         assert fut.wait() == [y] and (y == 7.0).all() and work.is_completed()
+    # a widened receive is complete only once the tensor holds the data; polling
+    # is_completed() while the future's thread waits is safe
+    got = torch.zeros(4, dtype=torch.int8)
+    work = dist.irecv(got, prv)
+    fut = work.get_future()
+    dist.isend(torch.full((4,), r + 1, dtype=torch.int8), nxt).wait()
+    while not work.is_completed():
+        pass
+    assert torch.equal(got, torch.full((4,), prv + 1, dtype=torch.int8)), got
+    assert fut.wait() == [got]
+    # many receives whose futures were asked for do not hold up a collective's completion
+    bufs = [torch.zeros(2) for _ in range(40)]
+    works = [dist.irecv(b, prv, tag=i) for i, b in enumerate(bufs)]
+    futs = [w.get_future() for w in works]
+    t = torch.ones(3)
+    dist.all_reduce(t)  # (its future is completed by the pool the waits must not fill)
+    assert (t == n).all()
+    for i in range(40):
+        dist.isend(torch.full((2,), float(i)), nxt, tag=i).wait()
+    assert all(f.wait() == [b] and (b == i).all() for i, (f, b) in enumerate(zip(futs, bufs)))
 
 
 def case_narrow_dtypes_that_differ_between_ranks_fail_everywhere():
