@@ -543,6 +543,25 @@ class Request:
         finally:
             self._lock.release()
 
+    def give_up(self, timeout):
+        """Past a bound of `timeout` seconds without completing (a poller's, which must not
+        block): park the requests and make wait() raise the PeerTimeoutError wait() would have.
+        False, doing nothing, while another thread is inside wait() (its own bound ends it)."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            if not self._done:
+                is_recv = [self._recv is not None] * len(self._reqs)
+                try:
+                    p2p.give_up(self._reqs, [self._peer] * len(self._reqs), is_recv,
+                                self._what, timeout)
+                except PeerTimeoutError as exc:
+                    self._error = exc
+                self._done = True
+            return True
+        finally:
+            self._lock.release()
+
     def wait(self):
         with self._lock:
             if not self._done:

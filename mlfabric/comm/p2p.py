@@ -190,6 +190,13 @@ def park(reqs, is_recv):
     return unfinished
 
 
+def give_up(reqs, peers, is_recv, what, timeout):
+    """End a wait on reqs that ran `timeout` seconds elsewhere (a poller's): as wait() does at
+    its deadline, park what is unfinished and raise PeerTimeoutError (nothing if all are done)."""
+    if any(req != MPI.REQUEST_NULL for req in reqs):
+        _give_up(reqs, peers, is_recv, what, timeout)
+
+
 def _give_up(reqs, peers, is_recv, what, timeout):
     global timeouts
     timeouts += 1

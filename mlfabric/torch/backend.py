@@ -229,8 +229,8 @@ class _P2PWork(dist.Work):
 class _P2PPoller:
     """One thread that finishes the p2p Works whose futures were asked for, as their requests
     complete (polling, with a back-off to 1 ms while nothing completes). One still pending
-    MLFABRIC_TIMEOUT after it came is handed to a pool thread to wait, whose own bound then
-    raises into its future."""
+    MLFABRIC_TIMEOUT after it came is given up (its future gets the PeerTimeoutError), at once,
+    blocking nothing; unless a thread of the user's waits on it, whose own bound ends it."""
 
     def __init__(self):
         self._cv = threading.Condition()
@@ -262,7 +262,8 @@ class _P2PPoller:
                 if work.is_completed():
                     finished.add(id(work))
                 elif now > deadline:
-                    _completer.submit(work._wait_quietly)
+                    if work._request.give_up(_config.timeout_s()):
+                        work._wait_quietly()  # at once: the future gets the error
                     finished.add(id(work))
             if finished:
                 with self._cv:

@@ -1,7 +1,8 @@
-"""An irecv whose sender comes too late: wait() raises PeerTimeoutError within MLFABRIC_TIMEOUT
-(2 s in the harness), and the late message is never written into the receiver's array (both of
-the receive's requests are cancelled, not only the one waited on). Runs alone: a timeout leaves
-the communicator unusable by design."""
+"""Receives nobody serves in time (MLFABRIC_TIMEOUT is 2 s in the harness): the torch backend's
+p2p futures fail within the bound without holding up collectives; an irecv whose sender comes
+too late raises PeerTimeoutError, and the late message is never written into the receiver's
+array (both of the receive's requests are cancelled, not only the one waited on). Runs alone:
+a timeout may leave the communicator unusable."""
 import time
 
 import numpy as np
@@ -10,6 +11,37 @@ import pytest
 import mlfabric as mf
 
 from .common import setup  # noqa: F401
+
+
+def case_torch_receive_futures_nobody_serves_fail_within_the_bound():
+    """The torch backend's p2p futures (completed by one polling thread) of receives nobody
+    serves fail with PeerTimeoutError about MLFABRIC_TIMEOUT after they were asked for, and
+    meanwhile a collective's future completes (they hold none of the threads it needs)."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    import mlfabric.torch  # noqa: F401 - registers the backend
+    from mlfabric.torch import backend
+    n, r = mf.size(), mf.rank()
+    for var in backend._ENV_VARS:
+        os.environ.pop(var, None)
+    dist.init_process_group("mlfabric")
+    try:
+        futs = []
+        if r == 1:
+            futs = [dist.irecv(torch.zeros(2), 0, tag=100 + i).get_future() for i in range(40)]
+        t0 = time.monotonic()
+        t = torch.ones(3)
+        dist.all_reduce(t, async_op=True).get_future().wait()
+        assert (t == n).all() and time.monotonic() - t0 < 1.5, time.monotonic() - t0
+        for f in futs:
+            with pytest.raises(mf.PeerTimeoutError, match="recv from rank 0"):
+                f.wait()
+        assert time.monotonic() - t0 < 3 * 2 + 2  # one bound (2 s), not one per receive
+    finally:
+        dist.destroy_process_group()
 
 
 def case_late_sender_never_writes_after_a_timeout():
