@@ -546,18 +546,25 @@ class Request:
     def give_up(self, timeout):
         """Past a bound of `timeout` seconds without completing (a poller's, which must not
         block): park the requests and make wait() raise the PeerTimeoutError wait() would have.
-        False, doing nothing, while another thread is inside wait() (its own bound ends it)."""
+        False, doing nothing, where wait() should run instead: another thread is inside it (its
+        own bound ends it), or the requests completed meanwhile."""
         if not self._lock.acquire(blocking=False):
             return False
         try:
-            if not self._done:
-                is_recv = [self._recv is not None] * len(self._reqs)
-                try:
-                    p2p.give_up(self._reqs, [self._peer] * len(self._reqs), is_recv,
-                                self._what, timeout)
-                except PeerTimeoutError as exc:
-                    self._error = exc
-                self._done = True
+            if self._done:
+                return True
+            try:
+                if MPI.Request.Testall(self._reqs):
+                    return False
+            except MPI.Exception:  # an MPI error (a truncated receive): wait() reports it
+                return False
+            is_recv = [self._recv is not None] * len(self._reqs)
+            try:
+                p2p.give_up(self._reqs, [self._peer] * len(self._reqs), is_recv, self._what,
+                            timeout)
+            except PeerTimeoutError as exc:
+                self._error = exc
+            self._done = True
             return True
         finally:
             self._lock.release()

@@ -230,7 +230,8 @@ class _P2PPoller:
     """One thread that finishes the p2p Works whose futures were asked for, as their requests
     complete (polling, with a back-off to 1 ms while nothing completes). One still pending
     MLFABRIC_TIMEOUT after it came is given up (its future gets the PeerTimeoutError), at once,
-    blocking nothing; unless a thread of the user's waits on it, whose own bound ends it."""
+    blocking nothing; unless a thread of the user's waits on it, whose own bound ends it (the
+    poller sees it done then)."""
 
     def __init__(self):
         self._cv = threading.Condition()
@@ -261,10 +262,10 @@ class _P2PPoller:
             for work, deadline in works:
                 if work.is_completed():
                     finished.add(id(work))
-                elif now > deadline:
-                    if work._request.give_up(_config.timeout_s()):
-                        work._wait_quietly()  # at once: the future gets the error
+                elif now > deadline and work._request.give_up(_config.timeout_s()):
+                    work._wait_quietly()  # at once: the future gets the error
                     finished.add(id(work))
+                # (else it stays: a thread of the user's waits on it, or it just completed)
             if finished:
                 with self._cv:
                     self._works = [(w, d) for w, d in self._works if id(w) not in finished]
