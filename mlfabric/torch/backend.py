@@ -45,8 +45,8 @@ ranks' roots (an allgather's header has none to compare). Outputs are checked be
 whose elements share memory (an expanded tensor) is refused.
 Reductions: SUM, AVG, PRODUCT, MIN, MAX on float32/64, float16, bfloat16, int32, int64; calls
 that only move data carry those, the narrow integers and bool (widened to int32) and complex ones
-(as float pairs); others (float8 kinds, uint64) are a TypeError. The dtype each rank
-had compared with the rest of the call (element=, comm/header.py: int8 against uint8 is a
+(as float pairs); others (float8 kinds, uint64) are a TypeError. The dtype each rank had is
+compared with the rest of the call (element=, comm/header.py: int8 against uint8 is a
 MismatchError on every rank, though both travel as int32).
 all_reduce of a sparse COO tensor (SUM or AVG) is gloo's sparse allreduce, which DDP uses for
 nn.Embedding(sparse=True): allgathers of every rank's entries (sparse.combine sums them).
@@ -425,9 +425,7 @@ def _element(t):
     """What _wire(t) hides, for mlfabric to compare between ranks with the dtype (element=):
     the index of t's dtype in comm.header.ELEMENTS, 0 where t travels as it is. Without it,
     ranks passing int8 and uint8 (both sent as int32) would reinterpret each other's data."""
-    if t.dtype in _WIRE_DTYPES:
-        return 0
-    return _ELEMENTS.get(t.dtype, 0)
+    return _ELEMENTS.get(t.dtype, 0)  # (no dtype mlfabric carries is in ELEMENTS)
 
 
 def _into(t):
