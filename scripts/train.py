@@ -209,6 +209,7 @@ class Reporter:
             self.out.close()
             self.out = None
         self.active = active
+        self.bar.enabled = active and not self.args.quiet  # (every rank counts its steps)
 
     def step(self, loss):
         self.bar.update(1, loss=float(loss))

@@ -194,9 +194,10 @@ def test_elastic_training_replaces_a_killed_rank():
 @pytest.mark.mpi
 def test_elastic_metrics_go_on_when_rank_0_dies(tmp_path):
     """--elastic --metrics: rank 0 of 3 dies as epoch 1 starts; the new rank 0 appends the
-    epochs after it and the summary to the file the dead one began."""
+    epochs after it and the summary to the file the dead one began, and carries the progress
+    bar to its end (the dead one drew it to the middle)."""
     metrics = tmp_path / "m.jsonl"
-    proc = run_mpi(3, [SCRIPT, "--elastic", "--kill-rank", "0@1", "--epochs", "2", "--quiet",
+    proc = run_mpi(3, [SCRIPT, "--elastic", "--kill-rank", "0@1", "--epochs", "2",
                        "--metrics", str(metrics)], timeout=120, env={"MLFABRIC_TIMEOUT": "10"},
                    mpirun_args=ULFM)
     assert proc.returncode == 0, proc.stdout
@@ -204,3 +205,6 @@ def test_elastic_metrics_go_on_when_rank_0_dies(tmp_path):
     rows = [json.loads(ln) for ln in metrics.read_text().splitlines()]
     assert [row.get("epoch") for row in rows] == [0, 1, None], rows
     assert rows[-1] == r and r["ranks"] == 2, rows
+    bars = [ln for ln in proc.stdout.splitlines() if ln.startswith("train allreduce [")]
+    total = int(bars[0].split("] ")[1].split("/")[1].split()[0])
+    assert any(f"] {total}/{total} " in ln for ln in bars), bars
