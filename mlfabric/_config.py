@@ -26,31 +26,27 @@ from .errors import MlfabricError
 # Settings that shape the collectives' protocol (and mlfabric.torch's fusion, which decides how
 # many calls a list of tensors makes): every rank must use the same values. init() compares the
 # values as read (unset and the default are the same), so a difference is an error on every rank
-# rather than a crash or a hang. nranks: the communicator's size (CMA's defaults depend on it).
-def _shaping(nranks):
-    lo, hi = cma_range(nranks)
-    return (("MLFABRIC_SHM", shm_enabled), ("MLFABRIC_SHM_BLOCK", shm_block_bytes),
-            ("MLFABRIC_SHM_SLOTS", shm_slots), ("MLFABRIC_CMA_MIN", lambda: lo),
-            ("MLFABRIC_CMA_MAX", lambda: hi), ("MLFABRIC_NCCL_SHARE_GPU", nccl_share_gpu),
-            ("MLFABRIC_FUSION_THRESHOLD", fusion_threshold))
-
-
-SHAPING = ("MLFABRIC_SHM", "MLFABRIC_SHM_BLOCK", "MLFABRIC_SHM_SLOTS", "MLFABRIC_CMA_MIN",
-           "MLFABRIC_CMA_MAX", "MLFABRIC_NCCL_SHARE_GPU", "MLFABRIC_FUSION_THRESHOLD")
+# rather than a crash or a hang. Each is read given the communicator's size (CMA's defaults
+# depend on it).
+_SHAPING_READERS = (
+    ("MLFABRIC_SHM", lambda n: shm_enabled()),
+    ("MLFABRIC_SHM_BLOCK", lambda n: shm_block_bytes()),
+    ("MLFABRIC_SHM_SLOTS", lambda n: shm_slots()),
+    ("MLFABRIC_CMA_MIN", lambda n: cma_range(n)[0]),
+    ("MLFABRIC_CMA_MAX", lambda n: cma_range(n)[1]),
+    ("MLFABRIC_NCCL_SHARE_GPU", lambda n: nccl_share_gpu()),
+    ("MLFABRIC_FUSION_THRESHOLD", lambda n: fusion_threshold()))
+SHAPING = tuple(name for name, _ in _SHAPING_READERS)
 
 
 def shaping_settings(nranks):
     """(name, value as read, or the error of a bad one, as text) of each shaping setting (and
     of a bad MLFABRIC_ISA): a rank with a bad value still takes part in init()'s exchange, then
     raises its error, and its peers one naming it."""
-    try:
-        readers = _shaping(nranks)
-    except MlfabricError as exc:  # a bad CMA bound
-        return tuple((name, f"error: {exc}") for name in SHAPING)
     out = []
-    for name, read in readers:
+    for name, read in _SHAPING_READERS:
         try:
-            out.append((name, read()))
+            out.append((name, read(nranks)))
         except MlfabricError as exc:
             out.append((name, f"error: {exc}"))
     try:  # not compared (it does not shape the protocol), but a bad one is an error

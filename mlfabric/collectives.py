@@ -481,14 +481,8 @@ def send(x, dest, tag=0, element=0):
     """Send x to rank dest; blocks until x may be reused. The receiver's array must have the
     same dtype and number of elements: a mismatch raises MismatchError at the receiver.
     element: as broadcast's."""
-    ctx = context.get()
-    xb = _buffers.wrap(x)
-    dest = _check_root(dest, ctx.size)
-    t = _user_tag(tag)
-    meta = _meta_of(xb, element)
-    reqs = [ctx.comm.Isend(meta, dest, t), ctx.comm.Isend([p2p.as_bytes(xb.arr), MPI.BYTE], dest, t)]
-    ctx.executor.run("send", lambda: p2p.wait(reqs, [dest, dest], f"send to rank {dest}",
-                                                 [False, False]))
+    request = isend(x, dest, tag, element)
+    context.get().executor.run("send", request.wait)  # (after the calls queued before it)
 
 
 def recv(x, source, tag=0, element=0):

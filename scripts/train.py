@@ -42,6 +42,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 PS_MODES = {"ps-async": "async", "ps-sync": "sync", "ssp": "ssp", "vanilla": "vanilla"}
+# Options of the parameter-server modes alone, and their defaults: they default to None in the
+# parser, so that the allreduce mode can tell one given from the default and refuse it.
+PS_DEFAULTS = {"replicas": 0, "servers": 1, "batch_interval": 0.005, "base_rate": 50e6}
 MODES = ("allreduce",) + tuple(PS_MODES)
 
 
@@ -64,8 +67,7 @@ def parse(argv=None):
     p.add_argument("--div-max", type=float, default=None,
                    help="with --replicas: the replicas' divergence bound (default: none)")
     p.add_argument("--slack", type=int, default=None, help="ssp: K (default 2)")
-    # (the parameter-server options default to None, filled in below, so that the allreduce
-    # mode can tell one given from the default and refuse it)
+    # (PS_DEFAULTS' options default to None here, filled in by parse())
     p.add_argument("--batch-interval", type=float, default=None,
                    help="parameter-server modes: the scheduler plans every this many seconds "
                         "(default 0.005: the paper's 0.1 s suits its 100 ms steps; these steps "
@@ -104,7 +106,7 @@ def parse(argv=None):
     if args.network and args.mode == "allreduce":
         p.error("--network emulates NIC rates on the parameter-server data plane; the allreduce "
                 "mode runs on the shared-memory engine, which is not paced")
-    for name in ("replicas", "servers", "batch_interval", "base_rate"):
+    for name in PS_DEFAULTS:
         if getattr(args, name) is not None and args.mode == "allreduce":
             p.error(f"--{name.replace('_', '-')} is for the parameter-server modes")
     if args.base_rate is not None and not args.network:
@@ -174,10 +176,9 @@ def parse(argv=None):
     args.tau_max = math.inf if args.tau_max is None else args.tau_max
     args.div_max = math.inf if args.div_max is None else args.div_max
     args.slack = 2 if args.slack is None else args.slack
-    args.servers = 1 if args.servers is None else args.servers
-    args.replicas = 0 if args.replicas is None else args.replicas
-    args.batch_interval = 0.005 if args.batch_interval is None else args.batch_interval
-    args.base_rate = 50e6 if args.base_rate is None else args.base_rate
+    for name, default in PS_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     if args.compute_ms is None:
         args.compute_ms = 20.0 if args.stragglers else 0.0
     return args
