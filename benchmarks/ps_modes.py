@@ -198,7 +198,14 @@ def staleness_record(control):
     return {"lag_at_plan": {str(k): v for k, v in sorted(lag.items())},
             "in_flight_at_plan": stats(control.get("in_flight_at_plan", [])),
             "get_latency": stats(control.get("get_latency", [])),
-            "pull_wait": stats(control.get("pull_wait", []))}
+            "pull_wait": stats(control.get("pull_wait", [])),
+            # the rest of the control path: a worker's report reaching the scheduler, the
+            # scheduler's plans reaching the workers, its seconds per plan, and a pull batch's
+            # round trip to the scheduler for its tree
+            "ready_latency": stats(control.get("ready_latency", [])),
+            "plan_latency": stats(control.get("plan_latency", [])),
+            "plan_time": stats(control.get("plan_time", [])),
+            "pull_plan": stats(control.get("pull_plan", []))}
 
 
 class Jobs:

@@ -185,6 +185,26 @@ def test_sched_cost_quick(tmp_path):
     load_reproduce().section_sched(doc, out)
 
 
+def test_lr_grid_quick(tmp_path):
+    """The learning-rate grid: every rate has the synchronous count (a multiple of the workers:
+    whole iterations) and each delay range's draws; the section shows them."""
+    out = str(tmp_path / "lr-grid.json")
+    proc = subprocess.run([sys.executable, "benchmarks/paper/lr_grid.py", "--quick", "--out",
+                           out], cwd=ROOT, env=mpi_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stdout
+    with open(out) as f:
+        doc = json.load(f)
+    assert [r["lr"] for r in doc["rows"]] == [0.08, 0.04]
+    for r in doc["rows"]:
+        assert r["sync"] is None or (r["sync"] > 0 and r["sync"] % 6 == 0), r
+        ranges = [k for k in r if k.startswith("uniform")]
+        assert len(ranges) == 2 and all(len(r[k]) == 1 for k in ranges), r
+        assert all(x is None or 0 < x <= 60 for k in ranges for x in r[k]), r
+    text = "\n".join(load_reproduce().section_lr_grid(doc, out))
+    assert "| 0.08 | " in text and "asynchronous, delay uniform [0, tau_max)" in text
+
+
 @pytest.mark.mpi
 def test_bad_command_line():
     proc = run_mpi(2, ["benchmarks/paper/table2.py", "--cells", "C9-N1"], timeout=TIMEOUT)
@@ -439,3 +459,27 @@ def test_staleness_side_of_table2_profile():
     assert median == 4                        # the 5th of 10 in lag order
     assert over == pytest.approx(5 / 10)      # lags 6 and 9 leave no position within tau_max 6
     assert (flight, wait, fetch) == (3.0, 0.1, 0.4)
+
+
+def test_a_ceiling_solves_its_lag_equation_and_flags_cells_above_it():
+    """mlfabric-A's ceiling (reproduce.a_ceiling): with aggregates of m, rate = m / t, and the
+    lag rate * (m t + t + c + b/2) equals tau_max; cells whose ideal ring applies more per second
+    are named (RR-Sync ideal = workers / ideal iteration)."""
+    rep = load_reproduce()
+    rate, m = rep.a_ceiling(30, 0.08, 0.11, 0.1)
+    assert rate == pytest.approx(m / 0.08)
+    assert rate * (m * 0.08 + 0.08 + 0.11 + 0.05) == pytest.approx(30)
+    assert 50 < rate < 54                     # 4.2 updates per commit
+    # more room (a larger bound, a shorter compute) means a higher ceiling
+    assert rep.a_ceiling(60, 0.08, 0.11, 0.1)[0] > rate > rep.a_ceiling(30, 0.08, 0.3, 0.1)[0]
+    doc = {"meta": {"workers": 30, "tau_max": 30.0, "base_rate": 12.5e6,
+                    "task": {"payload_bytes": 1e6}},
+           "cells": {"C1-N1": {"rr_ideal_iteration_s": 0.5, "compute_s_mean": 0.11,
+                               "a_applied_per_s": 38.0, "rr_applied_per_s": 45.0},
+                     "C2-N2": {"rr_ideal_iteration_s": 1.0, "compute_s_mean": 0.13,
+                               "a_applied_per_s": 28.0, "rr_applied_per_s": 27.0}}}
+    text = "\n".join(rep.table2_ceiling(doc))
+    assert "| C1-N1 | 60.0 | %.1f (4.2 per commit) | 38.0 | 45.0 |" % rate in text
+    assert "| C2-N2 | 30.0 |" in text
+    assert "ideal ring's rate is above mlfabric-A's ceiling (C1-N1)" in text
+    assert rep.table2_ceiling({"meta": doc["meta"], "cells": {"C1-N1": {}}}) == []

@@ -194,3 +194,13 @@ def test_the_summary_arriving_as_a_wait_times_out_is_returned_not_an_error():
     failed.fail(MlfabricError("the job failed"))
     with pytest.raises(MlfabricError, match="the job failed"):
         _wait_for_summary(types.SimpleNamespace(summary=failed))
+
+
+def test_the_pull_gate_waits_for_sends_not_paced_by_a_slow_receiver():
+    from mlfabric.runtime.server import GATE_SHARE, gating
+    # 12.5 MB/s sends hold the next pull batch; one at a tenth of that (its receiver's NIC under
+    # N3) does not; a send without a planned rate (None: an empty transfer) always does
+    assert gating([(2, 12.5e6), (3, 12.5e6), (4, 1.25e6), (5, None)]) == {2, 3, 5}
+    assert gating([(2, 1.25e6)]) == {2}          # the batch's fastest always holds it
+    assert gating([(2, 12.5e6), (3, 12.5e6 * GATE_SHARE)]) == {2, 3}   # the share itself holds
+    assert gating([]) == set()

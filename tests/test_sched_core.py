@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlfabric.sched import (DROP_LOOKAHEAD, DROP_NO_PATH, DROP_REASONS, DROP_STALE, Network,
-                            Profile, Update, schedule, t_en)
+from mlfabric.sched import (DROP_LOOKAHEAD, DROP_NO_PATH, DROP_REASONS, DROP_SLOW, DROP_STALE,
+                            Network, Profile, Update, schedule, t_en)
 from mlfabric.sched.aggregation import det_agg
 from mlfabric.sched.ordering import order_updates
 from tests.sched_util import check_bytes, check_capacity, check_work_conserving, instances
@@ -309,3 +309,54 @@ def test_numpy_hosts_are_hosts():
     assert plan.order == [0]
     with pytest.raises(ValueError, match="twice"):
         Network([1.0, 1.0], [1.0, 1.0], core=[1.0], paths={(1, 0): [0, 0]})
+
+
+# --- slow-link drop against the next batch (scheduler.py header; not in the paper) -------------
+@pytest.mark.parametrize("engine", ["reference", "auto"])
+def test_an_update_slower_than_the_next_batch_is_dropped_at_its_worker(engine):
+    # server 0's ingress takes 10 B/s; worker 1's egress 1 B/s (10 s for 10 B), worker 2's 10 B/s
+    # (1 s). An update sent at the next batch (0.5) over the server's link alone is in at 1.5:
+    # worker 1's would hold every later commit until 10, so it is dropped; worker 2's is not.
+    nw = Network([10.0, 1.0, 10.0, 4.0], [10.0] * 4)
+    us = [Update(1, 1, 10.0, version=0), Update(2, 2, 10.0, version=0),
+          Update(3, 3, 10.0, version=0)]   # worker 3: 2.5 s, also later than 1.5
+    plan, _ = schedule(us, nw, 0, tau_max=10, next_batch=0.5, engine=engine)
+    assert plan.dropped == {1: DROP_SLOW, 3: DROP_SLOW} and plan.order == [2]
+    assert set(plan.updates) == {1, 2, 3}     # every update is applied or dropped with a reason
+    assert "next batch" in DROP_REASONS[DROP_SLOW]
+    # the paper's batch alone (the default) keeps them all, the slow ones last
+    plan, _ = schedule(us, nw, 0, tau_max=10, engine=engine)
+    assert plan.dropped == {} and plan.order == [2, 3, 1]
+    # a next batch late enough that even worker 1 is first: nothing is dropped
+    plan, _ = schedule(us, nw, 0, tau_max=10, next_batch=9.5, engine=engine)
+    assert plan.dropped == {} and sorted(plan.order) == [1, 2, 3]
+
+
+def test_the_slow_link_test_sees_the_servers_queue():
+    # The server's ingress is booked until t=3: the next batch's update could not be in before 4,
+    # so a sender at 5 B/s (in at 3 + 2 = 5) is slower and dropped, one at 10 B/s (at 4) is not.
+    nw = Network([10.0, 5.0, 10.0], [10.0] * 3)
+    nw.links[nw.ingress(0)].subtract(0.0, 3.0, 10.0)
+    us = [Update(1, 1, 10.0, version=0), Update(2, 2, 10.0, version=0)]
+    plan, _ = schedule(us, nw, 0, tau_max=10, next_batch=0.1)
+    assert plan.dropped == {1: DROP_SLOW} and plan.order == [2]
+    assert plan.commits[-1].time == 4.0
+
+
+def test_the_slow_link_drop_is_async_only_and_leaves_no_path_to_alg2():
+    nw = Network([10.0, 1.0, 0.0], [10.0] * 3)   # worker 2 has no capacity, ever
+    us = [Update(1, 1, 10.0, version=0), Update(2, 2, 10.0, version=0)]
+    plan, _ = schedule(us, nw, 0, tau_max=10, next_batch=0.1)
+    assert plan.dropped == {1: DROP_SLOW, 2: DROP_NO_PATH}
+    for mode in ("sync", "ssp"):   # their staleness is the clock's: nothing that can arrive drops
+        plan, _ = schedule(us[:1], nw, 0, mode=mode, next_batch=0.1)
+        assert plan.dropped == {} and plan.order == [1]
+    with pytest.raises(ValueError, match="next_batch"):
+        schedule(us, nw, 0, tau_max=10, next_batch=float("nan"))
+
+
+def test_a_stale_update_is_dropped_stale_even_on_a_slow_link():
+    nw = Network([10.0, 1.0, 10.0], [10.0] * 3)
+    us = [Update(1, 1, 10.0, version=0), Update(2, 2, 10.0, version=5)]
+    plan, _ = schedule(us, nw, 0, tau_max=2, v_init=5, next_batch=0.1)   # dl(1) = -3
+    assert plan.dropped == {1: DROP_STALE} and plan.order == [2]

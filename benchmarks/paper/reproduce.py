@@ -30,6 +30,7 @@ read_json = functools.lru_cache(maxsize=None)(common.read_json)
 
 # name -> (script, runs under mpirun, its ranks (None: --ranks), its own arguments)
 BENCHMARKS = {"sched_cost": ("sched_cost.py", False, None, []),
+              "lr-grid": ("lr_grid.py", False, None, []),
               "table2": ("table2.py", True, None, []),
               # Table 2 at the paper's 30 workers: 1 MB at 12.5 MB/s is still 80 ms a
               # transfer, with a quarter of the copying for 32 processes on 2 cores
@@ -38,6 +39,13 @@ BENCHMARKS = {"sched_cost": ("sched_cost.py", False, None, []),
               # 2 cores) weigh 3x less, every ratio of the setting is unchanged
               "table2-30-dilated": ("table2.py", True, 32, ["--payload-mb", "1", "--base-rate-mb",
                                                             "12.5", "--dilate", "3"]),
+              # the same at the learning rate where both modes are at their best (0.04: sync
+              # SGD's fewest iterations on the grid, async's too with delays up to tau_max),
+              # from the initial model, so that a run's updates to target barely move (at 0.08
+              # both modes oscillate, and that noise decided cells); table2.py --lr-grid
+              "table2-30-lr": ("table2.py", True, 32, ["--payload-mb", "1", "--base-rate-mb",
+                                                       "12.5", "--pretrain", "0", "--lr",
+                                                       "0.04"]),
               "fig7_lda": ("fig7_lda.py", True, None, []),
               "sync_iteration": ("sync_iteration.py", True, None, []),
               "fig9_replica": ("fig9_replica.py", True, None, [])}
@@ -115,17 +123,21 @@ def section_table2(doc, path):
                     dilate, dilate, dilate, m["workers"] + 2, dilate, dilate), ""]
     out += ["Paper: ResNet-50 on ImageNet from a pre-trained model, 30 workers, time to 74%% top-1, "
            "MLfabric-A with tau_max = 30. Ours: an MLP (%d parameters) on %s data, "
-           "pre-trained by %d synchronous iterations (start accuracy %.3f), time to %.3f test "
-           "accuracy; %d workers, tau_max = %g; updates padded to %.1f MB (%.0f ms at the base "
+           "%s, time to %.3f test accuracy%s; "
+           "%d workers, tau_max = %g; updates padded to %.1f MB (%.0f ms at the base "
            "rate); compute %g ms. Synchronous SGD reaches the target after %d iterations "
            "(offline, no network); RR-Sync ran %d iterations, mlfabric-A's workers for %s "
            "(%gx RR-Sync's ideal time to that crossing: a time, not a quota; fast workers do "
            "more). Reached = the model held, averaged over the trailing %g s, is at or above "
            "the target (the first touch of a noisy metric near its plateau is luck, more of it "
            "for the mode that makes more models)." % (
-               task["params"], task.get("dataset", "?"), task["pretrain_iterations"],
-               doc["offline"]["start_accuracy"],
-               m["target"], m["workers"], m["tau_max"], task["payload_bytes"] / 1e6,
+               task["params"], task.get("dataset", "?"),
+               ("pre-trained by %d synchronous iterations (start accuracy %.3f)"
+                % (task["pretrain_iterations"], doc["offline"]["start_accuracy"])
+                if task["pretrain_iterations"] else "from its initial model (accuracy %.3f)"
+                % doc["offline"]["start_accuracy"]),
+               m["target"], " at a learning rate of %g per update (both modes)" % task["lr"]
+               if "lr" in task else "", m["workers"], m["tau_max"], task["payload_bytes"] / 1e6,
                1e3 * task["payload_bytes"] / m["base_rate"], m["compute_ms"],
                doc["offline"]["crossing"], m["rr_iterations"],
                span(m.get("a_duration_s", {}).values(), "%.1f s"), m.get("a_factor", 0),
@@ -174,7 +186,8 @@ def section_table2(doc, path):
         out[-1] += (" Against RR-Sync's ideal (no CPU overhead), mlfabric-A is faster in %d of "
                     "%d%s." % (len(ideal), len(cells),
                                " (%s)" % ", ".join(ideal) if 0 < len(ideal) < len(cells) else ""))
-    out += [""] + table2_profile(doc) + ["", source(doc, path), ""] + table2_runs(doc, path)
+    out += [""] + table2_profile(doc) + [""] + table2_ceiling(doc) + ["", source(doc, path),
+                                                                       ""] + table2_runs(doc, path)
     if m["workers"] == 30 and dilate == 1:
         out += ["", LEVERS_TRIED_30]
     return out
@@ -404,6 +417,60 @@ def staleness_side(doc, tau_max):
     return out
 
 
+def a_ceiling(tau_max, transfer_s, compute_s, batch_s):
+    """mlfabric-A's most applied updates per second with no slow link, in a simple model (the
+    section says which): (rate, updates per commit). The server's link takes one commit per
+    transfer, so rate = m / transfer for aggregates of m; an update's lag when planned is the rate
+    times what passes between the snapshot of the model it was computed from and its plan - the
+    aggregate ahead of it still travelling (m transfers into its aggregator, cut-through), the
+    model's fetch (one transfer), the compute and half a batch - and it must stay within tau_max:
+    (m / t)(m t + t + c + b / 2) = tau_max, a quadratic in m."""
+    k = transfer_s + compute_s + batch_s / 2
+    m = (-k + math.sqrt(k * k + 4 * transfer_s * transfer_s * tau_max)) / (2 * transfer_s)
+    return m / transfer_s, m
+
+
+def table2_ceiling(doc):
+    """Each cell's RR-Sync at its ideal rate against mlfabric-A's ceiling (a_ceiling): where the
+    ideal ring applies more updates per second than mlfabric-A could with every link at full
+    rate, no run of this setting can show the paper's direction against an efficient baseline."""
+    m, cells = doc["meta"], doc["cells"]
+    dil = m.get("dilate", 1.0)
+    transfer = m["task"]["payload_bytes"] / m["base_rate"]
+    batch = 0.1 * dil
+    rows, above = [], []
+    for cell, c in cells.items():
+        if not (c.get("rr_ideal_iteration_s") and c.get("compute_s_mean")):
+            continue
+        ceiling, per_commit = a_ceiling(m["tau_max"], transfer, c["compute_s_mean"], batch)
+        ideal = m["workers"] / c["rr_ideal_iteration_s"]
+        if ideal > ceiling:
+            above.append(cell)
+        rows.append("| %s | %.1f | %.1f (%.1f per commit) | %s | %s |" % (
+            cell, ideal, ceiling, per_commit, f2(c.get("a_applied_per_s"), "%.1f"),
+            f2(c.get("rr_applied_per_s"), "%.1f")))
+    if not rows:
+        return []
+    return ["mlfabric-A's ceiling, in a simple model: the server's link takes one commit per "
+            "transfer (%.0f ms), so mlfabric-A applies m / %.0f ms updates per second with "
+            "aggregates of m; an update's lag when planned is that rate times what passes "
+            "between the snapshot of the model it was computed from and its plan (the "
+            "aggregate ahead of it still travelling, m transfers into its aggregator; the "
+            "fetch, one transfer at best; the compute; half a %.0f ms batch), and must stay "
+            "within tau_max = %g. Every link at full rate, no CPU cost and every update "
+            "applied: the most it could apply. RR-Sync ideal: the ideal ring's updates per "
+            "second (%d per iteration)." % (1e3 * transfer, 1e3 * transfer, 1e3 * batch,
+                                            m["tau_max"], m["workers"]), "",
+            "| setting | RR-Sync ideal (updates/s) | mlfabric-A ceiling (updates/s) | "
+            "mlfabric-A measured | RR-Sync measured |", "|---|--:|--:|--:|--:|"] + rows + [
+            "", "Where the ideal ring's rate is above mlfabric-A's ceiling (%s), mlfabric-A can "
+            "be faster only against a baseline slower than the ideal ring, as the paper's was "
+            "(its §2: 2.9x slower than ideal in C2-N1; see the last section on Table 2), or by "
+            "needing fewer updates; elsewhere the ceiling leaves room, and what mlfabric-A "
+            "measured below it is this machine's: fetches at several times a transfer and, in "
+            "N2/N3, links below full rate." % (", ".join(above) or "none")]
+
+
 def table2_profile(doc):
     """Where the time goes, in numbers from the JSON: time to target = updates needed / update
     rate, so say which of the two differs."""
@@ -415,6 +482,10 @@ def table2_profile(doc):
     rate = ratio("a_applied_per_s", "rr_applied_per_s")
     iters = ratio("a_worker_iteration_s", "rr_iteration_s")
     drops = [100.0 * c["a_dropped"] / c["a_pushed"] for c in cells if c["a_pushed"]]
+    # of the pushes, those dropped for a slow link (sched.scheduler; runs since it exists)
+    slow = [100.0 * j["summary"]["dropped"].get("slow-link", 0) / j["summary"]["pushed"]
+            for j in doc.get("jobs", ()) if j["mode"] == "mlfabric-A"
+            and isinstance(j["summary"].get("dropped"), dict) and j["summary"].get("pushed")]
     payload = m["task"]["payload_bytes"]
     fetch = [m["workers"] * payload / c["a_worker_iteration_s"] / 1e6 for c in cells
              if c.get("a_worker_iteration_s")]
@@ -422,11 +493,13 @@ def table2_profile(doc):
     lines = ["Profile, over the settings: time to target = updates needed / update rate. "
              "mlfabric-A needed %sx RR-Sync's applied updates to reach the target, and applied "
              "%sx as many updates per second. Its workers' iterations took %sx RR-Sync's, and "
-             "%s%% of its pushes were dropped as stale (tau_max = %g with %d workers). Each of "
+             "%s%% of its pushes were dropped (tau_max = %g with %d workers)%s. Each of "
              "its iterations fetches a whole %.1f MB model from the one server: %s MB/s asked "
              "of the server's link, which runs at %.0f MB/s%s." % (
                  span(need), span(rate), span(iters), span(drops, "%.0f"), m["tau_max"],
-                 m["workers"], payload / 1e6, span(fetch, "%.0f"), m["base_rate"] / 1e6,
+                 m["workers"], ": %s%% for a slow link (sched.scheduler's slow-link drop), "
+                 "the rest as stale" % span(slow, "%.0f") if any(slow) else " as stale",
+                 payload / 1e6, span(fetch, "%.0f"), m["base_rate"] / 1e6,
                  "; a fetch took a median %s s per setting, where the transfer alone takes "
                  "%.0f ms (the rest is waiting: for the pull batch ahead of it to leave - the "
                  "server answers the gets that came meanwhile once every model send of that "
@@ -617,7 +690,39 @@ def section_sched(doc, path):
     return out
 
 
-SECTIONS = [("table2-30", section_table2), ("table2-30-dilated", section_table2),
+def section_lr_grid(doc, path):
+    """The learning rate Table 2 runs at (lr_grid.py): updates to the target per rate, for
+    synchronous SGD and for asynchronous SGD under two delay distributions."""
+    m, rows = doc["meta"], doc["rows"]
+    names = [k for k in rows[0] if k not in ("lr", "sync")] if rows else []
+
+    def cell(v):
+        if isinstance(v, list):
+            return ", ".join("-" if x is None else "%d" % x for x in v)
+        return "-" if v is None else "%d" % v
+    out = ["## Table 2's learning rate: every rate of a grid, offline", "",
+           "Updates applied until the test accuracy, averaged over the last 3 evaluations, is at "
+           "or above %.3f, from %s (accuracy %.3f), %d workers: synchronous SGD (RR-Sync's model "
+           "sequence, exact; an iteration applies %d) and asynchronous SGD with each update "
+           "computed from the model `delay` updates old (mlfabric-A's; %d draws each; "
+           "- : not within %d updates). A rate too large makes both overshoot and oscillate "
+           "near the target, so that the updates a run needs move by several times between "
+           "identical runs; at the rate where both are at their best they need alike many, and "
+           "a cell's speedup is the ratio of the update rates the two systems sustain." % (
+               m["target"], "%d synchronous iterations of pre-training" % m["pretrain"]
+               if m["pretrain"] else "the initial model", m["start_accuracy"], m["workers"],
+               m["workers"], m["seeds"], m["max_updates"]), "",
+           "| learning rate | synchronous | %s |" % " | ".join(
+               "asynchronous, delay %s" % n for n in names),
+           "|--:|--:|%s" % ("--:|" * len(names))]
+    for r in rows:
+        out.append("| %g | %s | %s |" % (r["lr"], cell(r["sync"]), " | ".join(
+            cell(r[n]) for n in names)))
+    return out + ["", source(doc, path), ""]
+
+
+SECTIONS = [("lr-grid", section_lr_grid), ("table2-30-lr", section_table2), ("table2-30", section_table2),
+            ("table2-30-dilated", section_table2),
             ("table2", section_table2),
             ("table2-scale", None), ("fig7_lda", section_lda),
             ("sync_iteration", section_sync), ("fig9_replica", section_fig9),

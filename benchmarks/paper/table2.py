@@ -91,6 +91,9 @@ def parse_args(argv):
     p.add_argument("--pull-objective", choices=("makespan", "mean"), default="makespan",
                    help="mlfabric-A's pull trees: least makespan (the paper's) or least mean "
                    "delivery (what an asynchronous worker waits on)")
+    p.add_argument("--slow-drop", choices=("on", "off"), default="on",
+                   help="mlfabric-A drops an update whose own link is slower than the next "
+                   "batch's (mlfabric.sched.scheduler; off: the paper's batch alone)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny: one cell, small payload (tests)")
     p.add_argument("--out", default=common.result_path("table2.json"))
@@ -162,7 +165,8 @@ def main(argv=None):
             if mode == "mlfabric-A":   # for a time: the cap on iterations never binds
                 run = dict(duration_s=durations[cell],
                            iterations=int(durations[cell] / compute_s) + 2,
-                           pull_objective=args.pull_objective)
+                           pull_objective=args.pull_objective,
+                           slow_drop=args.slow_drop == "on")
             else:
                 run = dict(iterations=rr_iters)
             job = common.traced_job(comm, mode, task, compute_s=compute_s, emulation=em,
@@ -194,6 +198,7 @@ def main(argv=None):
                                        a_factor=args.a_factor, a_duration_s=durations,
                                        window_s=window, cells=args.cells, seed=args.seed,
                                        pull_objective=args.pull_objective,
+                                       slow_drop=args.slow_drop,
                                        task=task.describe(), quick=args.quick,
                                        total_wall_s=time.monotonic() - t_start), **host},
            "offline": offline, "cells": cells, "jobs": jobs}

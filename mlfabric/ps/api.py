@@ -32,8 +32,8 @@ _state = {"config": None, "comm": None, "rt": None, "role": None, "pushes": {}, 
 
 def init(mode="mlfabric-A", *, servers=1, replicas=0, aggregators=None, batch_interval=0.1,
          t_lag=0.2, slack=2, gamma=0.0, emulation=None, seed=0, distribution=True,
-         cut_through=True, pull_objective="makespan", checkpoint_every=0, checkpoint_dir=None,
-         resume=False, applied_log_max=100_000, comm=None):
+         cut_through=True, pull_objective="makespan", slow_drop=True, checkpoint_every=0,
+         checkpoint_dir=None, resume=False, applied_log_max=100_000, comm=None):
     """Set the job's configuration and return this rank's role: 'scheduler', 'server',
     'replica' or 'worker' (mlfabric.runtime.roles says which). mlfabric.runtime.Config documents
     every setting. Collective over comm (default: the world): a rank whose arguments are refused
@@ -52,7 +52,8 @@ def init(mode="mlfabric-A", *, servers=1, replicas=0, aggregators=None, batch_in
                      batch_interval=batch_interval, t_lag=t_lag, slack=slack, gamma=gamma,
                      emulation=emulation if emulation is not None else Emulation(), seed=seed,
                      distribution=distribution, cut_through=cut_through,
-                     pull_objective=pull_objective, applied_log_max=applied_log_max,
+                     pull_objective=pull_objective, slow_drop=slow_drop,
+                     applied_log_max=applied_log_max,
                      checkpoint_every=checkpoint_every,
                      checkpoint_dir=checkpoint_dir, resume=resume)
         if comm is not None and not isinstance(comm, MPI.Intracomm):

@@ -41,6 +41,8 @@ class Config:
     distribution: bool = True    # answer simultaneous gets through distributors (§10.3)
     cut_through: bool = True     # relays and aggregates forward bytes as they come (worker.py)
     pull_objective: str = "makespan"  # a pull batch's tree: least makespan (paper) or "mean"
+    # mlfabric-A: drop an update whose own link is slower than the next batch's (sched.scheduler)
+    slow_drop: bool = True
     checkpoint_every: int = 0    # servers write model + version every this many updates (0: off)
     # the last commits a server / replica keeps for applied_log() (None: all, for benchmarks
     # that audit every one)

@@ -100,6 +100,7 @@ class Ledger:
     plan_latency: deque = field(default_factory=profile)  # worker: scheduler's send -> receipt
     get_latency: deque = field(default_factory=profile)   # worker: get() asked -> model in
     pull_wait: deque = field(default_factory=profile)     # server: get in -> its batch leaves
+    pull_plan: deque = field(default_factory=profile)     # server: batch to the scheduler -> plan in
     # cut-through relays (worker.py): 'forward' a payload passed on from its header, 'sum' an
     # aggregate streamed out while its members came in
     relayed: Counter = field(default_factory=Counter)
@@ -116,6 +117,7 @@ class Ledger:
         self.plan_latency.extend(other.plan_latency)
         self.get_latency.extend(other.get_latency)
         self.pull_wait.extend(other.pull_wait)
+        self.pull_plan.extend(other.pull_plan)
         self.relayed.update(other.relayed)
 
 

@@ -317,7 +317,8 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
                              v_init=self.v_init[server], start=t, seed=seed, mode=self.mode,
                              after=self.after[server], norm_cap=cap,
                              # streaming sums only without a replica (worker.py)
-                             cut_through=cfg.cut_through and state is None)
+                             cut_through=cfg.cut_through and state is None,
+                             next_batch=t + cfg.batch_interval if cfg.slow_drop else None)
         by_id = {u.id: u for u in updates}
         if state is not None:
             state = replace(state, punted=[replace(u, worker=idx[u.id >> 32])
@@ -433,6 +434,7 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
                            "plan_latency": [x for lg in ledgers if lg for x in lg.plan_latency],
                            "get_latency": [x for lg in ledgers if lg for x in lg.get_latency],
                            "pull_wait": [x for lg in ledgers if lg for x in lg.pull_wait],
+                           "pull_plan": [x for lg in ledgers if lg for x in lg.pull_plan],
                            "achieved_rates": dict(self.caps.achieved),
                            "lag_at_plan": dict(self.lag_at_plan),
                            "in_flight_at_plan": list(self.in_flight_at_plan),

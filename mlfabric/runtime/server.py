@@ -126,6 +126,7 @@ class ServerRole:
         self.snapshots = {}          # version -> the model copy a pull batch is planned for
         self.pulls = []              # requests due, waiting for the models still leaving
         self.leaving = {}            # rank -> model sends to it in flight (0: a batch is planned)
+        self.planning_since = 0.0    # when the batch being planned went to the scheduler
         # (ids, version after, job time, replica count waited for): the order, for audits and
         # tests; the last cfg.applied_log_max commits only, so a long job does not grow it
         self.applied_log = deque(maxlen=cfg.applied_log_max)
@@ -333,12 +334,13 @@ class ServerRole:
         self._serve_pulls()
 
     def _serve_pulls(self):
-        """Pull batching (§10.3): while models are still leaving, requests wait; when the last
-        has left, everything waiting is answered with the model as it is then, two or more
-        through the scheduler as one distribution batch (distributors relay it, so the server's
-        egress is not the bottleneck), a single one directly. Simultaneous requests (the end of a
-        sync iteration) form a batch at once; asynchronous ones batch themselves exactly when
-        the server's egress is the bottleneck."""
+        """Pull batching (§10.3): while models are still leaving, requests wait (not for a send
+        paced by its receiver's slow link: gating); when the last has left, everything waiting
+        is answered with the model as it is then, two or more through the scheduler as one
+        distribution batch (distributors relay it, so the server's egress is not the
+        bottleneck), a single one directly. Simultaneous requests (the end of a sync iteration)
+        form a batch at once; asynchronous ones batch themselves exactly when the server's
+        egress is the bottleneck."""
         if not self.pulls or self.leaving:
             return
         due, self.pulls = self.pulls, []
@@ -354,6 +356,7 @@ class ServerRole:
             return
         self.leaving[0] = 1  # the scheduler is planning the batch
         self.snapshots[self.version] = model
+        self.planning_since = now
         self.rt.channel.send(0, "pulls", (self.version, model.nbytes,
                                           [(w, ("m", rid, self.version)) for w, rid, _ in due]))
 
@@ -369,9 +372,16 @@ class ServerRole:
 
     def _distribute(self, version, direct, relays):
         del self.leaving[0]
-        for rank in [x[0] for x in direct] + [x[0] for x in relays]:
+        self.rt.ledger.pull_plan.append(self.rt.now() - self.planning_since)
+        sends = [(x[0], x[3]) for x in direct] + [(x[0], x[2]) for x in relays]
+        gated = gating(sends)
+        for rank in gated:
             self._leaves(rank)
-        send_distribution(self.rt, self.snapshots.pop(version), direct, relays, self._left)
+
+        def left(rank):
+            if rank in gated:
+                self._left(rank)
+        send_distribution(self.rt, self.snapshots.pop(version), direct, relays, left)
         self._serve_pulls()
 
     def _may_answer(self, clock):
@@ -395,6 +405,23 @@ class ServerRole:
 
     def stopped(self, error):
         pass
+
+
+# The pull gate holds the next batch for a send planned at no less than this share of the
+# batch's fastest (see gating).
+GATE_SHARE = 0.5
+
+
+def gating(sends):
+    """The ranks of a pull batch's sends [(rank, planned rate or None)] that hold the next batch
+    (Server._serve_pulls): all but those planned at under GATE_SHARE of the batch's fastest rate.
+    Such a send is paced by its receiver's slow link (N3: a tenth of the rate, 0.8 s for an 80 ms
+    model), which leaves the server's egress mostly free; holding every other get behind it would
+    age the models they are answered with. The scheduler's view still books its bytes, so the
+    next batch's plan shares the link with it."""
+    fastest = max((r for _, r in sends if r), default=None)
+    return {rank for rank, r in sends
+            if not (r and fastest and r < GATE_SHARE * fastest)}
 
 
 def send_distribution(rt, payload, direct, relays, left=None):

@@ -18,8 +18,8 @@ Paper sections, module by module (docs/sched/ explains each next to its section)
 """
 from .distribution import Distribution, distribute
 from .network import GBPS, Network, Profile, Segment, gbps, t_en
-from .plan import (DROP_LOOKAHEAD, DROP_NO_PATH, DROP_REASONS, DROP_STALE, Aggregate, Commit, Plan,
-                   Transfer, Update)
+from .plan import (DROP_LOOKAHEAD, DROP_NO_PATH, DROP_REASONS, DROP_SLOW, DROP_STALE, Aggregate,
+                   Commit, Plan, Transfer, Update)
 from .render import timeline, timeline_text
 from .replication import ReplicaPlan, ReplicaState, replicate
 from .scheduler import MODES, schedule
@@ -27,6 +27,6 @@ from .sharded import ShardedPlan, ShardedUpdate, schedule_sharded
 
 __all__ = ["GBPS", "gbps", "Network", "Profile", "Segment", "t_en", "Update", "Transfer",
            "Aggregate", "Commit", "Plan", "DROP_STALE", "DROP_LOOKAHEAD", "DROP_NO_PATH",
-           "DROP_REASONS", "MODES", "schedule", "ReplicaState", "ReplicaPlan", "replicate",
+           "DROP_SLOW",           "DROP_REASONS", "MODES", "schedule", "ReplicaState", "ReplicaPlan", "replicate",
            "ShardedUpdate", "ShardedPlan", "schedule_sharded", "Distribution", "distribute",
            "timeline", "timeline_text"]

@@ -14,12 +14,22 @@ side-by-side). Tests hold all three to bit-identical plans, cut_through included
 
 The server applies in the order's sequence: a commit happens at max(arrival, previous commit), so
 an update that arrives before its predecessor waits (Plan.server_wait reports how long, in total).
+
+Slow-link drop (next_batch=, async only; not in the paper, which plans each batch alone): Alg. 2's
+look-ahead drops a pick when the next update would finish first and leave the server idle, but
+only within the batch. An update whose own path is slow (a NIC at a tenth of the rate: 0.8 s for
+what takes 80 ms) ends last in its batch and then holds every later batch's commits behind it,
+since batches apply in order: the server's link idles while everything planned after it waits,
+which ages the models the workers fetch. So, before ordering, an update is dropped at its worker
+(DROP_SLOW) when, alone on the network, it would reach the server later than an update of the same
+size sent at the next batch over the server's link alone: the paper's test against the next batch.
 """
 from math import inf, isfinite
 
 from . import aggregation, fast, ordering
 from ._records import fast_constructor
-from .plan import Commit, Plan
+from .network import t_en
+from .plan import DROP_SLOW, Commit, Plan
 
 
 MODES = ("async", "ssp", "sync")
@@ -77,9 +87,28 @@ def _refuse_update(u, network):
                          % (u.id, u.version))
 
 
+def slow_links(updates, network, server, start, next_batch, tau_max, v_init):
+    """{id: DROP_SLOW} for the updates that, alone on `network`, would reach `server` later than
+    an update of their size sent at `next_batch` over the server's ingress alone (module header).
+    One already stale (no position left within tau_max), or that can never arrive, is left to
+    Alg. 2 (DROP_STALE, DROP_NO_PATH): those reasons say more."""
+    ingress = [network.links[network.ingress(server)]]
+    first = {}     # size -> when the next batch's update of that size would be in
+    slow = {}
+    for u in updates:
+        if u.version + tau_max - v_init < 1:
+            continue
+        if u.size not in first:
+            first[u.size] = t_en(ingress, u.size, max(next_batch, start))[0]
+        own = network.t_en(u.worker, server, u.size, max(u.ready, start))[0]
+        if first[u.size] < own < inf:
+            slow[u.id] = DROP_SLOW
+    return slow
+
+
 def schedule(updates, network, server, *, aggregators=(), tau_max=inf, v_init=0, start=0.0,
              seed=0, mode="async", momentum=False, after=None, engine="auto", timings=None,
-             norm_cap=inf, cut_through=False):
+             norm_cap=inf, cut_through=False, next_batch=None):
     """Plan one batch of `updates` (a list of Update) to `server` on `network` (not modified).
     `aggregators` are hosts that may aggregate for this server (in any order: they are pre-assigned
     to groups at random from `seed`). `momentum`: the server applies momentum (eq. 2), so an
@@ -90,6 +119,8 @@ def schedule(updates, network, server, *, aggregators=(), tau_max=inf, v_init=0,
     may sum to (aggregation.py; a replicated server's Div_max); a finite cap runs the reference
     loops, which alone implement it. `cut_through`: aggregates stream out as their members come
     in, and the pipeline case is tried (aggregation.py); every engine implements it.
+    `next_batch` (async only): when the next batch may start; updates slower than one sent then
+    are dropped first (DROP_SLOW, module header). Default None: the paper's batch alone.
     Returns (plan, network after the plan's reservations)."""
     if mode not in MODES:
         raise ValueError("mode must be one of %s, got %r" % (", ".join(MODES), mode))
@@ -98,6 +129,14 @@ def schedule(updates, network, server, *, aggregators=(), tau_max=inf, v_init=0,
     _check_batch(updates, network, server, aggregators, tau_max, v_init, start, after)
     if mode != "async":
         tau_max = inf
+    every = updates
+    slow = {}
+    if mode == "async" and next_batch is not None:
+        if not isfinite(next_batch):
+            raise ValueError("next_batch must be a finite time, got %r" % (next_batch,))
+        slow = slow_links(updates, network, server, start, next_batch, tau_max, v_init)
+        if slow:
+            updates = [u for u in updates if u.id not in slow]
     aggs = aggregation.group_order([a for a in aggregators if a != server], seed)
     # a sync iteration is one momentum step whatever the grouping, so its sums stay plain
     momentum = bool(momentum) and mode != "sync"
@@ -124,7 +163,9 @@ def schedule(updates, network, server, *, aggregators=(), tau_max=inf, v_init=0,
             updates, network, server, aggs, tau_max=tau_max, v_init=v_init, start=start,
             agg_scale=agg_scale, cut_through=cut_through, plain=engine == "plain",
             timings=timings)
-        by_id = {u.id: u for u in updates}
+    if slow:
+        dropped = {**dropped, **slow}
+    by_id = {u.id: u for u in every}
     plan = Plan(server=server, v_init=v_init, tau_max=tau_max, updates=by_id, order=order,
                 dropped=dropped, direct=direct, aggregates=aggregates, start=start,
                 momentum=momentum)
