@@ -200,7 +200,8 @@ def test_the_pull_gate_waits_for_sends_not_paced_by_a_slow_receiver():
     from mlfabric.runtime.server import GATE_SHARE, gating
     # 12.5 MB/s sends hold the next pull batch; one at a tenth of that (its receiver's NIC under
     # N3) does not; a send without a planned rate (None: an empty transfer) always does
-    assert gating([(2, 12.5e6), (3, 12.5e6), (4, 1.25e6), (5, None)]) == {2, 3, 5}
-    assert gating([(2, 1.25e6)]) == {2}          # the batch's fastest always holds it
-    assert gating([(2, 12.5e6), (3, 12.5e6 * GATE_SHARE)]) == {2, 3}   # the share itself holds
-    assert gating([]) == set()
+    assert gating([(2, 12.5e6), (3, 12.5e6), (4, 1.25e6), (5, None)]) == {2: 1, 3: 1, 5: 1}
+    assert gating([(2, 1.25e6)]) == {2: 1}       # the batch's fastest always holds it
+    assert gating([(2, 12.5e6), (3, 12.5e6 * GATE_SHARE)]) == {2: 1, 3: 1}  # the share holds
+    assert gating([(2, 12.5e6), (2, 12.5e6)]) == {2: 2}   # counted per send, not per rank
+    assert gating([]) == {}

@@ -315,11 +315,11 @@ def test_numpy_hosts_are_hosts():
 @pytest.mark.parametrize("engine", ["reference", "auto"])
 def test_an_update_slower_than_the_next_batch_is_dropped_at_its_worker(engine):
     # server 0's ingress takes 10 B/s; worker 1's egress 1 B/s (10 s for 10 B), worker 2's 10 B/s
-    # (1 s). An update sent at the next batch (0.5) over the server's link alone is in at 1.5:
-    # worker 1's would hold every later commit until 10, so it is dropped; worker 2's is not.
+    # (1 s), worker 3's 4 B/s (2.5 s). Worker 2's update sent at the next batch (0.5) would be in
+    # at 1.5: waiting for workers 1 and 3 would hold every later commit, so they are dropped.
     nw = Network([10.0, 1.0, 10.0, 4.0], [10.0] * 4)
     us = [Update(1, 1, 10.0, version=0), Update(2, 2, 10.0, version=0),
-          Update(3, 3, 10.0, version=0)]   # worker 3: 2.5 s, also later than 1.5
+          Update(3, 3, 10.0, version=0)]
     plan, _ = schedule(us, nw, 0, tau_max=10, next_batch=0.5, engine=engine)
     assert plan.dropped == {1: DROP_SLOW, 3: DROP_SLOW} and plan.order == [2]
     assert set(plan.updates) == {1, 2, 3}     # every update is applied or dropped with a reason
@@ -332,27 +332,42 @@ def test_an_update_slower_than_the_next_batch_is_dropped_at_its_worker(engine):
     assert plan.dropped == {} and sorted(plan.order) == [1, 2, 3]
 
 
-def test_the_slow_link_test_sees_the_servers_queue():
-    # The server's ingress is booked until t=3: the next batch's update could not be in before 4,
-    # so a sender at 5 B/s (in at 3 + 2 = 5) is slower and dropped, one at 10 B/s (at 4) is not.
-    nw = Network([10.0, 5.0, 10.0], [10.0] * 3)
+def test_the_servers_queue_trips_no_one_and_the_fastest_always_stays():
+    # The server's ingress is booked until t=3, which delays every sender alike: 1 B takes 0.1 s
+    # at full rate, 0.2 s at half (within the 0.15 s to the next batch: kept), 1 s at a tenth
+    # (dropped).
+    nw = Network([10.0, 10.0, 5.0, 1.0], [10.0] * 4)
     nw.links[nw.ingress(0)].subtract(0.0, 3.0, 10.0)
+    us = [Update(1, 1, 1.0, version=0), Update(2, 2, 1.0, version=0),
+          Update(3, 3, 1.0, version=0)]
+    plan, _ = schedule(us, nw, 0, tau_max=10, next_batch=0.15)
+    assert plan.dropped == {3: DROP_SLOW} and plan.order == [1, 2]
+    # every sender slower than the server's NIC (a 10x server): none is dropped, nor is the
+    # fastest of a batch of slow senders alone
+    fast_server = Network([100.0, 10.0, 10.0], [100.0] * 3)
     us = [Update(1, 1, 10.0, version=0), Update(2, 2, 10.0, version=0)]
-    plan, _ = schedule(us, nw, 0, tau_max=10, next_batch=0.1)
-    assert plan.dropped == {1: DROP_SLOW} and plan.order == [2]
-    assert plan.commits[-1].time == 4.0
+    plan, _ = schedule(us, fast_server, 0, tau_max=10, next_batch=0.1)
+    assert plan.dropped == {} and sorted(plan.order) == [1, 2]
+    plan, _ = schedule(us[:1], Network([10.0, 1.0], [10.0] * 2), 0, tau_max=10,
+                       next_batch=0.1)
+    assert plan.dropped == {} and plan.order == [1]
 
 
 def test_the_slow_link_drop_is_async_only_and_leaves_no_path_to_alg2():
-    nw = Network([10.0, 1.0, 0.0], [10.0] * 3)   # worker 2 has no capacity, ever
-    us = [Update(1, 1, 10.0, version=0), Update(2, 2, 10.0, version=0)]
+    nw = Network([10.0, 1.0, 0.0, 10.0], [10.0] * 4)   # worker 2 has no capacity, ever
+    us = [Update(1, 1, 10.0, version=0), Update(2, 2, 10.0, version=0),
+          Update(3, 3, 10.0, version=0)]
     plan, _ = schedule(us, nw, 0, tau_max=10, next_batch=0.1)
     assert plan.dropped == {1: DROP_SLOW, 2: DROP_NO_PATH}
     for mode in ("sync", "ssp"):   # their staleness is the clock's: nothing that can arrive drops
-        plan, _ = schedule(us[:1], nw, 0, mode=mode, next_batch=0.1)
-        assert plan.dropped == {} and plan.order == [1]
-    with pytest.raises(ValueError, match="next_batch"):
-        schedule(us, nw, 0, tau_max=10, next_batch=float("nan"))
+        plan, _ = schedule([us[0], us[2]], nw, 0, mode=mode, next_batch=0.1)
+        assert plan.dropped == {} and sorted(plan.order) == [1, 3]
+    for bad in (float("nan"), -1.0):
+        with pytest.raises(ValueError, match="next_batch"):
+            schedule(us, nw, 0, tau_max=10, next_batch=bad)
+    # duplicate ids are refused before any is filtered out
+    with pytest.raises(ValueError, match="unique"):
+        schedule([us[0], Update(1, 3, 10.0, version=0)], nw, 0, tau_max=10, next_batch=0.1)
 
 
 def test_a_stale_update_is_dropped_stale_even_on_a_slow_link():

@@ -8,7 +8,7 @@ Synchronous SGD (RR-Sync's model sequence, exact: it does not depend on timing):
 the test accuracy, averaged over the last 3 evaluations, is at or above the target. Asynchronous
 SGD (mlfabric-A's sequence, simulated): each update is computed from the model `delay` updates
 old and applied alone, with delays drawn uniformly from [0, tau_max) - all that the scheduler
-guarantees - and from [tau_max / 2, tau_max] - what the 30-worker runs measured (a median lag of
+guarantees - and from [tau_max / 2, tau_max) - what the 30-worker runs measured (a median lag of
 25-28 at tau_max = 30); evaluated every `workers / 2` updates, same 3-point rule. Both are counted
 in updates applied (an iteration applies `workers`).
 
@@ -94,7 +94,7 @@ def main(argv=None):
                                   pretrain=args.pretrain, pretrain_lr=args.pretrain_lr)
     start = task.start
     ranges = {"uniform [0, tau_max)": (0, args.tau_max - 1),
-              "uniform [tau_max/2, tau_max]": (args.tau_max // 2, args.tau_max)}
+              "uniform [tau_max/2, tau_max)": (args.tau_max // 2, args.tau_max - 1)}
     rows = []
     print("start accuracy %.3f (%d iterations of pre-training), target %.3f, %d workers, "
           "tau_max %d: updates applied to reach it (None: not within %d)" % (

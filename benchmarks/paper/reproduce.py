@@ -40,9 +40,9 @@ BENCHMARKS = {"sched_cost": ("sched_cost.py", False, None, []),
               "table2-30-dilated": ("table2.py", True, 32, ["--payload-mb", "1", "--base-rate-mb",
                                                             "12.5", "--dilate", "3"]),
               # the same at the learning rate where both modes are at their best (0.04: sync
-              # SGD's fewest iterations on the grid, async's too with delays up to tau_max),
-              # from the initial model, so that a run's updates to target barely move (at 0.08
-              # both modes oscillate, and that noise decided cells); table2.py --lr-grid
+              # SGD's fewest updates on lr_grid.py's grid, async's too with the delays the
+              # 30-worker runs measure), from the initial model, so that a run's updates to
+              # target barely move (at 0.08 both oscillate, and that noise decided cells)
               "table2-30-lr": ("table2.py", True, 32, ["--payload-mb", "1", "--base-rate-mb",
                                                        "12.5", "--pretrain", "0", "--lr",
                                                        "0.04"]),
@@ -435,9 +435,9 @@ def table2_ceiling(doc):
     ideal ring applies more updates per second than mlfabric-A could with every link at full
     rate, no run of this setting can show the paper's direction against an efficient baseline."""
     m, cells = doc["meta"], doc["cells"]
-    dil = m.get("dilate", 1.0)
     transfer = m["task"]["payload_bytes"] / m["base_rate"]
-    batch = 0.1 * dil
+    batch = next((j["batch_interval"] for j in doc.get("jobs", ()) if j.get("batch_interval")),
+                 0.1 * m.get("dilate", 1.0))
     rows, above = [], []
     for cell, c in cells.items():
         if not (c.get("rr_ideal_iteration_s") and c.get("compute_s_mean")):
@@ -465,7 +465,7 @@ def table2_ceiling(doc):
             "mlfabric-A measured | RR-Sync measured |", "|---|--:|--:|--:|--:|"] + rows + [
             "", "Where the ideal ring's rate is above mlfabric-A's ceiling (%s), mlfabric-A can "
             "be faster only against a baseline slower than the ideal ring, as the paper's was "
-            "(its §2: 2.9x slower than ideal in C2-N1; see the last section on Table 2), or by "
+            "(by its §2 numbers, the last section on Table 2), or by "
             "needing fewer updates; elsewhere the ceiling leaves room, and what mlfabric-A "
             "measured below it is this machine's: fetches at several times a transfer and, in "
             "N2/N3, links below full rate." % (", ".join(above) or "none")]
@@ -498,14 +498,17 @@ def table2_profile(doc):
              "of the server's link, which runs at %.0f MB/s%s." % (
                  span(need), span(rate), span(iters), span(drops, "%.0f"), m["tau_max"],
                  m["workers"], ": %s%% for a slow link (sched.scheduler's slow-link drop), "
-                 "the rest as stale" % span(slow, "%.0f") if any(slow) else " as stale",
+                 "the rest as stale" % span(slow, "%.0f") if "slow_drop" in m else " as stale",
                  payload / 1e6, span(fetch, "%.0f"), m["base_rate"] / 1e6,
                  "; a fetch took a median %s s per setting, where the transfer alone takes "
                  "%.0f ms (the rest is waiting: for the pull batch ahead of it to leave - the "
                  "server answers the gets that came meanwhile once every model send of that "
-                 "batch is done, runtime/server.py _serve_pulls - and, through a distributor, "
-                 "for that worker's link)" % (
-                     span(waits), 1e3 * payload / m["base_rate"]) if waits else "")]
+                 "batch%s is done, runtime/server.py _serve_pulls - and, through a "
+                 "distributor, for that worker's link)" % (
+                     span(waits), 1e3 * payload / m["base_rate"],
+                     # the gate that skips slow receivers came with table2.py's --slow-drop
+                     " not paced by a slow receiver" if "slow_drop" in m else "")
+                 if waits else "")]
     inbound = push_side(doc)
     if inbound:
         _, offered, busy, per_commit, dropped = zip(*inbound)
@@ -721,7 +724,8 @@ def section_lr_grid(doc, path):
     return out + ["", source(doc, path), ""]
 
 
-SECTIONS = [("lr-grid", section_lr_grid), ("table2-30-lr", section_table2), ("table2-30", section_table2),
+SECTIONS = [("lr-grid", section_lr_grid), ("table2-30-lr", section_table2),
+            ("table2-30", section_table2),
             ("table2-30-dilated", section_table2),
             ("table2", section_table2),
             ("table2-scale", None), ("fig7_lda", section_lda),
@@ -757,7 +761,11 @@ def build_report(results):
              "**Read the numbers with care**: one run each (Table 2: repeats, and their "
              "median), on a 2-core machine shared with "
              "other work (8 processes on 2 cores, 32 for the 30-worker Table 2); BENCHMARKS.md "
-             "saw single rows move by up to 2x between runs minutes apart.", ""]
+             "saw single rows move by up to 2x between runs minutes apart. Each Table 2 "
+             "section says its learning rate: the grid (lr_grid.py) shows where both modes "
+             "are at their best; above it both overshoot and oscillate near the target, so "
+             "that the updates a run needs to reach it, and with them a cell's direction, "
+             "change between identical runs (the repeats tables).", ""]
     for name, section in SECTIONS:
         path = os.path.join(results, name + ".json")
         if section is None:         # the 6- vs 30-worker comparison reads both Table 2 JSONs

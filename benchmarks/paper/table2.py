@@ -32,6 +32,15 @@ of the copying):
     mpirun --oversubscribe -n 32 python benchmarks/paper/table2.py --payload-mb 1 \
         --base-rate-mb 12.5 --out benchmarks/results/paper/table2-30.json
 
+At the learning rate where both modes are at their best (benchmarks/paper/lr_grid.py: 0.04; at
+the default 0.08 both overshoot and oscillate near the target, so that the updates a run needs to
+reach it, and with them most cells' directions, change between identical runs), from the initial
+model (from the pre-trained one, 0.04 reaches the target in 2-3 synchronous iterations: the
+comparison would be of start-up), REPRODUCTION.md's first Table 2:
+
+    mpirun --oversubscribe -n 32 python benchmarks/paper/table2.py --payload-mb 1 \
+        --base-rate-mb 12.5 --pretrain 0 --lr 0.04 --out benchmarks/results/paper/table2-30-lr.json
+
 32 processes on 2 cores pay CPU time that the paper's cluster did not (RR-Sync measured at up to
 1.7x its ideal). --dilate K runs every time of the setting K times the paper's - compute, the
 transfers (the base rate divided by K), the scheduler's batch interval and monitor lag, the NIC

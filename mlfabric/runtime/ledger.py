@@ -100,7 +100,7 @@ class Ledger:
     plan_latency: deque = field(default_factory=profile)  # worker: scheduler's send -> receipt
     get_latency: deque = field(default_factory=profile)   # worker: get() asked -> model in
     pull_wait: deque = field(default_factory=profile)     # server: get in -> its batch leaves
-    pull_plan: deque = field(default_factory=profile)     # server: batch to the scheduler -> plan in
+    pull_plan: deque = field(default_factory=profile)     # server: batch to scheduler -> its plan
     # cut-through relays (worker.py): 'forward' a payload passed on from its header, 'sum' an
     # aggregate streamed out while its members came in
     relayed: Counter = field(default_factory=Counter)

@@ -15,7 +15,7 @@ too): tau = the version it takes the model to - the version it was computed from
 worker's update has delay 1 and tau_max bounds exactly what the scheduler planned.
 """
 import time
-from collections import deque
+from collections import Counter, deque
 from math import inf
 
 import numpy as np
@@ -334,8 +334,9 @@ class ServerRole:
         self._serve_pulls()
 
     def _serve_pulls(self):
-        """Pull batching (§10.3): while models are still leaving, requests wait (not for a send
-        paced by its receiver's slow link: gating); when the last has left, everything waiting
+        """Pull batching (§10.3): while models are still leaving, requests wait (for a planned
+        batch, not on a send paced by its receiver's slow link: gating; a lone request's send
+        always holds them); when the last has left, everything waiting
         is answered with the model as it is then, two or more through the scheduler as one
         distribution batch (distributors relay it, so the server's egress is not the
         bottleneck), a single one directly. Simultaneous requests (the end of a sync iteration)
@@ -374,12 +375,14 @@ class ServerRole:
         del self.leaving[0]
         self.rt.ledger.pull_plan.append(self.rt.now() - self.planning_since)
         sends = [(x[0], x[3]) for x in direct] + [(x[0], x[2]) for x in relays]
-        gated = gating(sends)
-        for rank in gated:
-            self._leaves(rank)
+        gated = gating(sends)      # sends per rank that hold the next batch
+        for rank, n in gated.items():
+            for _ in range(n):
+                self._leaves(rank)
 
         def left(rank):
-            if rank in gated:
+            if gated.get(rank):
+                gated[rank] -= 1
                 self._left(rank)
         send_distribution(self.rt, self.snapshots.pop(version), direct, relays, left)
         self._serve_pulls()
@@ -413,15 +416,16 @@ GATE_SHARE = 0.5
 
 
 def gating(sends):
-    """The ranks of a pull batch's sends [(rank, planned rate or None)] that hold the next batch
-    (Server._serve_pulls): all but those planned at under GATE_SHARE of the batch's fastest rate.
+    """Of a pull batch's sends [(rank, planned rate or None)], how many to each rank hold the next
+    batch (Server._serve_pulls), as a Counter: all but those planned at under GATE_SHARE of the
+    batch's fastest rate.
     Such a send is paced by its receiver's slow link (N3: a tenth of the rate, 0.8 s for an 80 ms
     model), which leaves the server's egress mostly free; holding every other get behind it would
     age the models they are answered with. The scheduler's view still books its bytes, so the
     next batch's plan shares the link with it."""
     fastest = max((r for _, r in sends if r), default=None)
-    return {rank for rank, r in sends
-            if not (r and fastest and r < GATE_SHARE * fastest)}
+    return Counter(rank for rank, r in sends
+                   if not (r and fastest and r < GATE_SHARE * fastest))
 
 
 def send_distribution(rt, payload, direct, relays, left=None):

@@ -27,6 +27,7 @@ from .sharded import ShardedPlan, ShardedUpdate, schedule_sharded
 
 __all__ = ["GBPS", "gbps", "Network", "Profile", "Segment", "t_en", "Update", "Transfer",
            "Aggregate", "Commit", "Plan", "DROP_STALE", "DROP_LOOKAHEAD", "DROP_NO_PATH",
-           "DROP_SLOW",           "DROP_REASONS", "MODES", "schedule", "ReplicaState", "ReplicaPlan", "replicate",
+           "DROP_SLOW", "DROP_REASONS", "MODES", "schedule", "ReplicaState", "ReplicaPlan",
+           "replicate",
            "ShardedUpdate", "ShardedPlan", "schedule_sharded", "Distribution", "distribute",
            "timeline", "timeline_text"]

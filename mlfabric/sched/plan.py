@@ -16,16 +16,17 @@ from math import inf
 DROP_STALE = "stale"          # its deadline passed: applying it would exceed tau_max
 DROP_LOOKAHEAD = "lookahead"  # Alg. 2: forced by its deadline, but the next update would finish first
 DROP_NO_PATH = "no-capacity"  # its path has no capacity left, ever: it could never arrive
-DROP_SLOW = "slow-link"       # its own link is so slow that the next batch's updates would arrive first
+DROP_SLOW = "slow-link"       # its path is so slow that the next batch's would arrive first
 DROP_NOT_CHOSEN = "not-chosen"  # only in the oracle's plans: asked to apply fewer updates
 DROP_REASONS = {
     DROP_STALE: "deadline passed: applied now its delay would exceed tau_max",
     DROP_LOOKAHEAD: "kept for its deadline, the next update would finish first and leave the "
                     "server idle (Alg. 2 look-ahead), so it is dropped at the worker",
     DROP_NO_PATH: "no capacity on its path for the rest of time",
-    DROP_SLOW: "its path is so slow that an update sent at the next batch would reach the server "
-               "first, and the server, applying in order, would idle behind it (Alg. 2's "
-               "look-ahead against the next batch), so it is dropped at the worker",
+    DROP_SLOW: "its path is so slow that the batch's fastest update, sent at the next batch, "
+               "would reach the server first, and the server, applying in order, would idle "
+               "behind it (Alg. 2's look-ahead against the next batch), so it is dropped at the "
+               "worker",
     DROP_NOT_CHOSEN: "the exact oracle's optimal plan applies the requested number of updates "
                      "without it (mlfabric.sched.oracle)",
 }

@@ -21,14 +21,13 @@ only within the batch. An update whose own path is slow (a NIC at a tenth of the
 what takes 80 ms) ends last in its batch and then holds every later batch's commits behind it,
 since batches apply in order: the server's link idles while everything planned after it waits,
 which ages the models the workers fetch. So, before ordering, an update is dropped at its worker
-(DROP_SLOW) when, alone on the network, it would reach the server later than an update of the same
-size sent at the next batch over the server's link alone: the paper's test against the next batch.
+(DROP_SLOW) when, alone on the network, it would reach the server later than the batch's fastest
+would if sent a batch later (at next_batch): the paper's test, against the next batch.
 """
 from math import inf, isfinite
 
 from . import aggregation, fast, ordering
 from ._records import fast_constructor
-from .network import t_en
 from .plan import DROP_SLOW, Commit, Plan
 
 
@@ -89,21 +88,21 @@ def _refuse_update(u, network):
 
 def slow_links(updates, network, server, start, next_batch, tau_max, v_init):
     """{id: DROP_SLOW} for the updates that, alone on `network`, would reach `server` later than
-    an update of their size sent at `next_batch` over the server's ingress alone (module header).
-    One already stale (no position left within tau_max), or that can never arrive, is left to
-    Alg. 2 (DROP_STALE, DROP_NO_PATH): those reasons say more."""
-    ingress = [network.links[network.ingress(server)]]
-    first = {}     # size -> when the next batch's update of that size would be in
-    slow = {}
+    the batch's fastest would if it were sent at `next_batch` instead (module header). Their
+    path is slow: a NIC below the rate, or booked with other transfers. The fastest is never
+    dropped (a batch of slow senders still progresses), and the server's queue delays every
+    update alike, so it trips no one. One already stale (no position left within tau_max), or
+    that can never arrive, is left to Alg. 2 (DROP_STALE, DROP_NO_PATH): those say more."""
+    ends = {}
     for u in updates:
-        if u.version + tau_max - v_init < 1:
-            continue
-        if u.size not in first:
-            first[u.size] = t_en(ingress, u.size, max(next_batch, start))[0]
-        own = network.t_en(u.worker, server, u.size, max(u.ready, start))[0]
-        if first[u.size] < own < inf:
-            slow[u.id] = DROP_SLOW
-    return slow
+        if u.version + tau_max - v_init >= 1:
+            end = network.t_en(u.worker, server, u.size, max(u.ready, start))[0]
+            if end < inf:
+                ends[u.id] = end
+    if not ends:
+        return {}
+    first = min(ends.values()) + (next_batch - start)
+    return {uid: DROP_SLOW for uid, end in ends.items() if end > first}
 
 
 def schedule(updates, network, server, *, aggregators=(), tau_max=inf, v_init=0, start=0.0,
@@ -119,8 +118,9 @@ def schedule(updates, network, server, *, aggregators=(), tau_max=inf, v_init=0,
     may sum to (aggregation.py; a replicated server's Div_max); a finite cap runs the reference
     loops, which alone implement it. `cut_through`: aggregates stream out as their members come
     in, and the pipeline case is tried (aggregation.py); every engine implements it.
-    `next_batch` (async only): when the next batch may start; updates slower than one sent then
-    are dropped first (DROP_SLOW, module header). Default None: the paper's batch alone.
+    `next_batch` (async only, >= start): when the next batch may start; an update slower than
+    the batch's fastest sent then is dropped first (DROP_SLOW, module header). Default None: the
+    paper's batch alone.
     Returns (plan, network after the plan's reservations)."""
     if mode not in MODES:
         raise ValueError("mode must be one of %s, got %r" % (", ".join(MODES), mode))
@@ -132,8 +132,11 @@ def schedule(updates, network, server, *, aggregators=(), tau_max=inf, v_init=0,
     every = updates
     slow = {}
     if mode == "async" and next_batch is not None:
-        if not isfinite(next_batch):
-            raise ValueError("next_batch must be a finite time, got %r" % (next_batch,))
+        if not (isfinite(next_batch) and next_batch >= start):
+            raise ValueError("next_batch must be a finite time >= start (%r), got %r"
+                             % (start, next_batch))
+        if len({u.id for u in updates}) != len(updates):   # before any is filtered out
+            raise ValueError("update ids must be unique within a batch")
         slow = slow_links(updates, network, server, start, next_batch, tau_max, v_init)
         if slow:
             updates = [u for u in updates if u.id not in slow]

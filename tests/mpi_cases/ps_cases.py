@@ -350,17 +350,17 @@ def case_paced_async_keeps_delays_within_tau_max():
 
 def case_async_drops_the_updates_of_slow_links_only():
     """N3 (half the NIC directions at a tenth of the rate), one period for the whole job, a bound
-    too loose to drop anything stale: the scheduler drops at their workers the updates whose
-    sender's egress is slow (400 KB at 2 MB/s: 0.2 s, where the next batch's would be in after
-    70 ms), never one from a full-rate sender; every drop has that reason, the accounts balance
-    and the model is the sum of what was applied."""
+    too loose to drop anything stale: the scheduler drops at their workers updates whose
+    sender's egress is slow (400 KB at 2 MB/s: 0.2 s, where a full-rate sender's, a 100 ms batch
+    later, would be in after 120 ms), never one from a full-rate sender; every drop has that
+    reason, the accounts balance and the model is the sum of what was applied."""
     size = 50_000
     # seed 0: a mix of slow and full-rate egress at 2, 3 and 5 workers
     emu = Emulation("C0", "N3", base_rate=20e6, period=60.0, seed=0)
     roles = Roles(WORLD.size)
     workers = len(roles.worker_ranks)
     res = run_job("mlfabric-A", size=size, iterations=6, tau_max=1000, emulation=emu,
-                  batch_interval=0.05, t_lag=0.02)
+                  batch_interval=0.1, t_lag=0.02)
     _check_summary(res)
     s = res.summary
     assert set(s.dropped) <= {DROP_SLOW}, s
@@ -375,9 +375,10 @@ def case_async_drops_the_updates_of_slow_links_only():
     everyone = [x for x in WORLD.allgather((res.role, slow, len(mine))) if x[0] == "worker"]
     if workers >= 2:
         assert {sl for _, sl, _ in everyone} == {True, False}, everyone
-    # each slow sender loses its updates (6 pushes; the monitor reports within 20 ms, before
-    # the first 50 ms batch is planned), and the summary counts exactly the workers' drops
-    assert all(n > 0 for _, sl, n in everyone if sl), everyone
+    # slow senders lose updates (one batched with a full-rate sender's is dropped; one alone in
+    # its batch is its fastest, and kept), and the summary counts exactly the workers' drops
+    if workers >= 2:
+        assert sum(n for _, sl, n in everyone if sl) > 0, everyone
     assert s.dropped.get(DROP_SLOW, 0) == sum(n for *_, n in everyone), (everyone, s)
     if res.role == "server":
         applied = _server_ids(res)
