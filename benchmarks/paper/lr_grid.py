@@ -17,8 +17,10 @@ target, so that the updates a run needs to reach it move by several times betwee
 (REPRODUCTION.md saw 0.12x-1.4x); at the rate where both are at their best, the two modes need
 alike many updates and a cell's speedup is the ratio of update rates the systems sustain.
 """
+import datetime
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -89,6 +91,7 @@ def async_updates(task, start, lr, target, max_updates, delays, seed):
 
 def main(argv=None):
     from mpi4py import MPI
+    t_start = time.monotonic()
     args = parse_args(argv)
     task = common.ClassifierTask(MPI.COMM_SELF, args.workers, payload_bytes=0, lr=args.grid[0],
                                   pretrain=args.pretrain, pretrain_lr=args.pretrain_lr)
@@ -113,7 +116,10 @@ def main(argv=None):
                                     target=args.target, tau_max=args.tau_max,
                                     max_updates=args.max_updates, seeds=args.seeds,
                                     quick=args.quick,
-                                    start_accuracy=task.evaluate(start)),
+                                    start_accuracy=task.evaluate(start),
+                                    timestamp=datetime.datetime.now(
+                                        datetime.timezone.utc).isoformat(timespec="seconds"),
+                                    total_wall_s=time.monotonic() - t_start),
            "rows": rows}
     common.write_json(args.out, doc)
     print("wrote %s" % common.relpath(args.out))

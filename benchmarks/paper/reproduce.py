@@ -110,10 +110,12 @@ def section_table2(doc, path):
     m, cells = doc["meta"], doc["cells"]
     task = m["task"]
     dilate = m.get("dilate", 1.0)
-    out = ["## Table 2 with %d workers%s%s: mlfabric-A vs RR-Sync, time to a target accuracy, "
-           "%d setting%s (§7.1)" % (m["workers"], " (the paper's count)" if m["workers"] == 30
-                                     else "", ", time dilated %gx" % dilate if dilate != 1 else "",
-                                     len(cells), "" if len(cells) == 1 else "s"), ""]
+    out = ["## Table 2 with %d workers%s%s%s: mlfabric-A vs RR-Sync, time to a target "
+           "accuracy, %d setting%s (§7.1)" % (
+               m["workers"], " (the paper's count)" if m["workers"] == 30 else "",
+               ", learning rate %g" % task["lr"] if "lr" in task else "",
+               ", time dilated %gx" % dilate if dilate != 1 else "",
+               len(cells), "" if len(cells) == 1 else "s"), ""]
     if dilate != 1:
         out += ["Every time of the setting runs %gx the paper's (`--dilate %g`): compute, "
                 "transfers (the base rate divided by %g), the scheduler's batch interval and "
@@ -188,13 +190,25 @@ def section_table2(doc, path):
                                " (%s)" % ", ".join(ideal) if 0 < len(ideal) < len(cells) else ""))
     out += [""] + table2_profile(doc) + [""] + table2_ceiling(doc) + ["", source(doc, path),
                                                                        ""] + table2_runs(doc, path)
-    if m["workers"] == 30 and dilate == 1:
-        out += ["", LEVERS_TRIED_30]
+    # the levers were tried on these two commands' settings (LEVERS_TRIED)
+    out += ["", LEVERS_TRIED[os.path.basename(path)]] if os.path.basename(path) in LEVERS_TRIED \
+        else []
     return out
 
 
-# Levers tried on the 30-worker runs and not kept as defaults, with what they measured (by hand:
-# the A/B runs' JSONs are not kept in the repository).
+# Levers tried on the 30-worker runs, with what they measured (by hand: the A/B runs' JSONs are
+# not kept in the repository), under the section of the command they were tried on.
+LEVERS_TRIED_30_LR = (
+    "Levers tried at 30 workers, learning rate 0.04 (session 31), kept as defaults: the "
+    "scheduler's slow-link drop (sched.scheduler: an update slower than the batch's fastest "
+    "sent a batch later is dropped at its worker; batches apply in order, so it held every "
+    "later commit: in C1-N3 the server's link sat idle in 0.8 s gaps for 42 s of 45, and the "
+    "updates in flight at a plan fell from a median 16 to 1) and the pull gate not waiting for "
+    "a send paced by a slow receiver (runtime/server.py gating). Against one run of the 9 cells "
+    "without either (`--slow-drop off`, the gate as before): mlfabric-A's update rate under N2 "
+    "25.0-27.3/s, 28.4-31.1/s over the 3 runs above; under N3 7.7-8.9/s, 7.6-9.6/s (no gain); "
+    "under N1 within the runs' spread. The gate alone (slow-link drop off; C1-N2, C1-N3, "
+    "C2-N3): 25.5, 7.5 (target not reached) and 7.9/s, no better than neither.")
 LEVERS_TRIED_30 = (
     "Levers tried at 30 workers, A/B in back-to-back runs of `--cells C1-N1,C1-N3`, not kept as "
     "defaults: (1) the server's pull gate opening when its own link is idle instead of when "
@@ -206,6 +220,7 @@ LEVERS_TRIED_30 = (
     "(makespan run: 0.78) and undetermined (<= 0.60; makespan run: 0.67) in C1-N1, the spread "
     "the repeats above show between identical runs. The tree's objective is not what keeps a "
     "fetch at 3x (N1) to 20x (N3) its transfer.")
+LEVERS_TRIED = {"table2-30.json": LEVERS_TRIED_30, "table2-30-lr.json": LEVERS_TRIED_30_LR}
 
 
 def table2_repeats(path):
