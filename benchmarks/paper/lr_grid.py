@@ -42,11 +42,13 @@ def parse_args(argv):
     p.add_argument("--grid", default=",".join(map(str, GRID)), help="learning rates")
     p.add_argument("--max-updates", type=int, default=1500)
     p.add_argument("--seeds", type=int, default=2, help="delay draws per asynchronous cell")
-    p.add_argument("--quick", action="store_true", help="tiny: 6 workers, two rates (tests)")
+    p.add_argument("--quick", action="store_true", help="tiny: 6 workers, two rates, "
+                   "target <= 0.5 (tests)")
     p.add_argument("--out", default=common.result_path("lr-grid.json"))
     args = p.parse_args(argv)
     if args.quick:
         args.workers, args.grid, args.max_updates, args.seeds = 6, "0.08,0.04", 60, 1
+        args.target = min(args.target, 0.5)
     args.grid = [float(x) for x in args.grid.split(",") if x.strip()]
     if args.workers < 1 or args.pretrain < 0 or not args.grid or min(args.grid) <= 0:
         p.error("need --workers >= 1, --pretrain >= 0 and learning rates > 0")
