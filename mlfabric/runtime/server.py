@@ -418,11 +418,10 @@ GATE_SHARE = 0.5
 def gating(sends):
     """Of a pull batch's sends [(rank, planned rate or None)], how many to each rank hold the next
     batch (Server._serve_pulls), as a Counter: all but those planned at under GATE_SHARE of the
-    batch's fastest rate.
-    Such a send is paced by its receiver's slow link (N3: a tenth of the rate, 0.8 s for an 80 ms
-    model), which leaves the server's egress mostly free; holding every other get behind it would
-    age the models they are answered with. The scheduler's view still books its bytes, so the
-    next batch's plan shares the link with it."""
+    batch's fastest rate. Such a send is paced by its receiver's slow link (N3: a tenth of the
+    rate, 0.8 s for an 80 ms model), which leaves the server's egress mostly free; holding every
+    other get behind it would age the models they are answered with. The scheduler's view still
+    books its bytes, so the next batch's plan shares the link with it."""
     fastest = max((r for _, r in sends if r), default=None)
     return Counter(rank for rank, r in sends
                    if not (r and fastest and r < GATE_SHARE * fastest))
