@@ -351,16 +351,17 @@ def case_paced_async_keeps_delays_within_tau_max():
 def case_async_drops_the_updates_of_slow_links_only():
     """N3 (half the NIC directions at a tenth of the rate), one period for the whole job, a bound
     too loose to drop anything stale: the scheduler drops at their workers updates whose
-    sender's egress is slow (400 KB at 2 MB/s: 0.2 s, where a full-rate sender's, a 100 ms batch
-    later, would be in after 120 ms), never one from a full-rate sender; every drop has that
+    sender's egress is slow (800 KB at 2 MB/s: 0.4 s, where a full-rate sender's, a 200 ms batch
+    later, would be in after 240 ms), never one from a full-rate sender; every drop has that
     reason, the accounts balance and the model is the sum of what was applied."""
-    size = 50_000
-    # seed 0: a mix of slow and full-rate egress at 2, 3 and 5 workers
-    emu = Emulation("C0", "N3", base_rate=20e6, period=60.0, seed=0)
+    size = 100_000
+    # seed 14: at 2, 3 and 5 workers, full-rate senders and slow ones whose ingress is mostly
+    # full rate, so that both keep the same pace and their updates share batches
+    emu = Emulation("C0", "N3", base_rate=20e6, period=60.0, seed=14)
     roles = Roles(WORLD.size)
     workers = len(roles.worker_ranks)
-    res = run_job("mlfabric-A", size=size, iterations=6, tau_max=1000, emulation=emu,
-                  batch_interval=0.1, t_lag=0.02)
+    res = run_job("mlfabric-A", size=size, iterations=8, tau_max=1000, emulation=emu,
+                  compute_s=0.02, batch_interval=0.2, t_lag=0.02)
     _check_summary(res)
     s = res.summary
     assert set(s.dropped) <= {DROP_SLOW}, s
