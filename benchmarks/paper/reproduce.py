@@ -210,7 +210,8 @@ LEVERS_TRIED_30_LR = (
     "kept, against the batch's fastest, leaves 7-9 under N3 (gaps over 0.3 s still 38-46 s of "
     "45-53), since a batch there often holds slow senders alone: comparing with the fastest of "
     "any worker sent a batch later is the next step. Against one run of the 9 cells "
-    "without either (`--slow-drop off`, the gate as before): mlfabric-A's update rate under N2 "
+    "without either (the runtime before this session; `--slow-drop off` alone keeps the new "
+    "gate): mlfabric-A's update rate under N2 "
     "25.0-27.3/s, 28.4-31.1/s over the 3 runs above; under N3 7.7-8.9/s, 7.6-9.6/s (no gain); "
     "under N1 within the runs' spread. The gate alone (slow-link drop off; C1-N2, C1-N3, "
     "C2-N3): 25.5, 7.5 (target not reached) and 7.9/s, no better than neither.")
