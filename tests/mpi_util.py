@@ -52,11 +52,41 @@ def run_mpi(n, args, timeout=180, env=None, mpirun_args=()):
     assert mpirun, "mpirun not found next to python or on PATH"
     cmd = [mpirun, "--oversubscribe", *mpirun_args, "-n", str(n), sys.executable, *args]
     for _ in range(2):
-        proc = subprocess.run(cmd, cwd=ROOT, env=mpi_env(env), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, timeout=timeout)
+        proc = _run_bounded(cmd, env, timeout)
         if proc.returncode == 0 or not any(m in proc.stdout for m in LAUNCH_FAILURES):
             return proc
     return proc
+
+
+def _run_bounded(cmd, env, timeout):
+    """Run cmd in its own session; past `timeout` s, fail naming what still runs and where each
+    Python rank is stuck (SIGABRT: PYTHONFAULTHANDLER prints every thread's stack), so a hang
+    seen once in CI can be read from the log rather than guessed at."""
+    import signal
+    import pytest
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=mpi_env({"PYTHONFAULTHANDLER": "1", **(env or {})}),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        ps = subprocess.run(["ps", "-s", str(proc.pid), "-o", "pid,stat,etime,args"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True).stdout
+        ranks = [int(line.split()[0]) for line in ps.splitlines()[1:]
+                 if sys.executable in line and line.split()[0] != str(proc.pid)]
+        for pid in ranks:
+            try:
+                os.kill(pid, signal.SIGABRT)
+            except OSError:
+                pass
+        try:
+            out, _ = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)}\nstill running after {timeout} s; its processes then:\n"
+                    f"{ps}\noutput (with the stuck ranks' stacks):\n{out}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out)
 
 
 def run_script_json(n, script_args, out, timeout):

@@ -148,6 +148,10 @@ class Daemon(threading.Thread):
 
     def _fail(self, e):
         rt = self.rt
+        # the job ends out of step: a peer may have died (this rank may only have been told, and
+        # ULFM's detector may not have told it yet) or still be mid-collective, and Open MPI's
+        # MPI_Finalize would wait for it forever: bound this rank's exit
+        exit_guard.out_of_step()
         if not isinstance(e, MlfabricError) or not str(e).startswith("rank "):
             text = "rank %d (%s) failed: %s: %s" % (rt.rank, rt.role, type(e).__name__, e)
             err = MlfabricError(text)

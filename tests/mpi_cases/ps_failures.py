@@ -20,6 +20,7 @@ import numpy as np
 from mpi4py import MPI
 
 import mlfabric.ps as ps
+from mlfabric import exit_guard
 from mlfabric.emulate import Emulation
 from mlfabric.errors import MlfabricError
 from mlfabric.ps.driver import default_update, run_job
@@ -134,6 +135,9 @@ def server_alone(outdir):
             ps.serve()
     except MlfabricError as e:
         assert "no live replica" in str(e) or "died" in str(e), e
+        # a rank only told of the death (by the scheduler's error) bounds its exit too: the
+        # detector may not have told it yet, and MPI_Finalize would wait on the dead server
+        assert exit_guard._armed, "exit not bounded on rank %d" % WORLD.rank
         print("clear error: %s" % str(e)[:160])
         return
     raise AssertionError("no error after the server died")
