@@ -353,6 +353,37 @@ def test_the_servers_queue_trips_no_one_and_the_fastest_always_stays():
     assert plan.dropped == {} and plan.order == [1]
 
 
+@pytest.mark.parametrize("engine", ["reference", "auto"])
+def test_a_batch_of_slow_senders_alone_is_dropped_for_a_faster_peer(engine):
+    # Workers 1 and 2 send at a tenth of the server's rate (10 B: 10 s); worker 3, a peer that
+    # pushes but has nothing in this batch, would be in at 0.5 + 1 = 1.5 s from the next batch:
+    # waiting 10 s for the batch's fastest would hold every later commit, so both are dropped.
+    nw = Network([10.0, 1.0, 1.0, 10.0, 1.0], [10.0] * 5)
+    us = [Update(1, 1, 10.0, version=0), Update(2, 2, 10.0, version=0)]
+    plan, _ = schedule(us, nw, 0, tau_max=10, next_batch=0.5, peers=[3], engine=engine)
+    assert plan.dropped == {1: DROP_SLOW, 2: DROP_SLOW} and plan.order == []
+    # liveness: without a peer, or with peers no faster than the batch (worker 4 at a tenth
+    # too, one of the batch's own), the batch's fastest stays
+    for peers in ([], [4], [1, 4]):
+        plan, _ = schedule(us, nw, 0, tau_max=10, next_batch=0.5, peers=peers, engine=engine)
+        assert plan.dropped == {} and sorted(plan.order) == [1, 2], (peers, plan.dropped)
+    # a peer only counts from the next batch: a batch fast enough to beat it keeps its own
+    plan, _ = schedule([Update(5, 3, 10.0, version=0)], nw, 0, tau_max=10, next_batch=0.5,
+                       peers=[3], engine=engine)
+    assert plan.dropped == {} and plan.order == [5]
+    # the peer's path is the one booked: its egress busy until t=20, it is no reference
+    busy = nw.copy()
+    busy.links[busy.egress(3)].subtract(0.0, 20.0, 10.0)
+    plan, _ = schedule(us, busy, 0, tau_max=10, next_batch=0.5, peers=[3], engine=engine)
+    assert plan.dropped == {} and sorted(plan.order) == [1, 2]
+    for bad, match in (([0], "server"), ([9], "not in this network"), ([True], "not in this")):
+        with pytest.raises(ValueError, match=match):
+            schedule(us, nw, 0, tau_max=10, next_batch=0.5, peers=bad, engine=engine)
+    # without next_batch (the paper's batch alone) peers change nothing
+    plan, _ = schedule(us, nw, 0, tau_max=10, peers=[3], engine=engine)
+    assert plan.dropped == {} and sorted(plan.order) == [1, 2]
+
+
 def test_the_slow_link_drop_is_async_only_and_leaves_no_path_to_alg2():
     nw = Network([10.0, 1.0, 0.0, 10.0], [10.0] * 4)   # worker 2 has no capacity, ever
     us = [Update(1, 1, 10.0, version=0), Update(2, 2, 10.0, version=0),

@@ -30,6 +30,8 @@ from .pulls import SchedulerPulls
 from .recovery import SchedulerRecovery
 from .worker import Assignment, assignments_of, rate_of
 
+PEER_WINDOW = 3   # batches: a worker that reported an update within them still pushes (slow drop)
+
 
 class SchedulerRole(SchedulerRecovery, SchedulerPulls):
     def __init__(self, rt):
@@ -58,6 +60,9 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
         self.caps = ReportedCapacities(rt.size, UNPACED if base is None else base)
         self.view = SchedulerView(self.caps, 0.0)
         self.pending = {s: [] for s in self.servers}   # Update (hosts are ranks) per server
+        # per server, each worker's last report of an update ready (job time): the workers that
+        # push lately, whose paths the slow-link drop also compares with (sched.scheduler)
+        self.pushed_at = {s: {} for s in self.servers}
         # ids planned for each server with a replica: at a failover, those the replica never
         # applied are dropped (recovery.py); a byte an id (IdSet), none without a replica
         self.planned = {s: IdSet() for s in self.servers}
@@ -105,6 +110,7 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
                     continue
                 self.ready_ids.add(uid)
                 self.pending[server].append(Update(uid, src, float(nbytes), version, now, norm))
+                self.pushed_at[server][src] = now
                 if self.mode == "sync":
                     self.reported_of[src] = self.reported_of.get(src, 0) + 1
                     key = (server, version)
@@ -299,7 +305,8 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
         hosts, idx = [srank], {srank: 0}
         extra = [] if state is None else [replica, *self.replica_aggregators,
                                            *(u.id >> 32 for u in state.punted)]
-        for h in self.aggregators + extra + [u.worker for u in updates]:
+        peers = self._pushing_peers(server, t) if cfg.slow_drop and self.mode == "async" else []
+        for h in self.aggregators + extra + [u.worker for u in updates] + peers:
             if h not in idx:
                 idx[h] = len(hosts)
                 hosts.append(h)
@@ -318,7 +325,8 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
                              after=self.after[server], norm_cap=cap,
                              # streaming sums only without a replica (worker.py)
                              cut_through=cfg.cut_through and state is None,
-                             next_batch=t + cfg.batch_interval if cfg.slow_drop else None)
+                             next_batch=t + cfg.batch_interval if cfg.slow_drop else None,
+                             peers=[idx[p] for p in peers])
         by_id = {u.id: u for u in updates}
         if state is not None:
             state = replace(state, punted=[replace(u, worker=idx[u.id >> 32])
@@ -340,6 +348,15 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
             self.view.book(hosts[tr.src], hosts[tr.dst], tr.segments)
         self._send_parts(server, plan, hosts, by_id, state is None)
         self.plan_time.append(time.perf_counter() - t_start)
+
+    def _pushing_peers(self, server, t):
+        """The live workers that reported an update for `server` within the last PEER_WINDOW
+        batches: they push, so one of them sent at the next batch is a fair reference for the
+        slow-link drop, and one that stops (finished, dead, a long straggle) leaves the set soon
+        after, so a batch of slow senders is not dropped whole for long on its account."""
+        window = PEER_WINDOW * self.rt.config.batch_interval
+        return [w for w, at in self.pushed_at[server].items()
+                if t - at <= window and w not in self.rt.failed and w not in self.done]
 
     def _send_parts(self, server, plan, hosts, by_id, final):
         """Each daemon's part of a plan. `final`: no replica copy follows, so a worker frees its

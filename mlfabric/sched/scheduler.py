@@ -23,6 +23,11 @@ since batches apply in order: the server's link idles while everything planned a
 which ages the models the workers fetch. So, before ordering, an update is dropped at its worker
 (DROP_SLOW) when, alone on the network, it would reach the server later than the batch's fastest
 would if sent a batch later (at next_batch): the paper's test, against the next batch.
+`peers` widens that reference to other workers that pushed lately (the caller's choice): a batch
+of slow senders alone, whose fastest would hold the server just as long, is dropped whole when
+such a worker's update, sent at next_batch, would be in first. Liveness: a batch is dropped whole
+only for a peer faster than all of it, and the caller names only workers that push (when they stop,
+the batch's fastest is kept again).
 """
 from math import inf, isfinite
 
@@ -86,10 +91,11 @@ def _refuse_update(u, network):
                          % (u.id, u.version))
 
 
-def slow_links(updates, network, server, start, next_batch, tau_max, v_init):
+def slow_links(updates, network, server, start, next_batch, tau_max, v_init, peers=()):
     """{id: DROP_SLOW} for the updates that, alone on `network`, would reach `server` later than
-    the batch's fastest would if it were sent at `next_batch` instead (module header). Their
-    path is slow: a NIC below the rate, or booked with other transfers. The fastest is never
+    the batch's fastest would if it were sent at `next_batch` instead, or than an update of the
+    same size from one of `peers` sent then (module header). Their path is slow: a NIC below the
+    rate, or booked with other transfers. Without a faster peer the batch's fastest is never
     dropped (a batch of slow senders still progresses), and the server's queue delays every
     update alike, so it trips no one. One already stale (no position left within tau_max), or
     that can never arrive, is left to Alg. 2 (DROP_STALE, DROP_NO_PATH): those say more."""
@@ -102,12 +108,15 @@ def slow_links(updates, network, server, start, next_batch, tau_max, v_init):
     if not ends:
         return {}
     first = min(ends.values()) + (next_batch - start)
+    size = max(u.size for u in updates)   # the largest: a peer is never favoured by its size
+    for p in peers:
+        first = min(first, network.t_en(p, server, size, next_batch)[0])
     return {uid: DROP_SLOW for uid, end in ends.items() if end > first}
 
 
 def schedule(updates, network, server, *, aggregators=(), tau_max=inf, v_init=0, start=0.0,
              seed=0, mode="async", momentum=False, after=None, engine="auto", timings=None,
-             norm_cap=inf, cut_through=False, next_batch=None):
+             norm_cap=inf, cut_through=False, next_batch=None, peers=()):
     """Plan one batch of `updates` (a list of Update) to `server` on `network` (not modified).
     `aggregators` are hosts that may aggregate for this server (in any order: they are pre-assigned
     to groups at random from `seed`). `momentum`: the server applies momentum (eq. 2), so an
@@ -120,7 +129,8 @@ def schedule(updates, network, server, *, aggregators=(), tau_max=inf, v_init=0,
     in, and the pipeline case is tried (aggregation.py); every engine implements it.
     `next_batch` (async only, >= start): when the next batch may start; an update slower than
     the batch's fastest sent then is dropped first (DROP_SLOW, module header). Default None: the
-    paper's batch alone.
+    paper's batch alone. `peers` (with next_batch): hosts of other workers that push, whose
+    update sent at next_batch also counts as the batch's fastest would (module header).
     Returns (plan, network after the plan's reservations)."""
     if mode not in MODES:
         raise ValueError("mode must be one of %s, got %r" % (", ".join(MODES), mode))
@@ -137,7 +147,12 @@ def schedule(updates, network, server, *, aggregators=(), tau_max=inf, v_init=0,
                              % (start, next_batch))
         if len({u.id for u in updates}) != len(updates):   # before any is filtered out
             raise ValueError("update ids must be unique within a batch")
-        slow = slow_links(updates, network, server, start, next_batch, tau_max, v_init)
+        peers = list(peers)
+        for p in peers:
+            network._check_host(p)
+            if p == server:
+                raise ValueError("peers must be workers, not the server (%r)" % (server,))
+        slow = slow_links(updates, network, server, start, next_batch, tau_max, v_init, peers)
         if slow:
             updates = [u for u in updates if u.id not in slow]
     aggs = aggregation.group_order([a for a in aggregators if a != server], seed)
