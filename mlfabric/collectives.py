@@ -537,11 +537,12 @@ class Request:
         finally:
             self._lock.release()
 
-    def give_up(self, timeout):
+    def give_up(self, timeout, bound="MLFABRIC_TIMEOUT"):
         """Past a bound of `timeout` seconds without completing (a poller's, which must not
-        block): park the requests and make wait() raise the PeerTimeoutError wait() would have.
-        False, doing nothing, where wait() should run instead: another thread is inside it (its
-        own bound ends it), or the requests completed meanwhile."""
+        block; torch's Work.wait(timeout)): park the requests and make wait() raise the
+        PeerTimeoutError wait() would have, naming `bound`. False, doing nothing, where wait()
+        should run instead: another thread is inside it (its own bound ends it), or the
+        requests completed meanwhile."""
         if not self._lock.acquire(blocking=False):
             return False
         try:
@@ -555,7 +556,7 @@ class Request:
             is_recv = [self._recv is not None] * len(self._reqs)
             try:
                 p2p.give_up(self._reqs, [self._peer] * len(self._reqs), is_recv, self._what,
-                            timeout)
+                            timeout, bound)
             except PeerTimeoutError as exc:
                 self._error = exc
             self._done = True

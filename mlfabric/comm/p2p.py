@@ -190,14 +190,15 @@ def park(reqs, is_recv):
     return unfinished
 
 
-def give_up(reqs, peers, is_recv, what, timeout):
-    """End a wait on reqs that ran `timeout` seconds elsewhere (a poller's): as wait() does at
-    its deadline, park what is unfinished and raise PeerTimeoutError (nothing if all are done)."""
+def give_up(reqs, peers, is_recv, what, timeout, bound="MLFABRIC_TIMEOUT"):
+    """End a wait on reqs that ran `timeout` seconds elsewhere (a poller's, or under a bound
+    the caller names): as wait() does at its deadline, park what is unfinished and raise
+    PeerTimeoutError (nothing if all are done)."""
     if any(req != MPI.REQUEST_NULL for req in reqs):
-        _give_up(reqs, peers, is_recv, what, timeout)
+        _give_up(reqs, peers, is_recv, what, timeout, bound)
 
 
-def _give_up(reqs, peers, is_recv, what, timeout):
+def _give_up(reqs, peers, is_recv, what, timeout, bound="MLFABRIC_TIMEOUT"):
     global timeouts
     timeouts += 1
     one_each = len(peers) == len(reqs)
@@ -207,5 +208,5 @@ def _give_up(reqs, peers, is_recv, what, timeout):
     late = sorted(set(late))
     raise PeerTimeoutError(
         f"{describe(what)}: no progress from rank(s) {late} within {timeout:g} s "
-        "(MLFABRIC_TIMEOUT); a peer died, hangs, or is running a different collective. "
+        f"({bound}); a peer died, hangs, or is running a different collective. "
         "The communicator is unusable now.")

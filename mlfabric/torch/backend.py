@@ -23,8 +23,11 @@ MPI_Comm_create_group: its own shared memory, queue, NCCL communicator), and eac
 runs in that context (context.using), so groups run independently; it is freed at mlfabric's
 finalize (destroy_process_group does not free it sooner). CUDA tensors move over NCCL
 (mlfabric's GPU path); results that need a copy back (lists of several tensors, widened dtypes)
-are copied on the stream that was current when the call was made. torch's timeout argument is
-not used: mlfabric's own bound (MLFABRIC_TIMEOUT) applies.
+are copied on the stream that was current when the call was made. init_process_group's timeout
+is not used: mlfabric's own bound (MLFABRIC_TIMEOUT) applies to every call. Work.wait(timeout)
+bounds that one wait further: a collective's raises MlfabricError and leaves the call to finish; a
+send's or receive's gives the request up (PeerTimeoutError, naming the bound; a receive is
+cancelled, so a message coming later is never written into its tensor).
 
 Calls: every torch call is one mlfabric call (gather, all_to_all and sparse all_reduce: more,
 below), in the order issued. Collectives are non-blocking: Work.wait() returns, and the Work's
@@ -185,6 +188,9 @@ class _P2PWork(dist.Work):
         self._polled = False
 
     def wait(self, timeout=None):
+        limit = _seconds(timeout)
+        if limit is not None and not self._done:
+            self._wait_until(time.monotonic() + limit, limit)
         with self._lock:
             if not self._done:
                 try:
@@ -199,6 +205,19 @@ class _P2PWork(dist.Work):
         if self._error is not None:
             raise self._error
         return True
+
+    def _wait_until(self, end, limit):
+        """torch's Work.wait(timeout), shorter than MLFABRIC_TIMEOUT: poll until `end`, then
+        give the request up (the wait below raises its PeerTimeoutError, naming this bound).
+        Another thread inside the request's own wait is bounded by MLFABRIC_TIMEOUT; this one
+        then waits for it."""
+        nap = 20e-6
+        while not self._request.test():
+            if time.monotonic() >= end:
+                self._request.give_up(limit, bound="Work.wait's timeout")
+                return
+            time.sleep(nap)
+            nap = min(nap * 2, 1e-3)
 
     def is_completed(self):
         if self._done:

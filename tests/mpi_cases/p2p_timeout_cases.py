@@ -44,6 +44,44 @@ def case_torch_receive_futures_nobody_serves_fail_within_the_bound():
         dist.destroy_process_group()
 
 
+def case_torch_work_wait_timeout_bounds_a_receive():
+    """torch's Work.wait(timeout), shorter than MLFABRIC_TIMEOUT, ends a receive nobody serves
+    at that bound: PeerTimeoutError naming it; the Work is then complete, its error kept, and
+    the message sent later is never written into the tensor. A receive served in time returns."""
+    import os
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    import mlfabric.torch  # noqa: F401 - registers the backend
+    from mlfabric.torch import backend
+    n, r = mf.size(), mf.rank()
+    for var in backend._ENV_VARS:
+        os.environ.pop(var, None)
+    dist.init_process_group("mlfabric")
+    try:
+        if r == 0:
+            dist.send(torch.full((4,), 5.0), 1, tag=7)
+            time.sleep(1.0)   # past rank 1's 0.2 s bound, within MLFABRIC_TIMEOUT (2 s)
+            dist.isend(torch.full((4,), 9.0), 1, tag=8)   # (nobody receives it any more)
+        elif r == 1:
+            got = torch.zeros(4)
+            assert dist.irecv(got, 0, tag=7).wait(timedelta(seconds=10))
+            assert (got == 5.0).all(), got
+            late = torch.zeros(4)
+            work = dist.irecv(late, 0, tag=8)
+            with pytest.raises(mf.PeerTimeoutError, match=r"within 0\.2 s \(Work.wait's timeout\)"):
+                work.wait(timedelta(milliseconds=200))
+            assert work.is_completed()
+            with pytest.raises(mf.PeerTimeoutError, match="recv from rank 0"):
+                work.wait()
+            time.sleep(1.5)   # the late message has come and gone
+            assert not late.any(), late
+    finally:
+        dist.destroy_process_group()
+
+
 def case_late_sender_never_writes_after_a_timeout():
     n, r = mf.size(), mf.rank()
     if n == 1 or r > 1:
