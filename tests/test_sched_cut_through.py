@@ -56,6 +56,25 @@ def test_cut_through_distribution_beats_store_and_forward():
     assert two.pipeline == inf and two.makespan == min(two.cases)
 
 
+def test_the_pipeline_puts_slow_links_last():
+    """Every hop runs at the pace of the one before: requester 1 receives at full rate but sends
+    at a tenth, requester 4 receives at a tenth. Down the request order the chain would pass
+    1's slow uplink to 2 and 3 (a transfer time 10x); ordered, the full-rate ones come first,
+    then 1, then 4 (chain_order): 2 and 3 have the model after one transfer time, the makespan
+    is the slow receiver's alone."""
+    nw = Network([10.0, 1.0, 10.0, 10.0, 10.0], [10.0, 10.0, 10.0, 10.0, 1.0])
+    d, _ = distribute([1, 2, 3, 4], nw, 0, 10.0, distributors=range(1, 5), seed=0,
+                      cut_through=True)
+    assert [(r.inbound.src, r.host) for r in d.distributors] == [(0, 2), (2, 3), (3, 1)]
+    ends = {w: d.deliveries[w].transfer.end for w in (1, 2, 3, 4)}
+    assert ends[2] == ends[3] == ends[1] == 1.0 and ends[4] == 10.0 == d.makespan
+    check_capacity(nw, d.transfers())
+    for objective in ("makespan", "mean"):   # either objective keeps that chain
+        again, _ = distribute([1, 2, 3, 4], nw, 0, 10.0, distributors=range(1, 5), seed=0,
+                              cut_through=True, objective=objective)
+        assert {w: again.deliveries[w].transfer.end for w in ends} == ends, objective
+
+
 @PROPS
 @given(pull_instances(), st.integers(0, 3))
 def test_cut_through_distribution_invariants(inst, seed):
