@@ -62,16 +62,24 @@ def _run_bounded(cmd, env, timeout):
     """Run cmd in its own session; past `timeout` s, fail naming what still runs and where each
     Python rank is stuck (SIGABRT: PYTHONFAULTHANDLER prints every thread's stack), so a hang
     seen once in CI can be read from the log rather than guessed at."""
+    import resource
     import signal
     import pytest
+
+    def no_core_files():  # SIGABRT below must not leave core dumps in the checkout
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     proc = subprocess.Popen(cmd, cwd=ROOT, env=mpi_env({"PYTHONFAULTHANDLER": "1", **(env or {})}),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=no_core_files)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        ps = subprocess.run(["ps", "-s", str(proc.pid), "-o", "pid,stat,etime,args"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True).stdout
+        try:
+            ps = subprocess.run(["ps", "-s", str(proc.pid), "-o", "pid,stat,etime,args"],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                timeout=30).stdout
+        except (OSError, subprocess.SubprocessError) as exc:
+            ps = f"(no process list: {exc})"
         ranks = [int(line.split()[0]) for line in ps.splitlines()[1:]
                  if sys.executable in line and line.split()[0] != str(proc.pid)]
         for pid in ranks:

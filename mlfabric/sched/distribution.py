@@ -54,7 +54,9 @@ slow link makes the rest of the chain slow. The requesters go fastest inbound fi
 order's transfer times), and among equals those that forward fastest first: a requester whose
 downlink is slow is served late in any case, but one whose uplink alone is slow, placed early,
 would make the fast ones after it wait as long (30 workers under N3: a fetch 0.87 s, median, at
-full-rate downlinks where the model alone takes 80 ms). The makespan stays that of the slowest.
+full-rate downlinks where the model alone takes 80 ms). With two rates (full, a tenth) that order
+costs the fast nothing; with more levels it can miss a better one (a tenth-rate sender before a
+half-rate receiver), and the pipeline is kept only where no two-level case does better.
 (Serving the requesters whose uplink alone is slow straight from the server instead, off the
 chain, was tried: in the runtime each such send holds the server's next pull batch, and fetches
 at full-rate links took longer, 0.55 s against 0.29-0.36, median.)

@@ -26,8 +26,9 @@ finalize (destroy_process_group does not free it sooner). CUDA tensors move over
 are copied on the stream that was current when the call was made. init_process_group's timeout
 is not used: mlfabric's own bound (MLFABRIC_TIMEOUT) applies to every call. Work.wait(timeout)
 bounds that one wait further: a collective's raises MlfabricError and leaves the call to finish; a
-send's or receive's gives the request up (PeerTimeoutError, naming the bound; a receive is
-cancelled, so a message coming later is never written into its tensor).
+send's or receive's, if shorter than MLFABRIC_TIMEOUT, gives the request up (PeerTimeoutError,
+naming the bound; a receive is cancelled, so a message coming later is never written into its
+tensor).
 
 Calls: every torch call is one mlfabric call (gather, all_to_all and sparse all_reduce: more,
 below), in the order issued. Collectives are non-blocking: Work.wait() returns, and the Work's
@@ -189,7 +190,7 @@ class _P2PWork(dist.Work):
 
     def wait(self, timeout=None):
         limit = _seconds(timeout)
-        if limit is not None and not self._done:
+        if limit is not None and limit < _config.timeout_s() and not self._done:
             self._wait_until(time.monotonic() + limit, limit)
         with self._lock:
             if not self._done:
@@ -207,14 +208,15 @@ class _P2PWork(dist.Work):
         return True
 
     def _wait_until(self, end, limit):
-        """torch's Work.wait(timeout), shorter than MLFABRIC_TIMEOUT: poll until `end`, then
-        give the request up (the wait below raises its PeerTimeoutError, naming this bound).
-        Another thread inside the request's own wait is bounded by MLFABRIC_TIMEOUT; this one
-        then waits for it."""
+        """torch's Work.wait(timeout), shorter than MLFABRIC_TIMEOUT (a longer one leaves that
+        bound in force): poll until `end`, then give the request up (the wait below raises its
+        PeerTimeoutError, naming this bound). give_up declines while another thread holds the
+        request (the poller's test, for a moment; a waiter, bounded by MLFABRIC_TIMEOUT): then
+        poll on, and test() turns True once that thread is done."""
         nap = 20e-6
         while not self._request.test():
-            if time.monotonic() >= end:
-                self._request.give_up(limit, bound="Work.wait's timeout")
+            if time.monotonic() >= end and self._request.give_up(
+                    limit, bound="Work.wait's timeout"):
                 return
             time.sleep(nap)
             nap = min(nap * 2, 1e-3)
