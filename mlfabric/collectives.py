@@ -449,13 +449,26 @@ def barrier():
     return _run(what, prepare)
 
 
-_SEND_TAG_BASE = 0x4000  # user tags are offset so they never meet mlfabric's own traffic
+# User tags are offset so they never meet mlfabric's own traffic on the communicator (p2p.TAG
+# 0x6D66, the torch backend's group tag 0x6D67): [0, 0x2000) -> 0x4000 + tag (as always), larger
+# ones -> 0x8000 + tag, up to what MPI allows (MPI_TAG_UB: 2^31 - 1 with Open MPI; at least 32767).
+_SEND_TAG_BASE = 0x4000
+_SMALL_TAGS = 0x2000
+_LARGE_TAG_BASE = 0x8000
 
 
-def _user_tag(tag):
-    if not isinstance(tag, (int, np.integer)) or not 0 <= tag < 0x2000:
-        raise ValueError(f"tag must be an int in [0, 8192), got {tag!r}")
-    return _SEND_TAG_BASE + int(tag)
+def _user_tag(tag, comm=None):
+    """The MPI tag that carries user `tag` (ValueError, naming the range, if it cannot be)."""
+    top = _LARGE_TAG_BASE + _SMALL_TAGS    # what any MPI allows (TAG_UB >= 32767)
+    if comm is not None:
+        ub = comm.Get_attr(MPI.TAG_UB)
+        if ub is not None:
+            top = int(ub) - _LARGE_TAG_BASE + 1
+    if (isinstance(tag, bool) or not isinstance(tag, (int, np.integer))
+            or not 0 <= tag < max(top, _SMALL_TAGS)):
+        raise ValueError(f"tag must be an int in [0, {max(top, _SMALL_TAGS)}), got {tag!r}")
+    tag = int(tag)
+    return _SEND_TAG_BASE + tag if tag < _SMALL_TAGS else _LARGE_TAG_BASE + tag
 
 
 def _meta_of(xb, element):
@@ -490,7 +503,7 @@ def recv(x, source, tag=0, element=0):
     ctx = context.get()
     xb = _buffers.wrap(x, writable=True)
     source = _check_root(source, ctx.size)
-    t = _user_tag(tag)
+    t = _user_tag(tag, ctx.comm)
     meta = np.empty(3, np.int64)
     what = f"recv from rank {source}"
 
@@ -604,7 +617,7 @@ def isend(x, dest, tag=0, element=0):
     ctx = context.get()
     xb = _buffers.wrap(x)
     dest = _check_root(dest, ctx.size)
-    t = _user_tag(tag)
+    t = _user_tag(tag, ctx.comm)
     meta = _meta_of(xb, element)
     return Request(f"send to rank {dest}", dest, [
         ctx.comm.Isend(meta, dest, t), ctx.comm.Isend([p2p.as_bytes(xb.arr), MPI.BYTE], dest, t)])
@@ -616,7 +629,7 @@ def irecv(x, source, tag=0, element=0):
     ctx = context.get()
     xb = _buffers.wrap(x, writable=True)
     source = _check_root(source, ctx.size)
-    t = _user_tag(tag)
+    t = _user_tag(tag, ctx.comm)
     meta = np.empty(3, np.int64)
     return Request(f"recv from rank {source}", source, [
         ctx.comm.Irecv(meta, source, t), ctx.comm.Irecv([p2p.as_bytes(xb.arr), MPI.BYTE],

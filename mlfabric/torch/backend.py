@@ -35,8 +35,9 @@ below), in the order issued. Collectives are non-blocking: Work.wait() returns, 
 future completes, when mlfabric is done; reduce and barrier complete before they return (mlfabric
 has no non-blocking forms of them). send and recv are mlfabric.isend / irecv, posted when made
 (ranks may post receives first, as batch_isend_irecv does) and completed by Work.wait() on the
-caller's thread (or, once get_future() is asked for, by one polling thread); their tags are ints in
-[0, 8192) (mlfabric keeps the tags above for itself). Future callbacks run on a small thread pool,
+caller's thread (or, once get_future() is asked for, by one polling thread); their tags are ints
+from 0 to what MPI's tag bound allows (2^31 - 32768 with Open MPI, 8192 at least; mlfabric offsets
+them past its own). Future callbacks run on a small thread pool,
 so one may wait for another collective; but a collective issued from a callback races the training
 thread for its place in the issue order, which must be the same on every rank, so hooks that do
 that (PowerSGD) are not supported. all_to_all_single takes any split sizes (rows of dimension 0;

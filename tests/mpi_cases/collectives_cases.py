@@ -268,6 +268,28 @@ def case_barrier_and_send_recv():
     assert (got == np.arange(10) + left).all()
 
 
+def case_send_recv_large_tags():
+    """Tags beyond the first 8192 (torch code uses large ones) reach their own receive: messages
+    on tags that differ only above 8192 never cross; a tag MPI cannot carry, or a negative one,
+    is a ValueError naming the range, at once."""
+    from mpi4py import MPI
+    n, r = mf.size(), mf.rank()
+    top = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) - 0x8000 + 1
+    for bad in (-1, top, 1.5, True):
+        with pytest.raises(ValueError, match=r"tag must be an int in \[0, "):
+            mf.isend(np.zeros(2), (r + 1) % n, tag=bad)
+    if n < 2:
+        return
+    right, left = (r + 1) % n, (r - 1) % n
+    tags = [8191, 8192, 100_000, top - 1]
+    recvs = {t: mf.irecv(np.empty(3, np.int64), left, tag=t) for t in reversed(tags)}
+    sends = [mf.isend(np.array([t, r, 7], np.int64), right, tag=t) for t in tags]
+    for t, req in recvs.items():
+        assert req.wait().tolist() == [t, left, 7], (t, req.wait())
+    for req in sends:
+        req.wait()
+
+
 def case_isend_irecv_posted_when_made():
     """isend / irecv return Requests posted when made: every rank may post its receive before
     its send (a ring, small and large); test() polls; blocking send pairs with irecv."""
