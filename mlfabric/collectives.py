@@ -457,16 +457,18 @@ _SMALL_TAGS = 0x2000
 _LARGE_TAG_BASE = 0x8000
 
 
-def _user_tag(tag, comm=None):
+_user_tags = []   # [how many user tags MPI can carry], asked once (MPI_TAG_UB is per process)
+
+
+def _user_tag(tag):
     """The MPI tag that carries user `tag` (ValueError, naming the range, if it cannot be)."""
-    top = _LARGE_TAG_BASE + _SMALL_TAGS    # what any MPI allows (TAG_UB >= 32767)
-    if comm is not None:
-        ub = comm.Get_attr(MPI.TAG_UB)
-        if ub is not None:
-            top = int(ub) - _LARGE_TAG_BASE + 1
-    if (isinstance(tag, bool) or not isinstance(tag, (int, np.integer))
-            or not 0 <= tag < max(top, _SMALL_TAGS)):
-        raise ValueError(f"tag must be an int in [0, {max(top, _SMALL_TAGS)}), got {tag!r}")
+    if not _user_tags:
+        ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)   # None: only the standard's 32767 is sure
+        ub = 32767 if ub is None else int(ub)
+        _user_tags.append(max(_SMALL_TAGS, ub - _LARGE_TAG_BASE + 1))
+    top = _user_tags[0]
+    if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) or not 0 <= tag < top:
+        raise ValueError(f"tag must be an int in [0, {top}), got {tag!r}")
     tag = int(tag)
     return _SEND_TAG_BASE + tag if tag < _SMALL_TAGS else _LARGE_TAG_BASE + tag
 
@@ -503,7 +505,7 @@ def recv(x, source, tag=0, element=0):
     ctx = context.get()
     xb = _buffers.wrap(x, writable=True)
     source = _check_root(source, ctx.size)
-    t = _user_tag(tag, ctx.comm)
+    t = _user_tag(tag)
     meta = np.empty(3, np.int64)
     what = f"recv from rank {source}"
 
@@ -550,12 +552,11 @@ class Request:
         finally:
             self._lock.release()
 
-    def give_up(self, timeout, bound="MLFABRIC_TIMEOUT"):
+    def give_up(self, timeout):
         """Past a bound of `timeout` seconds without completing (a poller's, which must not
-        block; torch's Work.wait(timeout)): park the requests and make wait() raise the
-        PeerTimeoutError wait() would have, naming `bound`. False, doing nothing, where wait()
-        should run instead: another thread is inside it (its own bound ends it), or the
-        requests completed meanwhile."""
+        block): park the requests and make wait() raise the PeerTimeoutError wait() would have.
+        False, doing nothing, where wait() should run instead: another thread is inside it (its
+        own bound ends it), or the requests completed meanwhile."""
         if not self._lock.acquire(blocking=False):
             return False
         try:
@@ -569,7 +570,7 @@ class Request:
             is_recv = [self._recv is not None] * len(self._reqs)
             try:
                 p2p.give_up(self._reqs, [self._peer] * len(self._reqs), is_recv, self._what,
-                            timeout, bound)
+                            timeout)
             except PeerTimeoutError as exc:
                 self._error = exc
             self._done = True
@@ -577,11 +578,14 @@ class Request:
         finally:
             self._lock.release()
 
-    def wait(self):
+    def wait(self, timeout=None):
+        """The result (see the class); `timeout` (seconds, None: MLFABRIC_TIMEOUT) bounds this
+        wait instead, torch's Work.wait(timeout): past it the request is given up as at
+        MLFABRIC_TIMEOUT, the PeerTimeoutError naming that bound."""
         with self._lock:
             if not self._done:
                 try:
-                    self._result = self._complete()
+                    self._result = self._complete(timeout)
                 except BaseException as exc:
                     self._error = exc
                 self._done = True
@@ -589,20 +593,21 @@ class Request:
             raise self._error
         return self._result
 
-    def _complete(self):
+    def _complete(self, timeout):
         peers, what = [self._peer] * len(self._reqs), self._what
+        bound = {} if timeout is None else {"timeout": timeout, "bound": "Work.wait's timeout"}
         if self._recv is None:
-            p2p.wait(self._reqs, peers, what, [False] * len(self._reqs))
+            p2p.wait(self._reqs, peers, what, [False] * len(self._reqs), **bound)
             return None
         x, xb, meta, element = self._recv
         try:
-            p2p.wait(self._reqs[:1], peers[:1], what, [True])
+            p2p.wait(self._reqs[:1], peers[:1], what, [True], **bound)
         except PeerTimeoutError:  # the payload's receive must not write into x later either
             p2p.park(self._reqs[1:], [True])
             raise
         error = _recv_mismatch(what, self._peer, meta, xb, element)
         try:
-            p2p.wait(self._reqs[1:], peers[1:], what, [True])
+            p2p.wait(self._reqs[1:], peers[1:], what, [True], **bound)
         except MlfabricError:  # a payload longer than the array: MPI cut it short
             if error is None:
                 raise
@@ -617,7 +622,7 @@ def isend(x, dest, tag=0, element=0):
     ctx = context.get()
     xb = _buffers.wrap(x)
     dest = _check_root(dest, ctx.size)
-    t = _user_tag(tag, ctx.comm)
+    t = _user_tag(tag)
     meta = _meta_of(xb, element)
     return Request(f"send to rank {dest}", dest, [
         ctx.comm.Isend(meta, dest, t), ctx.comm.Isend([p2p.as_bytes(xb.arr), MPI.BYTE], dest, t)])
@@ -629,7 +634,7 @@ def irecv(x, source, tag=0, element=0):
     ctx = context.get()
     xb = _buffers.wrap(x, writable=True)
     source = _check_root(source, ctx.size)
-    t = _user_tag(tag, ctx.comm)
+    t = _user_tag(tag)
     meta = np.empty(3, np.int64)
     return Request(f"recv from rank {source}", source, [
         ctx.comm.Irecv(meta, source, t), ctx.comm.Irecv([p2p.as_bytes(xb.arr), MPI.BYTE],

@@ -115,8 +115,9 @@ def describe(what):
     return what if isinstance(what, str) else what[0].format(*what[1:])
 
 
-def wait(reqs, peers, what, is_recv=None):
-    """Wait until every request in reqs has completed, for at most timeout_s() seconds.
+def wait(reqs, peers, what, is_recv=None, timeout=None, bound="MLFABRIC_TIMEOUT"):
+    """Wait until every request in reqs has completed, for at most timeout_s() seconds (or
+    `timeout`, named `bound` in the error: torch's Work.wait(timeout)).
 
     peers: the ranks waited on, either one per request (peers[i] is the rank reqs[i] talks to) or,
     for requests that involve many ranks (a non-blocking collective), any list of ranks. is_recv:
@@ -128,13 +129,13 @@ def wait(reqs, peers, what, is_recv=None):
     try:
         if MPI.Request.Testall(reqs):
             return
-        _poll(reqs, peers, what, is_recv)
+        _poll(reqs, peers, what, is_recv, timeout, bound)
     except MPI.Exception as e:
         raise MlfabricError(f"{describe(what)}: MPI error talking to rank(s) {sorted(set(peers))}: "
                             f"{e.Get_error_string()}") from e
 
 
-def _poll(reqs, peers, what, is_recv):
+def _poll(reqs, peers, what, is_recv, timeout=None, bound="MLFABRIC_TIMEOUT"):
     testall = MPI.Request.Testall
     perf = time.perf_counter
     start = now = perf()
@@ -143,7 +144,8 @@ def _poll(reqs, peers, what, is_recv):
         if testall(reqs):
             return
         now = perf()
-    timeout = _config.timeout_s()
+    if timeout is None:
+        timeout = _config.timeout_s()
     deadline = start + timeout
     yield_end = min(start + YIELD_S, deadline)
     sched_yield = os.sched_yield
@@ -161,7 +163,7 @@ def _poll(reqs, peers, what, is_recv):
         now = perf()
     if testall(reqs):
         return
-    _give_up(reqs, peers, is_recv, what, timeout)
+    _give_up(reqs, peers, is_recv, what, timeout, bound)
 
 
 def park(reqs, is_recv):
@@ -190,12 +192,11 @@ def park(reqs, is_recv):
     return unfinished
 
 
-def give_up(reqs, peers, is_recv, what, timeout, bound="MLFABRIC_TIMEOUT"):
-    """End a wait on reqs that ran `timeout` seconds elsewhere (a poller's, or under a bound
-    the caller names): as wait() does at its deadline, park what is unfinished and raise
-    PeerTimeoutError (nothing if all are done)."""
+def give_up(reqs, peers, is_recv, what, timeout):
+    """End a wait on reqs that ran `timeout` seconds elsewhere (a poller's): as wait() does at
+    its deadline, park what is unfinished and raise PeerTimeoutError (nothing if all are done)."""
     if any(req != MPI.REQUEST_NULL for req in reqs):
-        _give_up(reqs, peers, is_recv, what, timeout, bound)
+        _give_up(reqs, peers, is_recv, what, timeout)
 
 
 def _give_up(reqs, peers, is_recv, what, timeout, bound="MLFABRIC_TIMEOUT"):

@@ -190,13 +190,12 @@ class _P2PWork(dist.Work):
         self._polled = False
 
     def wait(self, timeout=None):
-        limit = _seconds(timeout)
-        if limit is not None and limit < _config.timeout_s() and not self._done:
-            self._wait_until(time.monotonic() + limit, limit)
+        limit = _seconds(timeout)   # a bound longer than MLFABRIC_TIMEOUT leaves that one
+        limit = limit if limit is not None and limit < _config.timeout_s() else None
         with self._lock:
             if not self._done:
                 try:
-                    self._out = self._finish(self._request.wait())
+                    self._out = self._finish(self._request.wait(limit))
                 except BaseException as exc:  # noqa: BLE001 - raised to every waiter
                     self._error = exc
                 self._done = True
@@ -207,20 +206,6 @@ class _P2PWork(dist.Work):
         if self._error is not None:
             raise self._error
         return True
-
-    def _wait_until(self, end, limit):
-        """torch's Work.wait(timeout), shorter than MLFABRIC_TIMEOUT (a longer one leaves that
-        bound in force): poll until `end`, then give the request up (the wait below raises its
-        PeerTimeoutError, naming this bound). give_up declines while another thread holds the
-        request (the poller's test, for a moment; a waiter, bounded by MLFABRIC_TIMEOUT): then
-        poll on, and test() turns True once that thread is done."""
-        nap = 20e-6
-        while not self._request.test():
-            if time.monotonic() >= end and self._request.give_up(
-                    limit, bound="Work.wait's timeout"):
-                return
-            time.sleep(nap)
-            nap = min(nap * 2, 1e-3)
 
     def is_completed(self):
         if self._done:
