@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mlfabric.sched import Network, Update, schedule
-from mlfabric.sched.distribution import distribute
+from mlfabric.sched.distribution import OBJECTIVES, distribute
 from tests.sched_util import check_bytes, check_capacity, instances
 from tests.test_sched_distribution import instances as pull_instances
 
@@ -51,9 +51,11 @@ def test_cut_through_distribution_beats_store_and_forward():
     assert ct.deliveries[ct.order[-1]].source == ct.order[-2]
     check_capacity(nw, ct.transfers())
     assert len(ct.transfers()) == 6 and "d%-4d -> d" % ct.order[0] in str(ct)
-    # a requester that may not relay rules the pipeline out
+    # a requester that may not relay rules the pipeline out; the greedy tree makes it a leaf
     two, _ = distribute(*args, distributors=range(1, 6), seed=3, cut_through=True)
-    assert two.pipeline == inf and two.makespan == min(two.cases)
+    assert two.pipeline == inf and min(two.cases) == 3.0 and two.makespan == two.tree == 1.0
+    assert all(r.host != 6 for r in two.distributors)
+    check_capacity(nw, two.transfers())
 
 
 def test_the_pipeline_puts_slow_links_last():
@@ -75,12 +77,49 @@ def test_the_pipeline_puts_slow_links_last():
         assert {w: again.deliveries[w].transfer.end for w in ends} == ends, objective
 
 
+def test_fast_first_serves_the_fast_requesters_before_the_makespan():
+    """Requester 4 has full-rate links both ways; 1-3 send at a tenth (slow senders), 1 and 2
+    also receive at a tenth, and 3's uplink is booked from t=0.5 (its pushes). The chain
+    4 -> 3 -> 1 -> 2 then waits on 3's booked hop (makespan 13), so the least makespan is the
+    server sending to everyone, one after the other (12): requester 4 has the model after two
+    transfer times and the server's link is held for four. fast-first keeps the chain: 4 after
+    one, one copy out of the server; only the slow receivers' deliveries move."""
+    nw = Network([10.0, 1.0, 1.0, 1.0, 10.0], [10.0, 1.0, 1.0, 10.0, 10.0])
+    nw.links[nw.egress(3)].subtract(0.5, 3.5, 1.0)
+    got = {}
+    for objective in ("makespan", "fast-first"):
+        d, _ = distribute([1, 2, 3, 4], nw, 0, 10.0, distributors=range(1, 5), seed=0,
+                          cut_through=True, objective=objective)
+        check_capacity(nw, d.transfers())
+        got[objective] = (d.deliveries[4].transfer.end, d.server_bytes, d.makespan)
+    assert got["makespan"] == (2.0, 40.0, 12.0)
+    assert got["fast-first"] == (1.0, 10.0, 13.0)
+
+
+def test_the_greedy_tree_feeds_slow_senders_from_slow_senders():
+    """2 and 3 send at a tenth: their updates reach the server late, so a full-rate relay's
+    egress is not spent on them once one of them has the model. 2, the first, takes it from 1
+    (no slow sender has it yet); 3 then from 2, though 1 or the server would be sooner."""
+    from mlfabric.sched.distribution import _tree, slow_senders
+    nw = Network([10.0, 10.0, 1.0, 1.0], [10.0] * 4)
+    slow = slow_senders([1, 2, 3], nw, 0.0)
+    assert slow == {2, 3}
+    makespan, direct, relays, _ = _tree([1, 2, 3], nw, 0, [1, 2, 3], 10.0, 0.0, slow)
+    parent = {t.dst: t.src for t in direct}
+    parent.update({r.host: r.inbound.src for r in relays})
+    parent.update({t.dst: r.host for r in relays for t in r.outbound})
+    assert parent == {1: 0, 2: 1, 3: 2} and makespan == 10.0
+    # without slow senders it is the earliest source: 3 from 1's egress or the server, at 2.0
+    makespan, direct, relays, _ = _tree([1, 2, 3], nw, 0, [1, 2, 3], 10.0, 0.0, set())
+    assert makespan == 2.0
+
+
 @PROPS
-@given(pull_instances(), st.integers(0, 3))
-def test_cut_through_distribution_invariants(inst, seed):
+@given(pull_instances(), st.integers(0, 3), st.sampled_from(OBJECTIVES))
+def test_cut_through_distribution_invariants(inst, seed, objective):
     net, server, requests, dists, size, start = inst
     d, after = distribute(requests, net, server, size, distributors=dists, start=start,
-                          seed=seed, cut_through=True)
+                          seed=seed, cut_through=True, objective=objective)
     assert sorted(list(d.deliveries) + d.unserved) == sorted(requests)
     for r in d.distributors:
         assert r.inbound.dst == r.host
@@ -95,7 +134,8 @@ def test_cut_through_distribution_invariants(inst, seed):
         if t.segments:
             replay.reserve(t.src, t.dst, t.segments)
     assert all(p.steps() == q.steps() for p, q in zip(replay.links, after.links))
-    assert d.makespan == min(min(d.cases), d.pipeline)
+    if objective == "makespan":   # the least of every shape tried (the tree only if strictly)
+        assert d.makespan == min(min(d.cases), d.pipeline, d.tree)
     saf, _ = distribute(requests, net, server, size, distributors=dists, start=start, seed=seed)
     # case n = all (everyone direct) is the same in both models, so neither can be worse than it
     assert d.cases[-1] == saf.cases[-1]

@@ -97,9 +97,10 @@ def parse_args(argv):
                    "above it (0: first touched; common.held_at_or_above says why)")
     p.add_argument("--max-iterations", type=int, default=150,
                    help="give up (error) if the offline run needs more")
-    p.add_argument("--pull-objective", choices=("makespan", "mean"), default="makespan",
-                   help="mlfabric-A's pull trees: least makespan (the paper's) or least mean "
-                   "delivery (what an asynchronous worker waits on)")
+    p.add_argument("--pull-objective", choices=("makespan", "mean", "fast-first"),
+                   help="mlfabric-A's pull trees (mlfabric.sched.distribute): least makespan "
+                   "(the paper's), least mean delivery, or the fast requesters first (the "
+                   "runtime's default for mlfabric-A)")
     p.add_argument("--slow-drop", choices=("on", "off"), default="on",
                    help="mlfabric-A drops an update whose own link is slower than the next "
                    "batch's (mlfabric.sched.scheduler; off: the paper's batch alone)")

@@ -32,7 +32,7 @@ _state = {"config": None, "comm": None, "rt": None, "role": None, "pushes": {}, 
 
 def init(mode="mlfabric-A", *, servers=1, replicas=0, aggregators=None, batch_interval=0.1,
          t_lag=0.2, slack=2, gamma=0.0, emulation=None, seed=0, distribution=True,
-         cut_through=True, pull_objective="makespan", slow_drop=True, checkpoint_every=0,
+         cut_through=True, pull_objective=None, slow_drop=True, checkpoint_every=0,
          checkpoint_dir=None, resume=False, applied_log_max=100_000, comm=None):
     """Set the job's configuration and return this rank's role: 'scheduler', 'server',
     'replica' or 'worker' (mlfabric.runtime.roles says which). mlfabric.runtime.Config documents

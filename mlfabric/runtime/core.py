@@ -40,7 +40,10 @@ class Config:
     gamma: float = 0.0           # server momentum (eq. 2); the replica bound uses it
     distribution: bool = True    # answer simultaneous gets through distributors (§10.3)
     cut_through: bool = True     # relays and aggregates forward bytes as they come (worker.py)
-    pull_objective: str = "makespan"  # a pull batch's tree: least makespan (paper) or "mean"
+    # a pull batch's tree (sched.distribute's objective): None = "fast-first" for the
+    # asynchronous modes (a worker waits for its own copy; slow links pace theirs in any tree),
+    # "makespan" (the paper's) for mlfabric-S (its workers wait for the batch's last)
+    pull_objective: str = None
     # mlfabric-A: drop an update whose own link is slower than the next batch's (sched.scheduler)
     slow_drop: bool = True
     checkpoint_every: int = 0    # servers write model + version every this many updates (0: off)
@@ -59,6 +62,9 @@ class Config:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and 0 < v < math.inf):
                 raise MlfabricError("%s must be a positive number of seconds, got %r" % (name, v))
+        if self.pull_objective is None:
+            object.__setattr__(self, "pull_objective",
+                               "makespan" if self.mode == "mlfabric-S" else "fast-first")
         if self.pull_objective not in OBJECTIVES:
             raise MlfabricError("pull_objective must be one of %s, got %r"
                                 % (", ".join(OBJECTIVES), self.pull_objective))

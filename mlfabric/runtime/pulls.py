@@ -14,14 +14,14 @@ class SchedulerPulls:
         """Plan the delivery of one payload (a model version; an allreduce result) from rank `src`
         to `requests` [(worker, the key it receives it under)] at once (a pull batch is
         latency-critical: it is not held for the next update batch). The plan goes back to `src`
-        as (tag, direct sends, relays through distributors)."""
+        as (tag, direct sends, relays through distributors, src's egress capacity)."""
         rt = self.rt
         t = rt.now()
         t_start = time.perf_counter()
         requests = list(dict((w, key) for w, key in requests if w not in rt.failed).items())
         if not nbytes:  # nothing to move: a tree cannot help
             rt.channel.send(src, "distribute", (tag, [(w, key, t, None) for w, key in requests],
-                                                []))
+                                                [], None))
             return
         hosts, idx = [src], {src: 0}
         for h in self.aggregators + [w for w, _ in requests]:
@@ -56,7 +56,9 @@ class SchedulerPulls:
             return fw
         relays = [(hosts[d.host], d.inbound.start, rate_of(d.inbound), forwards(d))
                   for d in dist.distributors if d.inbound.src == 0]
-        rt.channel.send(src, "distribute", (tag, direct, relays))
+        # what src's egress could carry alone: a send planned well under it is paced by its
+        # receiver's link (server.gating)
+        rt.channel.send(src, "distribute", (tag, direct, relays, self.view.reported(src, t)))
         self.plan_time.append(time.perf_counter() - t_start)
 
     # --- allreduce through push/get (§6) ------------------------------------------------------

@@ -334,14 +334,18 @@ class ServerRole:
         self._serve_pulls()
 
     def _serve_pulls(self):
-        """Pull batching (§10.3): while models are still leaving, requests wait (for a planned
-        batch, not on a send paced by its receiver's slow link: gating; a lone request's send
-        always holds them); when the last has left, everything waiting
-        is answered with the model as it is then, two or more through the scheduler as one
-        distribution batch (distributors relay it, so the server's egress is not the
-        bottleneck), a single one directly. Simultaneous requests (the end of a sync iteration)
-        form a batch at once; asynchronous ones batch themselves exactly when the server's
-        egress is the bottleneck."""
+        """Pull batching (§10.3): while models are still leaving, requests wait (not on a send
+        paced by its receiver's slow link: gating); when the last has left, everything waiting
+        is answered with the model as it is then, through the scheduler as one distribution
+        batch (distributors relay it, so the server's egress is not the bottleneck). Without a
+        scheduler, each is sent directly and every send holds the next batch. Simultaneous
+        requests (the end of a sync iteration) form a batch at once; asynchronous ones batch
+        themselves exactly when the server's egress is the bottleneck.
+
+        A lone request goes through the scheduler too: its plan says whether the receiver's link
+        paces the send (30 workers under N3: a tenth of the rate, 0.8 s for an 80 ms model),
+        and a direct send to such a receiver used to hold every other get for that long (a
+        wait of 0.73 s at p90 for a fetch where the transfer takes 80 ms)."""
         if not self.pulls or self.leaving:
             return
         due, self.pulls = self.pulls, []
@@ -349,7 +353,7 @@ class ServerRole:
         self.rt.ledger.pull_wait.extend(now - self.asked.pop(w, now) for w, _, _ in due)
         model = np.array(self.request_fn(self.model, self.version) if self.request_fn
                          else self.model, copy=True)
-        if len(due) == 1 or not self.distribution:
+        if not self.distribution:
             for w, rid, _ in due:
                 self._leaves(w)
                 self.rt.dp.send(w, ("m", rid, self.version), model,
@@ -371,11 +375,11 @@ class ServerRole:
             self.leaving[rank] = n
         self._serve_pulls()
 
-    def _distribute(self, version, direct, relays):
+    def _distribute(self, version, direct, relays, egress):
         del self.leaving[0]
         self.rt.ledger.pull_plan.append(self.rt.now() - self.planning_since)
         sends = [(x[0], x[3]) for x in direct] + [(x[0], x[2]) for x in relays]
-        gated = gating(sends)      # sends per rank that hold the next batch
+        gated = gating(sends, egress)      # sends per rank that hold the next batch
         for rank, n in gated.items():
             for _ in range(n):
                 self._leaves(rank)
@@ -411,20 +415,22 @@ class ServerRole:
 
 
 # The pull gate holds the next batch for a send planned at no less than this share of the
-# batch's fastest (see gating).
+# server's egress capacity (see gating).
 GATE_SHARE = 0.5
 
 
-def gating(sends):
+def gating(sends, egress=None):
     """Of a pull batch's sends [(rank, planned rate or None)], how many to each rank hold the next
-    batch (Server._serve_pulls), as a Counter: all but those planned at under GATE_SHARE of the
-    batch's fastest rate. Such a send is paced by its receiver's slow link (N3: a tenth of the
-    rate, 0.8 s for an 80 ms model), which leaves the server's egress mostly free; holding every
-    other get behind it would age the models they are answered with. The scheduler's view still
-    books its bytes, so the next batch's plan shares the link with it."""
-    fastest = max((r for _, r in sends if r), default=None)
+    batch (Server._serve_pulls), as a Counter: all but those planned at under GATE_SHARE of
+    `egress`, the server's egress capacity as the scheduler sees it (None: unknown, the batch's
+    fastest send stands for it). Such a send is paced by its receiver's slow link (N3: a tenth
+    of the rate, 0.8 s for an 80 ms model), which leaves the server's egress mostly free;
+    holding every other get behind it would age the models they are answered with. The
+    scheduler's view still books its bytes, so the next batch's plan shares the link with it."""
+    if not egress:
+        egress = max((r for _, r in sends if r), default=None)
     return Counter(rank for rank, r in sends
-                   if not (r and fastest and r < GATE_SHARE * fastest))
+                   if not (r and egress and r < GATE_SHARE * egress))
 
 
 def send_distribution(rt, payload, direct, relays, left=None):

@@ -184,7 +184,7 @@ class WorkerRole:
             if kind == "drop":
                 self.dropped.extend(body)
         elif kind == "distribute":   # we are an allreduce root: send the result out
-            tag, direct, relays = body
+            tag, direct, relays, _ = body
             send_distribution(rt, self.root_of.pop(tag)[0], direct, relays)
         elif kind == "aggregate":
             for a in body:

@@ -60,6 +60,26 @@ half-rate receiver), and the pipeline is kept only where no two-level case does 
 (Serving the requesters whose uplink alone is slow straight from the server instead, off the
 chain, was tried: in the runtime each such send holds the server's next pull batch, and fetches
 at full-rate links took longer, 0.55 s against 0.29-0.36, median.)
+
+The greedy tree (cut_through only; not in the paper): the requesters in the pipeline's order,
+slow senders last (slow_senders: an egress under SLOW_EGRESS of the fastest requester's), each
+get the model from whichever of the server and the requesters already served would deliver it
+earliest on the network as reserved so far, except that a slow sender takes it from another slow
+sender once one has it. Why: on the scheduler's view the relays' egress is often booked (the
+runtime's pushes and aggregates use the same links), and then the pipeline waits on a booked hop
+while the two-level cases fall back on the server sending to one requester after another (each
+send holds its next pull batch: 30 workers under N3, five or six 80 ms sends in a row); the tree
+goes around a booked relay. And why slow senders take it from each other: their updates reach
+the server late (sched.scheduler drops them), so a fast relay's egress spent on them is taken
+from the pushes of the workers whose updates count. It is kept only where it scores strictly
+better than the case or pipeline kept.
+
+objective="fast-first" (not in the paper; the runtime's for asynchronous modes) scores a tree by
+the last delivery to the requesters that are neither slow senders nor paced by their own
+downlink (their transfer from the server alone within PACED_FACTOR of the fastest's), then by
+the makespan: under N3 half the downlinks are at a tenth of the rate, those deliveries take
+0.8 s in any tree, and the makespan alone cannot tell a tree that has the fast requesters served
+in 80 ms from one that takes five times that.
 """
 from dataclasses import dataclass, field
 from math import inf, isfinite
@@ -112,6 +132,7 @@ class Distribution:
     unserved: list = field(default_factory=list)
     cases: list = field(default_factory=list)   # makespan of every case n = 0..|order| (inf: none)
     pipeline: float = inf   # makespan of the cut-through pipeline (inf: not possible or not tried)
+    tree: float = inf       # makespan of the greedy cut-through tree (inf: not tried)
 
     @property
     def makespan(self):
@@ -306,19 +327,79 @@ def _pipeline(order, network, server, dists, size, start):
     return inbound.end, relays, nw
 
 
-OBJECTIVES = ("makespan", "mean")
+def _tree(order, network, server, dists, size, start, slow):
+    """The greedy cut-through tree (module header): each requester, in `order`, gets the model
+    from whichever of the server and the distributors that already have it (or are getting it)
+    would deliver it earliest on the network as reserved so far; a requester in `slow` (a slow
+    sender) from another slow sender as soon as one has it. (makespan, direct Transfers,
+    Distributors, network after); makespan is inf when some requester cannot be reached."""
+    nw = network.copy()
+    dset = set(dists)
+    inbound, forwards, direct = {}, {}, []
+    for w in order:
+        end, segs = nw.t_en(server, w, size, start)
+        src, parents = server, inbound
+        if w in slow and any(p in slow for p in inbound):
+            end, parents = inf, {p: inb for p, inb in inbound.items() if p in slow}
+        for p, inb in parents.items():
+            if p in dset:
+                e, sg = nw.t_en_relay(p, w, size, inb.start, inb.end)
+                if e < end:
+                    end, src, segs = e, p, sg
+        if end == inf:
+            return inf, None, None, None
+        if segs:
+            nw.reserve(src, w, segs)
+        tr = _transfer(src, w, size, end, segs)
+        inbound[w] = tr
+        (direct if src == server else forwards.setdefault(src, [])).append(tr)
+    relays = [Distributor(p, inbound[p], [p] + [t.dst for t in outs], outs)
+              for p, outs in forwards.items()]
+    direct = [t for t in direct if t.dst not in forwards]
+    return max((t.end for t in inbound.values()), default=start), direct, relays, nw
 
 
-def _mean_end(direct, relays):
-    """Mean time at which the requesters of a case have the model (each counted once: in a
-    pipeline, a hop is one worker's delivery and the next relay's inbound)."""
+OBJECTIVES = ("makespan", "mean", "fast-first")
+
+# A requester whose egress is under SLOW_EGRESS times the fastest requester's is a slow sender:
+# its next update would reach the server late (sched.scheduler drops such updates). One whose
+# transfer from the server alone takes more than PACED_FACTOR times the fastest requester's is
+# paced by its own downlink, whatever the tree.
+SLOW_EGRESS = 0.5
+PACED_FACTOR = 2.0
+
+
+def slow_senders(requests, network, start):
+    """The requesters whose egress rate at `start` is under SLOW_EGRESS of the fastest's."""
+    up = {w: network.links[network.egress(w)].at(start) for w in requests}
+    top = max(up.values(), default=0.0)
+    return {w for w in requests if up[w] < SLOW_EGRESS * top}
+
+
+def _ends(direct, relays):
+    """When each requester of a case has the model (each counted once: in a pipeline, a hop is
+    one worker's delivery and the next relay's inbound)."""
     ends = {t.dst: t.end for t in direct}
     for r in relays:
         if r.host in r.workers:
             ends[r.host] = r.inbound.end
         for t in r.outbound:
             ends[t.dst] = t.end
+    return ends
+
+
+def _mean_end(direct, relays):
+    """Mean time at which the requesters of a case have the model."""
+    ends = _ends(direct, relays)
     return sum(ends.values()) / len(ends) if ends else 0.0
+
+
+def _fast_links(order, network, server, size, start, slow):
+    """The requesters that are neither slow senders nor paced by their own downlink: those whose
+    next update the server can have soonest ("fast-first" objective)."""
+    solo = {w: network.t_en(server, w, size, start)[0] - start for w in order}
+    fastest = min(solo.values(), default=inf)
+    return {w for w, t in solo.items() if t <= PACED_FACTOR * fastest and w not in slow}
 
 
 def distribute(requests, network, server, model_size, *, distributors=(), start=0.0, seed=0,
@@ -328,8 +409,10 @@ def distribute(requests, network, server, model_size, *, distributors=(), start=
     `seed`) on `network` (not modified). `version` is only recorded. cut_through: distributors
     forward the model as it arrives (Network.t_en_relay; the runtime's data plane does) instead
     of once it is whole (the paper's store-and-forward, the default). objective: "makespan" (the
-    paper's: the last requester's delivery) or "mean" (the requesters' mean delivery). Returns
-    (Distribution, network after its reservations)."""
+    paper's: the last requester's delivery), "mean" (the requesters' mean delivery) or
+    "fast-first" (the last delivery to the requesters that are neither slow senders nor paced
+    by their own downlink, then the makespan: module header). Returns (Distribution, network
+    after its reservations)."""
     _check_host(network, server, "server")
     if objective not in OBJECTIVES:
         raise ValueError("objective must be one of %s, got %r" % (", ".join(OBJECTIVES), objective))
@@ -360,11 +443,20 @@ def distribute(requests, network, server, model_size, *, distributors=(), start=
     order = rank_direct([w for w in requests if w not in unserved], network, server, model_size,
                         start)
 
+    slow = slow_senders(order, network, start)
+    fast = (_fast_links(order, network, server, model_size, start, slow)
+            if objective == "fast-first" else ())
+
     def cost(run):
         makespan, direct, relays, _ = run
-        if objective == "makespan" or makespan == inf:
+        if makespan == inf:
+            return (inf, inf) if objective == "fast-first" else inf
+        if objective == "makespan":
             return makespan
-        return _mean_end(direct, relays)
+        if objective == "mean":
+            return _mean_end(direct, relays)
+        ends = _ends(direct, relays)
+        return (max((ends[w] for w in fast if w in ends), default=start), makespan)
 
     def best_case(order):
         runs = [_case(n, order, network, server, dists, model_size, start, cut_through)
@@ -392,13 +484,22 @@ def distribute(requests, network, server, model_size, *, distributors=(), start=
         order = served
         best, runs = best_case(order)
     _, direct, relays, nw = runs[best]
-    pipeline = inf
+    pipeline = tree = inf
     if cut_through and not unserved:
         pipeline, chain, chain_nw = _pipeline(chain_order(order, network, server, model_size,
                                                           start),
                                               network, server, dists, model_size, start)
-        if pipeline < inf and cost((pipeline, [], chain, chain_nw)) <= cost(runs[best]):
+        kept = runs[best]
+        if pipeline < inf and cost((pipeline, [], chain, chain_nw)) <= cost(kept):
+            kept = (pipeline, [], chain, chain_nw)
             best, direct, relays, nw = 0, [], chain, chain_nw
+        # the greedy tree (slow senders last), kept only where it does strictly better
+        greedy = _tree(sorted(chain_order(order, network, server, model_size, start),
+                              key=lambda w: w in slow),
+                       network, server, dists, model_size, start, slow)
+        tree = greedy[0]
+        if tree < inf and cost(greedy) < cost(kept):
+            best, direct, relays, nw = 0, greedy[1], greedy[2], greedy[3]
     deliveries = {}
     for r in relays:
         for w in r.workers:
@@ -409,5 +510,5 @@ def distribute(requests, network, server, model_size, *, distributors=(), start=
     for t in direct:
         deliveries[t.dst] = Delivery(t.dst, server, t)
     dist = Distribution(server, float(model_size), version, start, order, best, direct, relays,
-                        deliveries, sorted(unserved), [r[0] for r in runs], pipeline)
+                        deliveries, sorted(unserved), [r[0] for r in runs], pipeline, tree)
     return dist, nw
