@@ -205,8 +205,10 @@ def test_the_pull_gate_waits_for_sends_not_paced_by_a_slow_receiver():
     assert gating([(2, 12.5e6), (3, 12.5e6 * GATE_SHARE)]) == {2: 1, 3: 1}  # the share holds
     assert gating([(2, 12.5e6), (2, 12.5e6)]) == {2: 2}   # counted per send, not per rank
     assert gating([]) == {}
-    # against the server's egress capacity (the plan's): a lone send to a slow receiver, or a
-    # batch of them, holds nothing; one at the share does
-    assert gating([(2, 1.25e6)], 12.5e6) == {}
-    assert gating([(2, 1.25e6), (3, 1.25e6)], 12.5e6) == {}
-    assert gating([(2, 12.5e6 * GATE_SHARE), (3, None)], 12.5e6) == {2: 1, 3: 1}
+    # with the scheduler's word on which receivers' downlinks pace them (pulls.py): a lone send
+    # to such a receiver, or a batch of them, holds nothing; a send planned slow because the
+    # server's uplink is booked (its receiver not among them) holds
+    assert gating([(2, 1.25e6)], [2]) == {}
+    assert gating([(2, 1.25e6), (3, 1.25e6)], [2, 3]) == {}
+    assert gating([(2, 4e6), (3, None), (4, 1.25e6)], [4]) == {2: 1, 3: 1}
+    assert gating([(2, 1.25e6)], []) == {2: 1}

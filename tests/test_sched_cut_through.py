@@ -102,8 +102,12 @@ def test_the_greedy_tree_feeds_slow_senders_from_slow_senders():
     (no slow sender has it yet); 3 then from 2, though 1 or the server would be sooner."""
     from mlfabric.sched.distribution import _tree, slow_senders
     nw = Network([10.0, 10.0, 1.0, 1.0], [10.0] * 4)
-    slow = slow_senders([1, 2, 3], nw, 0.0)
+    slow = slow_senders([1, 2, 3], nw, 10.0, 0.0)
     assert slow == {2, 3}
+    # over a transfer, not at an instant: 1's egress booked for a moment is not slow
+    busy = nw.copy()
+    busy.links[busy.egress(1)].subtract(0.0, 0.05, 10.0)
+    assert slow_senders([1, 2, 3], busy, 10.0, 0.0) == {2, 3}
     makespan, direct, relays, _ = _tree([1, 2, 3], nw, 0, [1, 2, 3], 10.0, 0.0, slow)
     parent = {t.dst: t.src for t in direct}
     parent.update({r.host: r.inbound.src for r in relays})
@@ -112,6 +116,9 @@ def test_the_greedy_tree_feeds_slow_senders_from_slow_senders():
     # without slow senders it is the earliest source: 3 from 1's egress or the server, at 2.0
     makespan, direct, relays, _ = _tree([1, 2, 3], nw, 0, [1, 2, 3], 10.0, 0.0, set())
     assert makespan == 2.0
+    # a slow sender that may not relay feeds no one: 3 from the earliest of the others
+    makespan, direct, relays, _ = _tree([1, 2, 3], nw, 0, [1, 3], 10.0, 0.0, slow)
+    assert makespan == 2.0 and all(r.host != 2 for r in relays)
 
 
 @PROPS

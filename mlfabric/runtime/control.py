@@ -12,7 +12,8 @@ Kinds (body in brackets; job times are the scheduler's):
   scheduler -> server    expect [(key, ids, versions, replica count needed, via), ...] in commit
                          order (a replica's carry the norms sixth); dropped [ids];
                          iteration [version] (sync: all of it planned); replica-gone [];
-                         distribute [(tag, direct sends, relays)] (a pull batch's plan)
+                         distribute [(tag, direct sends, relays, ranks whose downlink
+                         paces the server's send to them)] (a pull batch's plan)
   server -> scheduler    applied [ids]; pulls [(tag, bytes, [(worker, key), ...])]; lost [...]
   server <-> replica     server-count [(version, count it waits for)]; replicated [count]
   replica <-> scheduler  promote [(server, rank, SSP counts)]; promoted [(server, applied ids)]

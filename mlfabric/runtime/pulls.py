@@ -6,6 +6,7 @@ Mixed into SchedulerRole (scheduler.py); latency-critical, so planned when asked
 import time
 
 from ..sched import Update, distribute, schedule
+from .server import GATE_SHARE
 from .worker import assignments_of, rate_of
 
 
@@ -14,14 +15,15 @@ class SchedulerPulls:
         """Plan the delivery of one payload (a model version; an allreduce result) from rank `src`
         to `requests` [(worker, the key it receives it under)] at once (a pull batch is
         latency-critical: it is not held for the next update batch). The plan goes back to `src`
-        as (tag, direct sends, relays through distributors, src's egress capacity)."""
+        as (tag, direct sends, relays through distributors, the ranks among those src sends to
+        whose downlink paces the send)."""
         rt = self.rt
         t = rt.now()
         t_start = time.perf_counter()
         requests = list(dict((w, key) for w, key in requests if w not in rt.failed).items())
         if not nbytes:  # nothing to move: a tree cannot help
             rt.channel.send(src, "distribute", (tag, [(w, key, t, None) for w, key in requests],
-                                                [], None))
+                                                [], []))
             return
         hosts, idx = [src], {src: 0}
         for h in self.aggregators + [w for w, _ in requests]:
@@ -29,11 +31,13 @@ class SchedulerPulls:
                 idx[h] = len(hosts)
                 hosts.append(h)
         key_of = dict(requests)
+        # an allreduce's result (from a root worker) is waited for by every worker: its last
+        # delivery is what counts; a server's model by each requester for its own copy
+        objective = "makespan" if src in self.workers else rt.config.pull_objective
         dist, _ = distribute([idx[w] for w, _ in requests], self.view.network(hosts, t), 0,
                              float(nbytes), distributors=[idx[a] for a in self.aggregators],
                              start=t, seed=rt.config.seed * 1000003 + self.batches,
-                             cut_through=rt.config.cut_through,
-                             objective=rt.config.pull_objective)
+                             cut_through=rt.config.cut_through, objective=objective)
         for tr in dist.transfers():
             self.view.book(hosts[tr.src], hosts[tr.dst], tr.segments)
         direct = [(hosts[tr.dst], key_of[hosts[tr.dst]], tr.start, rate_of(tr))
@@ -56,9 +60,12 @@ class SchedulerPulls:
             return fw
         relays = [(hosts[d.host], d.inbound.start, rate_of(d.inbound), forwards(d))
                   for d in dist.distributors if d.inbound.src == 0]
-        # what src's egress could carry alone: a send planned well under it is paced by its
-        # receiver's link (server.gating)
-        rt.channel.send(src, "distribute", (tag, direct, relays, self.view.reported(src, t)))
+        # the receivers of src's own sends whose downlink paces them (server.gating): a
+        # reported ingress under GATE_SHARE of src's reported egress
+        out = self.view.reported(src, t)
+        paced = [h for h, *_ in direct + relays
+                 if self.view.reported(self.view.hosts + h, t) < GATE_SHARE * out]
+        rt.channel.send(src, "distribute", (tag, direct, relays, paced))
         self.plan_time.append(time.perf_counter() - t_start)
 
     # --- allreduce through push/get (§6) ------------------------------------------------------

@@ -103,8 +103,9 @@ class Delivery:
 @dataclass
 class Distributor:
     """A distributor used by the schedule: `inbound` brings it the model from the server (or, in
-    a cut-through pipeline, from the distributor before it); it then serves `workers` (itself
-    first if it requested the model too) through `outbound`."""
+    a cut-through pipeline or tree, from another distributor: the same Transfer as that one's
+    outbound); it then serves `workers` (itself first if it requested the model too) through
+    `outbound`."""
     host: int
     inbound: Transfer
     workers: list
@@ -125,7 +126,7 @@ class Distribution:
     version: object
     start: float
     order: list                # requesters, shortest transfer from the server first
-    n_direct: int              # size of the direct group (the case kept)
+    n_direct: int              # size of the direct group (the case kept; the tree's server sends)
     direct: list               # Transfers server -> worker of the direct group, in order
     distributors: list         # Distributor, in the order the server sends to them
     deliveries: dict           # worker -> Delivery, every served requester exactly once
@@ -336,16 +337,24 @@ def _tree(order, network, server, dists, size, start, slow):
     nw = network.copy()
     dset = set(dists)
     inbound, forwards, direct = {}, {}, []
+    def earliest(w, parents, from_server):
+        end, src, segs = inf, server, None
+        if from_server:
+            end, segs = nw.t_en(server, w, size, start)
+        for p in parents:
+            inb = inbound[p]
+            e, sg = nw.t_en_relay(p, w, size, inb.start, inb.end)
+            if e < end:
+                end, src, segs = e, p, sg
+        return end, src, segs
+
     for w in order:
-        end, segs = nw.t_en(server, w, size, start)
-        src, parents = server, inbound
-        if w in slow and any(p in slow for p in inbound):
-            end, parents = inf, {p: inb for p, inb in inbound.items() if p in slow}
-        for p, inb in parents.items():
-            if p in dset:
-                e, sg = nw.t_en_relay(p, w, size, inb.start, inb.end)
-                if e < end:
-                    end, src, segs = e, p, sg
+        relays_now = [p for p in inbound if p in dset]
+        end = inf
+        if w in slow:   # from a slow sender that may relay, if one can reach it
+            end, src, segs = earliest(w, [p for p in relays_now if p in slow], False)
+        if end == inf:
+            end, src, segs = earliest(w, relays_now, True)
         if end == inf:
             return inf, None, None, None
         if segs:
@@ -369,11 +378,15 @@ SLOW_EGRESS = 0.5
 PACED_FACTOR = 2.0
 
 
-def slow_senders(requests, network, start):
-    """The requesters whose egress rate at `start` is under SLOW_EGRESS of the fastest's."""
-    up = {w: network.links[network.egress(w)].at(start) for w in requests}
-    top = max(up.values(), default=0.0)
-    return {w for w in requests if up[w] < SLOW_EGRESS * top}
+def slow_senders(requests, network, size, start):
+    """The requesters whose egress alone would carry `size` bytes from `start` at under
+    SLOW_EGRESS of the fastest's average rate. Over a transfer, not at the instant `start`: on
+    the scheduler's view a full-rate egress may be booked for a moment (the worker's own push),
+    which does not make it a slow sender."""
+    took = {w: path_t_en([network.links[network.egress(w)]], size, start)[0] - start
+            for w in requests}
+    quickest = min(took.values(), default=inf)
+    return {w for w, t in took.items() if t * SLOW_EGRESS > quickest}
 
 
 def _ends(direct, relays):
@@ -443,7 +456,7 @@ def distribute(requests, network, server, model_size, *, distributors=(), start=
     order = rank_direct([w for w in requests if w not in unserved], network, server, model_size,
                         start)
 
-    slow = slow_senders(order, network, start)
+    slow = slow_senders(order, network, model_size, start)
     fast = (_fast_links(order, network, server, model_size, start, slow)
             if objective == "fast-first" else ())
 
@@ -486,20 +499,20 @@ def distribute(requests, network, server, model_size, *, distributors=(), start=
     _, direct, relays, nw = runs[best]
     pipeline = tree = inf
     if cut_through and not unserved:
-        pipeline, chain, chain_nw = _pipeline(chain_order(order, network, server, model_size,
-                                                          start),
-                                              network, server, dists, model_size, start)
+        chained = chain_order(order, network, server, model_size, start)
+        pipeline, chain, chain_nw = _pipeline(chained, network, server, dists, model_size, start)
         kept = runs[best]
         if pipeline < inf and cost((pipeline, [], chain, chain_nw)) <= cost(kept):
             kept = (pipeline, [], chain, chain_nw)
             best, direct, relays, nw = 0, [], chain, chain_nw
-        # the greedy tree (slow senders last), kept only where it does strictly better
-        greedy = _tree(sorted(chain_order(order, network, server, model_size, start),
-                              key=lambda w: w in slow),
-                       network, server, dists, model_size, start, slow)
-        tree = greedy[0]
-        if tree < inf and cost(greedy) < cost(kept):
-            best, direct, relays, nw = 0, greedy[1], greedy[2], greedy[3]
+        if len(order) <= PIPELINE_MAX:  # (the runtime nests each hop's forwards, as a pipeline's)
+            # the greedy tree (slow senders last), kept only where it does strictly better
+            greedy = _tree(sorted(chained, key=lambda w: w in slow), network, server, dists,
+                           model_size, start, slow)
+            tree = greedy[0]
+            if tree < inf and cost(greedy) < cost(kept):
+                direct, relays, nw = greedy[1], greedy[2], greedy[3]
+                best = len(direct)
     deliveries = {}
     for r in relays:
         for w in r.workers:
