@@ -337,6 +337,7 @@ def _tree(order, network, server, dists, size, start, slow):
     nw = network.copy()
     dset = set(dists)
     inbound, forwards, direct = {}, {}, []
+
     def earliest(w, parents, from_server):
         end, src, segs = inf, server, None
         if from_server:
@@ -456,7 +457,9 @@ def distribute(requests, network, server, model_size, *, distributors=(), start=
     order = rank_direct([w for w in requests if w not in unserved], network, server, model_size,
                         start)
 
-    slow = slow_senders(order, network, model_size, start)
+    # (pull planning is latency-critical: computed only where the tree or the objective uses it)
+    slow = (slow_senders(order, network, model_size, start)
+            if cut_through or objective == "fast-first" else set())
     fast = (_fast_links(order, network, server, model_size, start, slow)
             if objective == "fast-first" else ())
 
