@@ -378,8 +378,7 @@ class ServerRole:
     def _distribute(self, version, direct, relays, paced):
         del self.leaving[0]
         self.rt.ledger.pull_plan.append(self.rt.now() - self.planning_since)
-        sends = [(x[0], x[3]) for x in direct] + [(x[0], x[2]) for x in relays]
-        gated = gating(sends, paced)      # sends per rank that hold the next batch
+        gated = gating([x[0] for x in direct + relays], paced)  # sends that hold the next batch
         for rank, n in gated.items():
             for _ in range(n):
                 self._leaves(rank)
@@ -419,22 +418,17 @@ class ServerRole:
 GATE_SHARE = 0.5
 
 
-def gating(sends, paced=None):
-    """Of a pull batch's sends [(rank, planned rate or None)], how many to each rank hold the next
-    batch (Server._serve_pulls), as a Counter: all but those to the ranks in `paced`, whose
-    downlink the scheduler sees under GATE_SHARE of the server's uplink (pulls.py; None: not
-    known, then those planned at under GATE_SHARE of the batch's fastest send). Such a send is
-    paced by its receiver's slow link (N3: a tenth of the rate, 0.8 s for an 80 ms model), which
-    leaves the server's egress mostly free; holding every other get behind it would age the
-    models they are answered with. The scheduler's view still books its bytes, so the next
-    batch's plan shares the link with it. A send planned slow because the server's uplink is
-    booked is not paced by its receiver: it holds."""
-    if paced is None:
-        fastest = max((r for _, r in sends if r), default=None)
-        return Counter(rank for rank, r in sends
-                       if not (r and fastest and r < GATE_SHARE * fastest))
+def gating(ranks, paced):
+    """Of a pull batch's sends (the rank each goes to, once per send), how many to each rank hold
+    the next batch (Server._serve_pulls), as a Counter: all but those to the ranks in `paced`,
+    whose downlink the scheduler sees under GATE_SHARE of the server's uplink (pulls.py). Such a
+    send is paced by its receiver's slow link (N3: a tenth of the rate, 0.8 s for an 80 ms
+    model), which leaves the server's egress mostly free; holding every other get behind it
+    would age the models they are answered with. The scheduler's view still books its bytes, so
+    the next batch's plan shares the link with it. A send planned slow because the server's
+    uplink is booked is not paced by its receiver: it holds."""
     paced = set(paced)
-    return Counter(rank for rank, _ in sends if rank not in paced)
+    return Counter(rank for rank in ranks if rank not in paced)
 
 
 def send_distribution(rt, payload, direct, relays, left=None):
