@@ -14,6 +14,7 @@ place and returns x. Inputs may be numpy arrays or CPU torch tensors; non-contig
 Handle whose wait() gives the result (buffers must be left alone until then).
 """
 import threading
+import time
 
 import numpy as np
 from mpi4py import MPI
@@ -595,7 +596,10 @@ class Request:
 
     def _complete(self, timeout):
         peers, what = [self._peer] * len(self._reqs), self._what
-        bound = {} if timeout is None else {"timeout": timeout, "bound": "Work.wait's timeout"}
+        # one bound for the whole receive, header and payload (not one per phase)
+        bound = {"since": time.perf_counter()}
+        if timeout is not None:
+            bound.update(timeout=timeout, bound="Work.wait's timeout")
         if self._recv is None:
             p2p.wait(self._reqs, peers, what, [False] * len(self._reqs), **bound)
             return None

@@ -115,9 +115,11 @@ def describe(what):
     return what if isinstance(what, str) else what[0].format(*what[1:])
 
 
-def wait(reqs, peers, what, is_recv=None, timeout=None, bound="MLFABRIC_TIMEOUT"):
+def wait(reqs, peers, what, is_recv=None, timeout=None, bound="MLFABRIC_TIMEOUT", since=None):
     """Wait until every request in reqs has completed, for at most timeout_s() seconds (or
-    `timeout`, named `bound` in the error: torch's Work.wait(timeout)).
+    `timeout`, named `bound` in the error: torch's Work.wait(timeout)), counted from `since` (a
+    time.perf_counter() reading; default now): a wait in phases (a receive's header, then its
+    payload) shares one bound.
 
     peers: the ranks waited on, either one per request (peers[i] is the rank reqs[i] talks to) or,
     for requests that involve many ranks (a non-blocking collective), any list of ranks. is_recv:
@@ -129,13 +131,13 @@ def wait(reqs, peers, what, is_recv=None, timeout=None, bound="MLFABRIC_TIMEOUT"
     try:
         if MPI.Request.Testall(reqs):
             return
-        _poll(reqs, peers, what, is_recv, timeout, bound)
+        _poll(reqs, peers, what, is_recv, timeout, bound, since)
     except MPI.Exception as e:
         raise MlfabricError(f"{describe(what)}: MPI error talking to rank(s) {sorted(set(peers))}: "
                             f"{e.Get_error_string()}") from e
 
 
-def _poll(reqs, peers, what, is_recv, timeout=None, bound="MLFABRIC_TIMEOUT"):
+def _poll(reqs, peers, what, is_recv, timeout=None, bound="MLFABRIC_TIMEOUT", since=None):
     testall = MPI.Request.Testall
     perf = time.perf_counter
     start = now = perf()
@@ -146,7 +148,7 @@ def _poll(reqs, peers, what, is_recv, timeout=None, bound="MLFABRIC_TIMEOUT"):
         now = perf()
     if timeout is None:
         timeout = _config.timeout_s()
-    deadline = start + timeout
+    deadline = (start if since is None else since) + timeout
     yield_end = min(start + YIELD_S, deadline)
     sched_yield = os.sched_yield
     while now < yield_end:

@@ -99,3 +99,35 @@ def case_late_sender_never_writes_after_a_timeout():
         mf.irecv(x, 0, tag=1).wait()
     time.sleep(4)  # the late message has come and gone
     assert not x.any(), x
+
+
+def case_a_receive_has_one_bound_for_header_and_payload():
+    """A receive waits for the sender's header, then its payload, within one bound for both:
+    a header that comes late (rank 0 sends only the header, 1 s after rank 1 began waiting)
+    leaves the payload the rest of the bound, not a bound of its own. Both the default bound
+    (MLFABRIC_TIMEOUT, 2 s here) and Request.wait(timeout) (torch's Work.wait(timeout)): each
+    ends about its bound after the wait began, where one bound per phase ended 1 s later."""
+    from mlfabric import collectives as coll
+    from mlfabric import context
+    n, r = mf.size(), mf.rank()
+    if n == 1 or r > 1:
+        return
+    comm = context.get().comm
+    go = np.zeros(1)
+    took = {}   # checked once both rounds are done: rank 0 waits for each round's go
+    for tag, timeout in ((3, None), (4, 1.5)):
+        if r == 0:
+            comm.Recv(go, 1, coll._user_tag(10 + tag))   # rank 1 is waiting now
+            time.sleep(1.0)
+            header = coll._meta_of(coll._buffers.wrap(np.zeros(8)), 0)
+            comm.Send(header, 1, coll._user_tag(tag))   # the payload never comes
+            continue
+        x = np.zeros(8)
+        req = mf.irecv(x, 0, tag=tag)
+        comm.Send(go, 0, coll._user_tag(10 + tag))
+        t0 = time.monotonic()
+        with pytest.raises(mf.PeerTimeoutError, match="recv from rank 0"):
+            req.wait(timeout)
+        took[2.0 if timeout is None else timeout] = time.monotonic() - t0
+    for bound, t in took.items():
+        assert bound - 0.1 <= t < bound + 0.6, took   # one bound per phase: bound + 1 s
