@@ -197,6 +197,10 @@ def staleness_record(control):
         return None
     return {"lag_at_plan": {str(k): v for k, v in sorted(lag.items())},
             "in_flight_at_plan": stats(control.get("in_flight_at_plan", [])),
+            # seconds from an update's plan to the server's report that it is applied, and
+            # that report's lateness against its commit's planned arrival
+            "commit_latency": stats(control.get("commit_latency", [])),
+            "commit_late": stats(control.get("commit_late", [])),
             "get_latency": stats(control.get("get_latency", [])),
             "pull_wait": stats(control.get("pull_wait", [])),
             # the rest of the control path: a worker's report reaching the scheduler, the

@@ -74,6 +74,13 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
         self.applied_of = dict(self.v_init)   # per server, as its 'applied' reports say
         self.lag_at_plan = Counter()
         self.in_flight_at_plan = profile()
+        # ... and how long the planned stay in flight: per update, from its plan to the server's
+        # report that it is applied, and how much later than its commit's planned arrival that
+        # report came (the plan books the network as the view has it; a late commit holds the
+        # ones behind it at the server's link, and every update in flight adds to each lag)
+        self.planned_commit = {}    # id -> (job time planned, its commit's planned arrival)
+        self.commit_latency = profile()
+        self.commit_late = profile()
         self.after = {s: 0.0 for s in self.servers}
         self.next_batch = rt.now() + cfg.batch_interval
         self.batches = 0
@@ -124,6 +131,12 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
         elif kind == "report":
             self.caps.update(src, *body)
         elif kind == "applied":
+            now = rt.now()
+            for uid in body:
+                planned = self.planned_commit.get(uid)
+                if planned is not None:
+                    self.commit_latency.append(now - planned[0])
+                    self.commit_late.append(now - planned[1])
             self._resolve(body)
             s = next((s for s, r in self.rank_of.items() if r == src), None)
             if s is not None:
@@ -155,6 +168,7 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
         for uid in ids:
             if reason is not None:
                 self.rt.ledger.dropped[uid] = reason
+            self.planned_commit.pop(uid, None)
             if uid not in self.resolved:
                 self.resolved.add(uid)
                 w = uid >> 32
@@ -338,6 +352,9 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
                 div_max=0.0 if catch_up else self.div_max, gamma=cfg.gamma, seed=seed,
                 sync=False, iteration_end=True, norm_cap=cap)
         self.batches += 1
+        for c in plan.commits:
+            for uid in c.ids:
+                self.planned_commit[uid] = (t, c.time)
         if plan.commits:
             self.after[server] = plan.commits[-1].time
         if self.mode != "sync":
@@ -455,6 +472,8 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
                            "achieved_rates": dict(self.caps.achieved),
                            "lag_at_plan": dict(self.lag_at_plan),
                            "in_flight_at_plan": list(self.in_flight_at_plan),
+                           "commit_latency": list(self.commit_latency),
+                           "commit_late": list(self.commit_late),
                            "batches": self.batches}
         summary.failovers = list(self.failovers)
         for r in range(1, rt.size):

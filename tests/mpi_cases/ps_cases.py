@@ -393,7 +393,9 @@ def _check_staleness_profile(s, tau):
     when planned counted once; a lag of tau_max or more (the versions planned since its model)
     leaves no position within the bound, so at least that many were dropped stale, and every
     applied update had a lag under tau_max; nothing planned is ever ahead of v_init, and the
-    updates in flight at a plan are between none and all of those pushed."""
+    updates in flight at a plan are between none and all of those pushed; each applied update
+    has one plan-to-applied time, none negative (the same clock), and its lateness against the
+    planned arrival is at most that time."""
     lag = s.control["lag_at_plan"]
     assert sum(lag.values()) == s.pushed, (lag, s)
     assert min(lag) >= 0, lag
@@ -401,6 +403,10 @@ def _check_staleness_profile(s, tau):
     assert sum(n for k, n in lag.items() if k < tau) >= s.applied, (lag, s)
     flight = s.control["in_flight_at_plan"]
     assert flight and all(0 <= x <= s.pushed for x in flight), flight
+    latency, late = s.control["commit_latency"], s.control["commit_late"]
+    assert len(latency) == len(late) == s.applied, (len(latency), len(late), s)
+    assert all(x >= 0 for x in latency), latency
+    assert all(b <= a for a, b in zip(latency, late)), (latency, late)
 
 
 def case_allreduce_through_push_and_get():
