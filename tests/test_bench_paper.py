@@ -470,24 +470,39 @@ def test_staleness_side_of_table2_profile():
 
 
 def test_a_ceiling_solves_its_lag_equation_and_flags_cells_above_it():
-    """mlfabric-A's ceiling (reproduce.a_ceiling): with aggregates of m, rate = m / t, and the
-    lag rate * (m t + t + c + b/2) equals tau_max; cells whose ideal ring applies more per second
-    are named (RR-Sync ideal = workers / ideal iteration)."""
+    """mlfabric-A's ceiling (reproduce.a_ceiling). The runtime's pipeline: a commit travels one
+    transfer t, one commit a batch b, so rate * (2t + c + b/2) = tau_max and m = rate * b.
+    Alg. 3's groups: rate = m / t and rate * (m t + t + c + b/2) = tau_max. Cells whose ideal
+    ring applies more per second than the pipeline's ceiling are named (RR-Sync ideal =
+    workers / ideal iteration), and the staleness record's plan-to-applied is quoted."""
     rep = load_reproduce()
     rate, m = rep.a_ceiling(30, 0.08, 0.11, 0.1)
-    assert rate == pytest.approx(m / 0.08)
-    assert rate * (m * 0.08 + 0.08 + 0.11 + 0.05) == pytest.approx(30)
-    assert 50 < rate < 54                     # 4.2 updates per commit
+    assert rate * (2 * 0.08 + 0.11 + 0.05) == pytest.approx(30) and m == pytest.approx(rate * 0.1)
+    assert 93 < rate < 94.5                   # 9.4 updates per commit
+    assert rep.a_ceiling(30, 0.2, 0.11, 0.1)[1] == pytest.approx(
+        rep.a_ceiling(30, 0.2, 0.11, 0.1)[0] * 0.2)   # the server's link paces the commits
+    groups, mg = rep.a_ceiling(30, 0.08, 0.11, 0.1, pipeline=False)
+    assert groups == pytest.approx(mg / 0.08)
+    assert groups * (mg * 0.08 + 0.08 + 0.11 + 0.05) == pytest.approx(30)
+    assert 50 < groups < 54                   # 4.2 updates per commit
     # more room (a larger bound, a shorter compute) means a higher ceiling
-    assert rep.a_ceiling(60, 0.08, 0.11, 0.1)[0] > rate > rep.a_ceiling(30, 0.08, 0.3, 0.1)[0]
+    for pipe in (True, False):
+        assert (rep.a_ceiling(60, 0.08, 0.11, 0.1, pipe)[0] > rep.a_ceiling(30, 0.08, 0.11, 0.1,
+                                                                             pipe)[0]
+                > rep.a_ceiling(30, 0.08, 0.3, 0.1, pipe)[0])
     doc = {"meta": {"workers": 30, "tau_max": 30.0, "base_rate": 12.5e6,
                     "task": {"payload_bytes": 1e6}},
-           "cells": {"C1-N1": {"rr_ideal_iteration_s": 0.5, "compute_s_mean": 0.11,
+           "cells": {"C1-N1": {"rr_ideal_iteration_s": 0.2, "compute_s_mean": 0.11,
                                "a_applied_per_s": 38.0, "rr_applied_per_s": 45.0},
                      "C2-N2": {"rr_ideal_iteration_s": 1.0, "compute_s_mean": 0.13,
-                               "a_applied_per_s": 28.0, "rr_applied_per_s": 27.0}}}
+                               "a_applied_per_s": 28.0, "rr_applied_per_s": 27.0}},
+           "jobs": [{"mode": "mlfabric-A", "summary": {"staleness": {
+               "lag_at_plan": {"3": 1}, "commit_latency": {"median": 0.25},
+               "commit_late": {"median": 0.09}}}}]}
     text = "\n".join(rep.table2_ceiling(doc))
-    assert "| C1-N1 | 60.0 | %.1f (4.2 per commit) | 38.0 | 45.0 |" % rate in text
+    assert "| C1-N1 | 150.0 | %.1f (9.4 per commit) | %.1f (4.2) | 38.0 | 45.0 |" % (
+        rate, groups) in text
     assert "| C2-N2 | 30.0 |" in text
-    assert "ideal ring's rate is above mlfabric-A's ceiling (C1-N1)" in text
+    assert "above mlfabric-A's pipeline ceiling (C1-N1)" in text
+    assert "plan-to-applied took a median 0.25 s (one transfer is 80 ms), 0.09 s of it" in text
     assert rep.table2_ceiling({"meta": doc["meta"], "cells": {"C1-N1": {}}}) == []
