@@ -505,4 +505,19 @@ def test_a_ceiling_solves_its_lag_equation_and_flags_cells_above_it():
     assert "| C2-N2 | 30.0 |" in text
     assert "above mlfabric-A's pipeline ceiling (C1-N1)" in text
     assert "plan-to-applied took a median 0.25 s (one transfer is 80 ms), 0.09 s of it" in text
+    only = "\n".join(rep.table2_ceiling({**doc, "cells": {"C2-N2": doc["cells"]["C2-N2"]}}))
+    assert "The ideal ring's rate is below mlfabric-A's pipeline ceiling in every setting" in only
     assert rep.table2_ceiling({"meta": doc["meta"], "cells": {"C1-N1": {}}}) == []
+
+
+def test_meta_records_the_git_state_the_run_began_with(monkeypatch):
+    """A paper script's JSON names the code that ran: the git state begin() read at the start,
+    not the tree's when the JSON is written minutes later (someone may be editing it); a script
+    that never called begin() reads it when it writes."""
+    common = load_common()
+    import benchmarks.ps_modes as ps_modes
+    monkeypatch.setattr(ps_modes, "git_state", lambda: {"commit": "now", "modified": []})
+    monkeypatch.setattr(common, "_GIT_AT_START", [{"commit": "start", "modified": []}])
+    assert common.base_meta("table2.py", [], 4)["git"]["commit"] == "start"
+    monkeypatch.setattr(common, "_GIT_AT_START", [])
+    assert common.base_meta("sched_cost.py", [], None)["git"]["commit"] == "now"

@@ -79,13 +79,19 @@ def command_line(script, argv, ranks=None):
     return ("mpirun --oversubscribe -n %d %s" % (ranks, cmd) if ranks else cmd).strip()
 
 
+_GIT_AT_START = []   # the git state as the run began (begin(); a run takes minutes)
+
+
 def base_meta(script, argv, ranks=None, **params):
     """command, git state, CPU and the run's parameters. The git state comes from
-    benchmarks/ps_modes.py (which imports MPI: only MPI scripts and sched_cost call this)."""
+    benchmarks/ps_modes.py (which imports MPI: only MPI scripts and sched_cost call this), as
+    begin() read it when the run started - the code that ran, not what the tree held by the
+    time the JSON is written - or now for scripts that do not call begin()."""
     from benchmarks.ps_modes import git_state
     from mlfabric.bench.kernels import cpu_name
+    git = _GIT_AT_START[0] if _GIT_AT_START else git_state()
     return {"command": command_line(script, argv, ranks), "script": "benchmarks/paper/" + script,
-            "git": git_state(), "cpu": cpu_name(), "machine": platform.machine(),
+            "git": git, "cpu": cpu_name(), "machine": platform.machine(),
             "python": platform.python_version(), "base_rate": BASE_RATE,
             # the machine is shared: how busy it was when the run began (1, 5, 15 min)
             "load_average": LOAD_AT_START,
@@ -565,6 +571,9 @@ def begin(parse_args, argv):
     from mlfabric.runtime.roles import Roles
     comm = MPI.COMM_WORLD
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if comm.rank == 0:   # (rank 0 writes the JSON)
+        from benchmarks.ps_modes import git_state
+        _GIT_AT_START[:] = [git_state()]
     return comm, args, len(Roles(comm.size).worker_ranks), host(comm), time.monotonic()
 
 

@@ -196,8 +196,8 @@ def section_table2(doc, path):
     out += [""] + table2_profile(doc) + [""] + table2_ceiling(doc) + ["", source(doc, path),
                                                                        ""] + table2_runs(doc, path)
     # the levers were tried on these two commands' settings (LEVERS_TRIED)
-    out += ["", LEVERS_TRIED[os.path.basename(path)]] if os.path.basename(path) in LEVERS_TRIED \
-        else []
+    out += ["", LEVERS_TRIED[os.path.basename(path)], ""] \
+        if os.path.basename(path) in LEVERS_TRIED else []
     return out
 
 
@@ -261,7 +261,28 @@ LEVERS_TRIED_30_LR = (
     "kept (one run of C1-N3 and C3-N3 each, with (3)'s first form): the greedy tree feeding "
     "slow senders from any holder (their fetches 0.33 s instead of 0.56-0.87, but full-rate "
     "relays' egress spent on updates that are dropped: 10.5 and 9.8 updates/s), and the "
-    "slow-link drop off (9.5 and 9.8/s).")
+    "slow-link drop off (9.5 and 9.8/s). "
+    "Session 34 profiled where an applied update's time goes in C1-N1 (one run, every plan, "
+    "every commit and every fetch logged): from the snapshot of its model to its commit 0.57 s "
+    "against 0.32 s with every step at its ideal - the fetch after the snapshot 0.15 s (one "
+    "transfer: 0.08), the compute 0.115, the wait for the next batch 0.047, and plan to applied "
+    "0.256 s mean (0.23 median) for an 80 ms transfer; the updates in flight at a plan are a "
+    "mean 8 of the 30-update budget. The plan itself has the commit arrive 0.147 s after it (the "
+    "previous commit still on the server's link: 0.042 s, in 61% of batches; worker links "
+    "booked by pull trees: 0.025 s), and the commit arrives 0.063-0.088 s (mean) later than "
+    "planned, more for longer chains (2-5 updates: 0.03-0.05 s median; 10 or more: 0.14 s). "
+    "Time dilated 3x (runs 2 and 3 of its section record the new profile) cuts the lateness "
+    "to a median 0.030-0.039 s in paper seconds (0.086 undilated: about half of it is this "
+    "machine's CPU) but leaves plan to applied at 0.19-0.21 s median (0.23-0.25) and a fetch "
+    "at 0.231 s (0.227): the plan's own 0.147 s is not the CPU's. Tried, one run each, none "
+    "kept: deferring by one batch an update whose worker's link the view has booked (its "
+    "transfer alone over 1.5x its link's time): the plan's commit 0.147 -> 0.134 s after it, "
+    "plan to applied 0.245 s, the deferred ones' wait for a batch longer, 40.5 updates/s "
+    "(instrumented baselines 40.1-41.4); pushes and sums sent without the plan's rate cap, so "
+    "that a late hop can catch up: long chains' lateness 0.075-0.094 -> 0.061 s median, plan "
+    "to applied 0.236 s, 42.3/s, within noise; the data plane's wake-up while sends are in "
+    "flight 5 -> 2 ms: no change. The runtime now records the first two in every job's "
+    "summary (`commit_latency`, `commit_late`).")
 LEVERS_TRIED_30 = (
     "Levers tried at 30 workers, A/B in back-to-back runs of `--cells C1-N1,C1-N3`, not kept as "
     "defaults: (1) the server's pull gate opening when its own link is idle instead of when "
@@ -554,13 +575,14 @@ def table2_ceiling(doc):
             "| setting | RR-Sync ideal (updates/s) | mlfabric-A ceiling, pipeline (updates/s) "
             "| ceiling, Alg. 3 groups | mlfabric-A measured | RR-Sync measured |",
             "|---|--:|--:|--:|--:|--:|"] + rows + [
-            "", "Where the ideal ring's rate is above mlfabric-A's pipeline ceiling (%s), "
-            "mlfabric-A can be faster only against a baseline slower than the ideal ring, as the "
-            "paper's was (by its §2 numbers, the last section on Table 2), or by needing fewer "
-            "updates. Elsewhere the ceiling leaves room, and what mlfabric-A measured below it "
-            "is the implementation's and this machine's: fetches and commits that take several "
-            "transfers and, in N2/N3, links below full rate.%s" % (", ".join(above) or "none",
-                                                                   why)]
+            "", ("Where the ideal ring's rate is above mlfabric-A's pipeline ceiling (%s), "
+                 "mlfabric-A can be faster only against a baseline slower than the ideal ring, "
+                 "as the paper's was (by its §2 numbers, the last section on Table 2), or by "
+                 "needing fewer updates. Elsewhere" % ", ".join(above) if above else
+                 "The ideal ring's rate is below mlfabric-A's pipeline ceiling in every setting:")
+            + " the ceiling leaves room, and what mlfabric-A measured below it is the "
+            "implementation's and this machine's: fetches and commits that take several "
+            "transfers and, in N2/N3, links below full rate.%s" % why]
 
 
 def table2_profile(doc):
