@@ -281,8 +281,8 @@ LEVERS_TRIED_30_LR = (
     "(instrumented baselines 40.1-41.4); pushes and sums sent without the plan's rate cap, so "
     "that a late hop can catch up: long chains' lateness 0.075-0.094 -> 0.061 s median, plan "
     "to applied 0.236 s, 42.3/s, within noise; the data plane's wake-up while sends are in "
-    "flight 5 -> 2 ms: no change. The runtime now records the first two in every job's "
-    "summary (`commit_latency`, `commit_late`).")
+    "flight 5 -> 2 ms: no change. Every job's summary now records each applied update's plan "
+    "to applied and its lateness against the plan (`commit_latency`, `commit_late`).")
 LEVERS_TRIED_30 = (
     "Levers tried at 30 workers, A/B in back-to-back runs of `--cells C1-N1,C1-N3`, not kept as "
     "defaults: (1) the server's pull gate opening when its own link is idle instead of when "
