@@ -326,7 +326,7 @@ class LdaTask:
 
 def traced_job(comm, mode, task, *, iterations, compute_s, emulation, tau_max=math.inf,
                batch_interval=0.1, t_lag=0.2, seed=0, every=1, duration_s=None,
-               pull_objective=None, slow_drop=None):
+               pull_objective=None, slow_drop=None, pull_admission=None):
     """Run one job of `mode` (mlfabric.ps.driver.run_job, the loop every mode shares) on every
     rank with `task`'s updates, recording the model each worker computes from. Returns, on rank
     0, the job's record with 'points' [{t, value, worker, iteration}] (the model evaluated
@@ -370,6 +370,8 @@ def traced_job(comm, mode, task, *, iterations, compute_s, emulation, tau_max=ma
         settings["pull_objective"] = pull_objective
     if slow_drop is not None:       # mlfabric-A's slow-link drop (mlfabric.ps.init)
         settings["slow_drop"] = slow_drop
+    if pull_admission is not None:  # mlfabric-A's pull admission (mlfabric.ps.init)
+        settings["pull_admission"] = pull_admission
     idle_barrier(comm)   # rank 0 may still be evaluating the last job's models
     t0 = time.monotonic()
     res = run_job(mode, **settings)

@@ -104,6 +104,10 @@ def parse_args(argv):
     p.add_argument("--slow-drop", choices=("on", "off"), default="on",
                    help="mlfabric-A drops an update whose own link is slower than the next "
                    "batch's (mlfabric.sched.scheduler; off: the paper's batch alone)")
+    p.add_argument("--pull-admission", choices=("on", "off"), default="on",
+                   help="mlfabric-A hands out a model only while the update computed from it "
+                   "can still meet tau_max (mlfabric.runtime.pulls; off: every pull batch "
+                   "answered whole, as the paper)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny: one cell, small payload (tests)")
     p.add_argument("--out", default=common.result_path("table2.json"))
@@ -176,7 +180,8 @@ def main(argv=None):
                 run = dict(duration_s=durations[cell],
                            iterations=int(durations[cell] / compute_s) + 2,
                            pull_objective=args.pull_objective,
-                           slow_drop=args.slow_drop == "on")
+                           slow_drop=args.slow_drop == "on",
+                           pull_admission=args.pull_admission == "on")
             else:
                 run = dict(iterations=rr_iters)
             job = common.traced_job(comm, mode, task, compute_s=compute_s, emulation=em,
@@ -209,6 +214,7 @@ def main(argv=None):
                                        window_s=window, cells=args.cells, seed=args.seed,
                                        pull_objective=args.pull_objective,
                                        slow_drop=args.slow_drop,
+                                       pull_admission=args.pull_admission,
                                        task=task.describe(), quick=args.quick,
                                        total_wall_s=time.monotonic() - t_start), **host},
            "offline": offline, "cells": cells, "jobs": jobs}

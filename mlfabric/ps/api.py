@@ -32,7 +32,8 @@ _state = {"config": None, "comm": None, "rt": None, "role": None, "pushes": {}, 
 
 def init(mode="mlfabric-A", *, servers=1, replicas=0, aggregators=None, batch_interval=0.1,
          t_lag=0.2, slack=2, gamma=0.0, emulation=None, seed=0, distribution=True,
-         cut_through=True, pull_objective=None, slow_drop=True, checkpoint_every=0,
+         cut_through=True, pull_objective=None, slow_drop=True, pull_admission=True,
+         checkpoint_every=0,
          checkpoint_dir=None, resume=False, applied_log_max=100_000, comm=None):
     """Set the job's configuration and return this rank's role: 'scheduler', 'server',
     'replica' or 'worker' (mlfabric.runtime.roles says which). mlfabric.runtime.Config documents
@@ -53,6 +54,7 @@ def init(mode="mlfabric-A", *, servers=1, replicas=0, aggregators=None, batch_in
                      emulation=emulation if emulation is not None else Emulation(), seed=seed,
                      distribution=distribution, cut_through=cut_through,
                      pull_objective=pull_objective, slow_drop=slow_drop,
+                     pull_admission=pull_admission,
                      applied_log_max=applied_log_max,
                      checkpoint_every=checkpoint_every,
                      checkpoint_dir=checkpoint_dir, resume=resume)

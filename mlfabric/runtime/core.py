@@ -46,6 +46,9 @@ class Config:
     pull_objective: str = None
     # mlfabric-A: drop an update whose own link is slower than the next batch's (sched.scheduler)
     slow_drop: bool = True
+    # mlfabric-A: a pull batch hands out a model only while the update computed from it can
+    # still meet tau_max; the other requesters wait for a later batch (runtime/pulls.py _admit)
+    pull_admission: bool = True
     checkpoint_every: int = 0    # servers write model + version every this many updates (0: off)
     # the last commits a server / replica keeps for applied_log() (None: all, for benchmarks
     # that audit every one)

@@ -4,8 +4,10 @@ Table 1's AllReduce (§6), a sync batch to a root worker followed by a distribut
 Mixed into SchedulerRole (scheduler.py); latency-critical, so planned when asked, not at a tick.
 """
 import time
+from math import inf
 
 from ..sched import Update, distribute, schedule
+from ..sched.distribution import SLOW_EGRESS
 from .server import GATE_SHARE
 from .worker import assignments_of, rate_of
 
@@ -21,9 +23,10 @@ class SchedulerPulls:
         t = rt.now()
         t_start = time.perf_counter()
         requests = list(dict((w, key) for w, key in requests if w not in rt.failed).items())
+        requests, deferred = self._admit(src, tag, requests)
         if not nbytes:  # nothing to move: a tree cannot help
             rt.channel.send(src, "distribute", (tag, [(w, key, t, None) for w, key in requests],
-                                                [], []))
+                                                [], [], deferred))
             return
         hosts, idx = [src], {src: 0}
         for h in self.aggregators + [w for w, _ in requests]:
@@ -65,8 +68,61 @@ class SchedulerPulls:
         out = self.view.reported(src, t)
         paced = [h for h, *_ in direct + relays
                  if self.view.reported(self.view.hosts + h, t) < GATE_SHARE * out]
-        rt.channel.send(src, "distribute", (tag, direct, relays, paced))
+        rt.channel.send(src, "distribute", (tag, direct, relays, paced, deferred))
         self.plan_time.append(time.perf_counter() - t_start)
+
+    def _admit(self, src, version, requests):
+        """mlfabric-A's admission of a pull batch: (the requests served now, those deferred to
+        the server's next batch). Not in the paper, which answers every request of a batch and
+        drops at the worker the updates that come back too stale (§5.1). Here a model is handed
+        out only while the update computed from it can still meet tau_max: between the model's
+        version and that update go the updates planned but not applied (in flight), those
+        reported but not yet planned, and those being computed from models handed out before
+        (held: each held worker's next update); the batch's own requesters take the positions
+        left, first come first served, and at least one is always served. Why: answered whole, a
+        batch hands one version to many workers at once, they push together, and once tau_max
+        updates of theirs and their predecessors' are planned the rest are dropped; the dropped
+        ask again together, so the convoy persists (30 workers, C1-N1: half of all updates
+        dropped, a quarter of them with a lag of exactly tau_max when planned). Deferred, a
+        requester waits at the server and is then answered a fresher version: the wait is not
+        part of its update's delay.
+
+        A requester with a slow link (as the monitor reports them: an uplink under SLOW_EGRESS
+        of the server's ingress, or a downlink under that share of its egress) is served at once
+        and not held. Its uplink slow, its update is all but certainly dropped for it
+        (sched.scheduler); its downlink slow, the model takes it ten transfer times to come
+        (N3), and held all that while it would keep a position from a worker that turns one
+        into an applied update in a fraction of that time. (30 workers under N3, where half of
+        each run at a tenth: with them held, mlfabric-A applied 13 updates/s, 14-16 with the
+        admission off, 15-17 with them exempt; one run of C1-N3 and C3-N3 each.)"""
+        s = next((s for s, r in self.rank_of.items() if r == src), None)
+        if (s is None or self.mode != "async" or self.tau_max == inf
+                or not self.rt.config.pull_admission):
+            return requests, []
+        t = self.rt.now()
+        hosts = self.view.hosts
+        slow_up = SLOW_EGRESS * self.view.reported(hosts + src, t)    # the server's ingress
+        slow_down = SLOW_EGRESS * self.view.reported(src, t)          # ... and egress
+        held = self.held[s]
+        for w, _ in requests:           # asking again: done with the model it held
+            held.pop(w, None)
+        for w in [w for w in held if w in self.rt.failed or w in self.done]:
+            del held[w]
+        ahead = self.v_init[s] - self.applied_of[s] + len(self.pending[s]) + len(held)
+        n = max(1, int(self.tau_max - ahead))
+        served, deferred = [], []
+        for w, key in requests:
+            if (self.view.reported(w, t) < slow_up
+                    or self.view.reported(hosts + w, t) < slow_down):
+                served.append((w, key))
+            elif n > 0:
+                served.append((w, key))
+                held[w] = version
+                n -= 1
+            else:
+                deferred.append((w, key))
+        self.deferred_pulls += len(deferred)
+        return served, deferred
 
     # --- allreduce through push/get (§6) ------------------------------------------------------
     def _allreduce_ready(self, call, update):

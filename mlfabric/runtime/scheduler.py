@@ -81,6 +81,10 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
         self.planned_commit = {}    # id -> (job time planned, its commit's planned arrival)
         self.commit_latency = profile()
         self.commit_late = profile()
+        # per server, the workers handed a model whose update from it is not yet planned:
+        # worker -> the version (pulls.py _admit)
+        self.held = {s: {} for s in self.servers}
+        self.deferred_pulls = 0     # requests that _admit sent back to wait for a later batch
         self.after = {s: 0.0 for s in self.servers}
         self.next_batch = rt.now() + cfg.batch_interval
         self.batches = 0
@@ -312,6 +316,10 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
         cfg = self.rt.config
         t_start = time.perf_counter()
         updates, self.pending[server] = self.pending[server], []
+        held = self.held[server]
+        for u in updates:   # planned or dropped now: no longer ahead of later models (pulls.py)
+            if held.get(u.worker, inf) <= u.version:
+                del held[u.worker]
         updates = self._drop_orphans(server, updates)
         srank = self.rank_of[server]
         state = self.rstate.get(server)
@@ -474,6 +482,7 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
                            "in_flight_at_plan": list(self.in_flight_at_plan),
                            "commit_latency": list(self.commit_latency),
                            "commit_late": list(self.commit_late),
+                           "deferred_pulls": self.deferred_pulls,
                            "batches": self.batches}
         summary.failovers = list(self.failovers)
         for r in range(1, rt.size):

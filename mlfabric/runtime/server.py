@@ -122,6 +122,7 @@ class ServerRole:
         self.processed.update({w: n for w, n in (processed or {}).items() if w in self.processed})
         self.gets = []               # (worker, request id, clock) waiting for their condition
         self.asked = {}              # worker -> job time its (one) get came (profile)
+        self.planning = {}           # worker -> its get, of the pull batch being planned
         self.distribution = cfg.distribution and cfg.sched_mode is not None
         self.snapshots = {}          # version -> the model copy a pull batch is planned for
         self.pulls = []              # requests due, waiting for the models still leaving
@@ -350,16 +351,17 @@ class ServerRole:
             return
         due, self.pulls = self.pulls, []
         now = self.rt.now()
-        self.rt.ledger.pull_wait.extend(now - self.asked.pop(w, now) for w, _, _ in due)
         model = np.array(self.request_fn(self.model, self.version) if self.request_fn
                          else self.model, copy=True)
         if not self.distribution:
+            self._served(w for w, _, _ in due)
             for w, rid, _ in due:
                 self._leaves(w)
                 self.rt.dp.send(w, ("m", rid, self.version), model,
                                 on_done=lambda w=w: self._left(w))
             return
         self.leaving[0] = 1  # the scheduler is planning the batch
+        self.planning = {w: (w, rid, clock) for w, rid, clock in due}
         self.snapshots[self.version] = model
         self.planning_since = now
         self.rt.channel.send(0, "pulls", (self.version, model.nbytes,
@@ -375,9 +377,20 @@ class ServerRole:
             self.leaving[rank] = n
         self._serve_pulls()
 
-    def _distribute(self, version, direct, relays, paced):
+    def _served(self, ranks):
+        now = self.rt.now()
+        self.rt.ledger.pull_wait.extend(now - self.asked.pop(w, now) for w in ranks)
+
+    def _distribute(self, version, direct, relays, paced, deferred):
+        """The scheduler's plan for the pull batch of `version`: send it; the requests it
+        deferred (scheduler pulls.py _admit) wait, first in line, for the next batch."""
         del self.leaving[0]
         self.rt.ledger.pull_plan.append(self.rt.now() - self.planning_since)
+        back = {w for w, _ in deferred}
+        self.pulls[:0] = [g for w, g in self.planning.items()
+                          if w in back and w not in self.rt.failed]
+        self._served(w for w in self.planning if w not in back)
+        self.planning = {}
         gated = gating([x[0] for x in direct + relays], paced)  # sends that hold the next batch
         for rank, n in gated.items():
             for _ in range(n):

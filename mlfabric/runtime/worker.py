@@ -184,7 +184,7 @@ class WorkerRole:
             if kind == "drop":
                 self.dropped.extend(body)
         elif kind == "distribute":   # we are an allreduce root: send the result out
-            tag, direct, relays, _ = body
+            tag, direct, relays = body[:3]
             send_distribution(rt, self.root_of.pop(tag)[0], direct, relays)
         elif kind == "aggregate":
             for a in body:

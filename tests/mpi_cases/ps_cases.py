@@ -348,6 +348,38 @@ def case_paced_async_keeps_delays_within_tau_max():
             print("paced async, pull trees by %s: %s" % (objective, s))
 
 
+def case_pull_admission_defers_models_whose_updates_cannot_meet_tau_max():
+    """mlfabric-A's pull admission (runtime/pulls.py _admit) with tau_max = 1: a model is handed
+    out only while no update is ahead of the one computed from it (in flight, reported or being
+    computed), one requester at least per pull batch; with 3 or more workers asking at once some
+    requests must wait for a later batch, and none ever does with the admission off. Either way
+    every applied delay is within tau_max, the accounts balance and the model is exactly the sum
+    of what was applied."""
+    size, tau = 50_000, 1
+    workers = len(Roles(WORLD.size).worker_ranks)
+    # both jobs first, on every rank (a failed check between them would strand the others)
+    runs = {on: run_job("mlfabric-A", size=size, iterations=4, tau_max=tau,
+                        emulation=Emulation(base_rate=20e6), batch_interval=0.05,
+                        pull_admission=on) for on in (True, False)}
+    for on, res in runs.items():
+        _check_summary(res)
+        s = res.summary
+        assert s.max_delay is None or s.max_delay <= tau, s
+        _check_staleness_profile(s, tau)
+        deferred = s.control["deferred_pulls"]
+        if not on:
+            assert deferred == 0, s.control
+        elif workers >= 3:
+            assert deferred > 0, s.control
+        if res.role == "server":
+            applied = _server_ids(res)
+            upd = default_update(size, np.float64)
+            ref = sum((upd(u >> 32, u & 0xFFFFFFFF, None) for u in applied), np.zeros(size))
+            np.testing.assert_allclose(res.model, ref, rtol=1e-12, atol=1e-14)
+        if WORLD.rank == 0:
+            print("pull admission %s: %d requests deferred, %s" % (on, deferred, s.dropped))
+
+
 def case_async_drops_the_updates_of_slow_links_only():
     """N3 (half the NIC directions at a tenth of the rate), one period for the whole job, a bound
     too loose to drop anything stale: the scheduler drops at their workers updates whose
