@@ -203,6 +203,8 @@ def staleness_record(control):
             "commit_late": stats(control.get("commit_late", [])),
             "get_latency": stats(control.get("get_latency", [])),
             "pull_wait": stats(control.get("pull_wait", [])),
+            # get requests that mlfabric-A's pull admission sent back to a later batch
+            "deferred_pulls": control.get("deferred_pulls", 0),
             # the rest of the control path: a worker's report reaching the scheduler, the
             # scheduler's plans reaching the workers, its seconds per plan, and a pull batch's
             # round trip to the scheduler for its tree

@@ -282,7 +282,23 @@ LEVERS_TRIED_30_LR = (
     "that a late hop can catch up: long chains' lateness 0.075-0.094 -> 0.061 s median, plan "
     "to applied 0.236 s, 42.3/s, within noise; the data plane's wake-up while sends are in "
     "flight 5 -> 2 ms: no change. Every job's summary now records each applied update's plan "
-    "to applied and its lateness against the plan (`commit_latency`, `commit_late`).")
+    "to applied and its lateness against the plan (`commit_latency`, `commit_late`). "
+    "Session 35, kept as the default: mlfabric-A's pull admission (runtime/pulls.py _admit; "
+    "`--pull-admission off` for the paper's whole batches). Session 34's log showed convoys: a "
+    "pull batch answered 1-29 requesters with one version, they pushed together, and once "
+    "tau_max of theirs and their predecessors' were planned the rest were dropped stale and asked "
+    "again together (216 of ~1100 updates planned at a lag of exactly tau_max, whole batches of "
+    "one version dropped). A cap on a pull batch's requesters, one run of C1-N1 and C3-N1 each "
+    "(updates/s; 41.2-43.5 over the 3 runs before): 4 -> 42.3 and 43.4 (nothing dropped, but "
+    "workers starved: a get 0.52 s), 6 -> 50.4 and 54.5 (13% dropped), 10 -> 44.9 and 47.2 "
+    "(40%). The rule kept has no constant: a model goes out only while the update computed "
+    "from it can still meet tau_max (tau_max minus those planned not applied, reported not "
+    "planned, and being computed from models handed out before). One run each: C1-N1 53.0, "
+    "C3-N1 53.5/s, 6% dropped; but under N3 13.7 and 12.6/s with every requester counted, where "
+    "the admission off gave 14.1 and 16.3 at the same commit (workers behind a tenth-rate link "
+    "held positions for a 0.8 s fetch, or for updates the slow-link drop takes); with requesters "
+    "whose uplink or downlink is slow served at once and not counted, 15.1 and 17.0/s. The 3 "
+    "runs above are with it.")
 LEVERS_TRIED_30 = (
     "Levers tried at 30 workers, A/B in back-to-back runs of `--cells C1-N1,C1-N3`, not kept as "
     "defaults: (1) the server's pull gate opening when its own link is idle instead of when "
@@ -488,7 +504,8 @@ def staleness_side(doc, tau_max):
     staleness_record): (median lag when planned, the share planned with a lag of tau_max or
     more - no position left within the bound, median updates in flight at a plan, median wait
     at the server before a pull batch left (s), median request-to-delivery of a fetch (s),
-    median plan-to-applied of an update and its lateness against the planned arrival (s; None
+    median plan-to-applied of an update and its lateness against the planned arrival (s), the
+    share of gets the pull admission sent back to a later batch (None, each of the last three,
     in runs before they were recorded))."""
     out = []
     for j in doc.get("jobs", []):
@@ -505,7 +522,10 @@ def staleness_side(doc, tau_max):
         med = [(st.get(x) or {}).get("median") for x in ("in_flight_at_plan", "pull_wait",
                                                           "get_latency", "commit_latency",
                                                           "commit_late")]
-        out.append((median, over, *med))
+        gets = (st.get("get_latency") or {}).get("n")
+        deferred = st.get("deferred_pulls")
+        out.append((median, over, *med,
+                    deferred / gets if deferred is not None and gets else None))
     return out
 
 
@@ -643,7 +663,7 @@ def table2_profile(doc):
                 "dropped 30%% in C1-N1, §7.1)." % span(idle, "%.0f"))
     budget = staleness_side(doc, m["tau_max"])
     if budget:
-        lags, over, flight, wait, fetch, commit, late = zip(*budget)
+        lags, over, flight, wait, fetch, commit, late, deferred = zip(*budget)
         lines[0] += (
             " Staleness budget (tau_max = %g versions, counted per update): an update's lag when "
             "planned - the updates planned since the model it was computed from - had a median "
@@ -666,6 +686,12 @@ def table2_profile(doc):
                 "time on this machine that the plan does not know of)." % (
                     span([x for x in commit if x is not None]),
                     span([x for x in late if x is not None])))
+        if any(x is not None for x in deferred):
+            lines[0] += (
+                " mlfabric-A's pull admission (runtime/pulls.py: a model handed out only while "
+                "the update computed from it can still meet tau_max) sent %s%% of the gets back "
+                "to wait for a later pull batch; that wait is part of the fetch, not of the "
+                "update's lag." % span([100 * x for x in deferred if x is not None], "%.0f"))
     if need and 0.8 <= sorted(need)[len(need) // 2] <= 1.25:
         lines += ["", "Per applied update the two modes progress alike here (the median of the "
                   "first ratio is within 0.8-1.25x), so the difference in time to target is the "
