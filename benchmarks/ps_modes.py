@@ -87,14 +87,17 @@ REGIME = {
 
 
 # A mode name may end in "/saf": the same mode with store-and-forward relays (cut_through=False),
-# to measure what cut-through buys side by side.
+# to measure what cut-through buys side by side; or in "/whole": mlfabric-A answering every pull
+# batch whole, without its pull admission (pull_admission=False), the paper's way.
 SAF = "/saf"
+SUFFIXES = {SAF: {"cut_through": False}, "/whole": {"pull_admission": False}}
 
 
 def split_mode(mode):
     """(runtime mode, extra ps.init settings) of a mode name."""
-    if mode.endswith(SAF):
-        return mode[:-len(SAF)], {"cut_through": False}
+    for suffix, extra in SUFFIXES.items():
+        if mode.endswith(suffix):
+            return mode[:-len(suffix)], dict(extra)
     return mode, {}
 
 
@@ -140,7 +143,8 @@ def parse_args(argv):
              "async": ("mlfabric-A", "async", "ssp"), "replica": ("mlfabric-A", "ssp"),
              "control": ("mlfabric-A", "mlfabric-S", "ssp")}[args.experiment]
     bad = [m for m in args.modes if split_mode(m)[0] not in known
-           or (m.endswith(SAF) and not m.startswith(("mlfabric", "ssp")))]
+           or (m.endswith(SAF) and not m.startswith(("mlfabric", "ssp")))
+           or (m.endswith("/whole") and not m.startswith("mlfabric-A"))]
     if bad or not args.modes:
         p.error("%s: modes must be among %s, got %s" % (args.experiment, ", ".join(known),
                                                         ",".join(args.modes) or "none"))
