@@ -450,8 +450,8 @@ def test_staleness_side_of_table2_profile():
     """The staleness budget of Table 2's profile, from the scheduler's record: the median lag
     when planned (from the histogram), the share planned with no position left within tau_max,
     the medians of the updates in flight, of a fetch's wait and whole request, and of an
-    update's plan-to-applied and its lateness, and the share of gets the pull admission deferred
-    (None in JSONs from before they were recorded);
+    update's plan-to-applied and its lateness, and the pull admission's deferrals per get (None
+    in JSONs from before they were recorded);
     jobs of other modes, or without the record (older JSONs), are left out."""
     rep = load_reproduce()
     st = {"lag_at_plan": {"1": 2, "4": 3, "6": 4, "9": 1},   # 10 updates: median lag 4 or 6
@@ -468,7 +468,7 @@ def test_staleness_side_of_table2_profile():
     assert median == 4                        # the 5th of 10 in lag order
     assert over == pytest.approx(5 / 10)      # lags 6 and 9 leave no position within tau_max 6
     assert (flight, wait, fetch, commit, late) == (3.0, 0.1, 0.4, 0.25, 0.07)
-    assert deferred == pytest.approx(5 / 20)  # of the 20 gets, 5 sent back
+    assert deferred == pytest.approx(5 / 20)  # 5 deferrals over 20 gets
     assert old[:5] == (median, over, flight, wait, fetch) and old[5:] == (None, None, None)
 
 

@@ -505,8 +505,8 @@ def staleness_side(doc, tau_max):
     more - no position left within the bound, median updates in flight at a plan, median wait
     at the server before a pull batch left (s), median request-to-delivery of a fetch (s),
     median plan-to-applied of an update and its lateness against the planned arrival (s), the
-    share of gets the pull admission sent back to a later batch (None, each of the last three,
-    in runs before they were recorded))."""
+    times the pull admission sent a get back to a later batch, per get (a get can be sent back
+    more than once; None, each of the last three, in runs before they were recorded))."""
     out = []
     for j in doc.get("jobs", []):
         st = (j.get("summary") or {}).get("staleness")
@@ -689,9 +689,10 @@ def table2_profile(doc):
         if any(x is not None for x in deferred):
             lines[0] += (
                 " mlfabric-A's pull admission (runtime/pulls.py: a model handed out only while "
-                "the update computed from it can still meet tau_max) sent %s%% of the gets back "
-                "to wait for a later pull batch; that wait is part of the fetch, not of the "
-                "update's lag." % span([100 * x for x in deferred if x is not None], "%.0f"))
+                "the update computed from it can still meet tau_max) sent a get back to wait "
+                "for a later pull batch %s times per get (one can be sent back more than once); "
+                "that wait is part of the fetch, not of the update's lag." % span(
+                    [x for x in deferred if x is not None], "%.2f"))
     if need and 0.8 <= sorted(need)[len(need) // 2] <= 1.25:
         lines += ["", "Per applied update the two modes progress alike here (the median of the "
                   "first ratio is within 0.8-1.25x), so the difference in time to target is the "
