@@ -23,7 +23,8 @@ _MAX_DIMS = 6
 # mlfabric carries, for calls that only move data: passed as element=, compared with the rest,
 # so that ranks passing int8 and uint8 (both sent as int32) fail instead of reinterpreting.
 ELEMENTS = ("as sent", "int8", "uint8", "int16", "uint16", "uint32", "bool", "complex32",
-            "complex64", "complex128")
+            "complex64", "complex128", "uint64", "float8_e4m3fn", "float8_e5m2",
+            "float8_e4m3fnuz", "float8_e5m2fnuz")
 _ELEMENT_SHIFT = 12  # of the op word: op (3 bits), avg (1), algorithm (8), then the element
 
 

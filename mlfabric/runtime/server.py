@@ -354,7 +354,7 @@ class ServerRole:
         model = np.array(self.request_fn(self.model, self.version) if self.request_fn
                          else self.model, copy=True)
         if not self.distribution:
-            self._served(w for w, _, _ in due)
+            self._served((w for w, _, _ in due), now)
             for w, rid, _ in due:
                 self._leaves(w)
                 self.rt.dp.send(w, ("m", rid, self.version), model,
@@ -377,9 +377,10 @@ class ServerRole:
             self.leaving[rank] = n
         self._serve_pulls()
 
-    def _served(self, ranks):
-        now = self.rt.now()
-        self.rt.ledger.pull_wait.extend(now - self.asked.pop(w, now) for w in ranks)
+    def _served(self, ranks, at):
+        """Profile the server-side wait of the gets of `ranks`, answered by the pull batch
+        taken at `at` (a get sent back by the admission waits on to a later one)."""
+        self.rt.ledger.pull_wait.extend(at - self.asked.pop(w, at) for w in ranks)
 
     def _distribute(self, version, direct, relays, paced, deferred):
         """The scheduler's plan for the pull batch of `version`: send it; the requests it
@@ -389,7 +390,7 @@ class ServerRole:
         back = {w for w, _ in deferred}
         self.pulls[:0] = [g for w, g in self.planning.items()
                           if w in back and w not in self.rt.failed]
-        self._served(w for w in self.planning if w not in back)
+        self._served((w for w in self.planning if w not in back), self.planning_since)
         self.planning = {}
         gated = gating([x[0] for x in direct + relays], paced)  # sends that hold the next batch
         for rank, n in gated.items():

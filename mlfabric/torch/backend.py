@@ -49,8 +49,9 @@ gathered: an allgather, faster there). gather is an allgather too, after one sma
 ranks' roots (an allgather's header has none to compare). Outputs are checked before the call: one
 whose elements share memory (an expanded tensor) is refused.
 Reductions: SUM, AVG, PRODUCT, MIN, MAX on float32/64, float16, bfloat16, int32, int64; calls
-that only move data carry those, the narrow integers and bool (widened to int32) and complex ones
-(as float pairs); others (float8 kinds, uint64) are a TypeError. The dtype each rank had is
+that only move data carry those, the narrow integers and bool (widened to int32), complex ones
+(as float pairs), uint64 (its bits as int64) and the float8 kinds (their bits as uint8, widened);
+others are a TypeError. The dtype each rank had is
 compared with the rest of the call (element=, comm/header.py: int8 against uint8 is a
 MismatchError on every rank, though both travel as int32).
 all_reduce of a sparse COO tensor (SUM or AVG) is gloo's sparse allreduce, which DDP uses for
@@ -418,11 +419,16 @@ def _op(opts, what):
 
 def _wire(t):
     """t, or a copy mlfabric can carry (calls that do not reduce): small integer and bool types
-    are widened to int32, complex ones viewed as their float pairs."""
+    are widened to int32, complex ones viewed as their float pairs, uint64 viewed as int64 and
+    the float8 kinds' bits as uint8 widened (bit patterns, not values: _put reverses both)."""
     if t.dtype in _WIRE_DTYPES:
         return t
     if t.is_complex():
         return torch.view_as_real(t.resolve_conj() if t.is_conj() else t)
+    if t.dtype == torch.uint64:
+        return t.view(torch.int64)
+    if t.is_floating_point() and t.element_size() == 1:
+        return t.view(torch.uint8).to(torch.int32)
     if t.is_floating_point() or t.element_size() > 4:
         _fail(TypeError(f"dtype {t.dtype} is not supported by the mlfabric backend"))
     return t.to(torch.int32)
@@ -474,6 +480,9 @@ def _put(dst, src):
     dst = dst.detach()
     if dst.is_complex() and not src.is_complex():
         src = torch.view_as_complex(src.reshape(*dst.shape, 2).contiguous())
+    elif dst.dtype != src.dtype and dst.is_floating_point() and dst.element_size() == 1:
+        src = src.to(torch.uint8).view(dst.dtype)          # a float8's bits, widened by _wire
+    # (uint64 sent as int64 needs nothing: copying int64 into uint64 is modulo 2**64, the bits)
     with torch.inference_mode(dst.is_inference()):
         dst.copy_(src.reshape(dst.shape))
 

@@ -607,6 +607,76 @@ def case_narrow_dtypes_that_differ_between_ranks_fail_everywhere():
     _still_works()
 
 
+BIT_DTYPES = (torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _bits_tensor(rank, dtype):
+    """A tensor of dtype whose bit patterns say which rank made it: uint64 values above 2**63
+    (negative as int64), and for the float8 kinds every byte (NaNs and infinities among them)."""
+    if dtype == torch.uint64:
+        return (torch.arange(5, dtype=torch.int64) - 5 - rank).view(torch.uint64)  # 2**64-5-r..
+    return ((torch.arange(256) + 7 * rank) % 256).to(torch.uint8).view(dtype)
+
+
+def _zeros(shape, dtype):
+    """A tensor of dtype with every bit 0."""
+    t = torch.empty(shape, dtype=dtype)
+    t.view(torch.uint8).zero_()
+    return t
+
+
+def _bits(t):
+    """t's bytes, to compare exactly (float8 has no ==, and NaN != NaN)."""
+    return t.contiguous().view(torch.uint8)
+
+
+def case_uint64_and_float8_move_bit_exact():
+    """uint64 and the float8 kinds travel as their bits (int64; uint8 widened to int32) in every
+    call that only moves data - broadcast, all_gather_into_tensor, send / recv, all_to_all_single
+    - and arrive bit for bit, into non-contiguous outputs too; a reduction of them is a TypeError
+    on every rank, and two ranks passing different ones (float8_e4m3fn against float8_e5m2, or
+    against uint8, which also travels widened) a MismatchError on every rank."""
+    n, r = _n_r()
+    for dtype in BIT_DTYPES:
+        with _naming(f"broadcast {dtype}"):
+            t = _bits_tensor(r, dtype)
+            dist.broadcast(t, src=n - 1)
+            assert torch.equal(_bits(t), _bits(_bits_tensor(n - 1, dtype)))
+        with _naming(f"all_gather_into_tensor {dtype}"):
+            out = _zeros((n, _bits_tensor(0, dtype).numel()), dtype)
+            dist.all_gather_into_tensor(out, _bits_tensor(r, dtype))
+            for q in range(n):
+                assert torch.equal(_bits(out[q]), _bits(_bits_tensor(q, dtype))), q
+        with _naming(f"send / recv {dtype} into a non-contiguous tensor"):
+            if n > 1 and r == 0:
+                dist.send(_bits_tensor(0, dtype), 1)
+            elif n > 1 and r == 1:
+                base = _zeros(2 * _bits_tensor(0, dtype).numel(), dtype)
+                view = base[::2]
+                dist.recv(view, 0)
+                assert torch.equal(_bits(view), _bits(_bits_tensor(0, dtype)))
+                assert (_bits(base[1::2]) == 0).all()  # the rest untouched
+        with _naming(f"all_to_all_single {dtype}"):
+            inp = torch.cat([_bits_tensor(r, dtype).view(torch.uint8)[:8] for _ in range(n)])
+            inp = inp.view(dtype)
+            out = _zeros(inp.shape, dtype)
+            dist.all_to_all_single(out, inp)
+            rows = out.numel() // n
+            for q in range(n):
+                assert torch.equal(_bits(out[q * rows:(q + 1) * rows]),
+                                   _bits(_bits_tensor(q, dtype).view(torch.uint8)[:8].view(dtype)))
+        with _naming(f"all_reduce {dtype}"):
+            _expect_everywhere(TypeError, lambda: dist.all_reduce(_bits_tensor(r, dtype)),
+                               str(dtype).replace("torch.", ""))
+    if n > 1:
+        for other in (torch.float8_e5m2, torch.uint8):
+            dt = torch.float8_e4m3fn if r == 0 else other
+            with _naming(f"broadcast float8_e4m3fn / {other}"):
+                _expect_everywhere(mf.MismatchError, lambda: dist.broadcast(
+                    _zeros(4, dt), 0), "element type")
+    _still_works()
+
+
 def case_functional_collectives_and_dtensor_find_the_group_by_name():
     """torch finds a group by its name (functional collectives, DeviceMesh, DTensor): the
     mlfabric group keeps the name torch gives it, and those APIs run on it."""
