@@ -446,6 +446,24 @@ def test_push_side_numbers_of_table2_profile():
     assert per_commit == 2.0
 
 
+def test_lda_runs_lists_each_mode_per_run(tmp_path):
+    """Fig. 7's repeats (X-run2.json beside X.json): one row per mode, one column per run, the
+    iterations to the target and the time against RR-Sync's, or 'not reached'; no repeats, no
+    table."""
+    rep = load_reproduce()
+
+    def rows(iterations, vs_rr):
+        return {"rr-sync": {"reached": True, "iterations": 29, "time_vs_rr": 1.0},
+                "mlfabric-A-60": {"reached": iterations is not None, "iterations": iterations,
+                                  "time_vs_rr": vs_rr}}
+    path = tmp_path / "fig7_lda.json"
+    (tmp_path / "fig7_lda-run2.json").write_text(json.dumps({"rows": rows(None, None)}))
+    text = "\n".join(rep.lda_runs({"rows": rows(35, 0.88)}, str(path)))
+    assert "| rr-sync | 29 (1.00) | 29 (1.00) |" in text
+    assert "| mlfabric-A-60 | 35 (0.88) | not reached |" in text
+    assert rep.lda_runs({"rows": rows(35, 0.88)}, str(tmp_path / "alone.json")) == []
+
+
 def test_staleness_side_of_table2_profile():
     """The staleness budget of Table 2's profile, from the scheduler's record: the median lag
     when planned (from the histogram), the share planned with no position left within tau_max,

@@ -48,6 +48,10 @@ def parse_args(argv):
     p.add_argument("--max-iterations", type=int, default=60)
     p.add_argument("--margin", type=int, default=3)
     p.add_argument("--ps-factor", type=float, default=2.5)
+    p.add_argument("--pull-admission", choices=("on", "off"), default="on",
+                   help="mlfabric-A hands out a model only while the update computed from it "
+                   "can still meet tau_max (mlfabric.runtime.pulls; off: every pull batch "
+                   "answered whole, as the paper)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny corpus and payload (tests)")
     p.add_argument("--out", default=common.result_path("fig7_lda.json"))
@@ -101,7 +105,9 @@ def main(argv=None):
         job = common.traced_job(comm, mode, task,
                                 iterations=rr_iters if mode == "rr-sync" else ps_iters,
                                 compute_s=args.compute_ms / 1e3, emulation=em,
-                                tau_max=tau * workers if tau else math.inf, seed=args.seed)
+                                tau_max=tau * workers if tau else math.inf, seed=args.seed,
+                                pull_admission=(args.pull_admission == "on"
+                                                if mode == "mlfabric-A" else None))
         if comm.rank == 0:
             job["label"] = label
             job["target"] = common.target_summary(job, target)
@@ -119,7 +125,8 @@ def main(argv=None):
                                        workers=workers, preset=args.preset, target=target,
                                        compute_ms=args.compute_ms, payload_mb=args.payload_mb,
                                        rr_iterations=rr_iters, ps_iterations=ps_iters,
-                                       seed=args.seed, task=task.describe(), quick=args.quick,
+                                       seed=args.seed, pull_admission=args.pull_admission,
+                                       task=task.describe(), quick=args.quick,
                                        total_wall_s=time.monotonic() - t_start), **host},
            "offline": offline, "rows": rows, "jobs": jobs}
     common.write_json(args.out, doc)

@@ -108,7 +108,8 @@ def source(doc, path):
         common.relpath(path), m["command"], commit, m.get("timestamp", "?"),
         f2(m.get("total_wall_s"), "%.0f"),
         ", load average %.1f at the start (2 cores)" % load[0] if load else "",
-        ", **--quick size**" if m.get("quick") else ""))
+        ", **--quick size**" if m.get("quick") else "")) + (
+            " Note: %s" % m["git_note"] if m.get("git_note") else "")
 
 
 def section_table2(doc, path):
@@ -703,7 +704,8 @@ def table2_profile(doc):
 def section_lda(doc, path):
     m, rows = doc["meta"], doc["rows"]
     task = m["task"]
-    out = ["## Fig. 7 (c, d): distributed LDA, iterations and time to convergence (§7.1)", "",
+    out = ["## Fig. 7 (c, d): distributed LDA, iterations and time to convergence (§7.1)%s" % (
+        ", mlfabric-A without its pull admission" if m.get("pull_admission") == "off" else ""), "",
            "Paper: NYTimes, 100 topics, 30 workers, C1-N1, converged at log-likelihood -7.94. "
            "Ours: a synthetic corpus (%d documents of %d tokens, %d words, %d topics), %d "
            "workers, %s, compute %g ms, updates padded to %.1f MB; converged = %.4f (the offline "
@@ -749,8 +751,30 @@ def section_lda(doc, path):
                  "paper 30 x 56 ms = 1.7 s (its §2: a PS round ~1.8 s, 10x the computation), "
                  "which is what made its Async 5.9x slower than RR-Sync." % (
                      w, 1e3 * per, w * per, m["compute_ms"]))
-    out += [""] + notes + [""] + [source(doc, path), ""]
+    out += [""] + notes + [""] + [source(doc, path), ""] + lda_runs(doc, path)
     return out
+
+
+def lda_runs(doc, path):
+    """Repeats of the Fig. 7 command (X-run2.json, ... beside X.json): each mode's iterations to
+    the target and its time against RR-Sync's, per run. Asynchronous LDA's progress depends on
+    the order updates arrive in, so one run says little where the modes are close."""
+    others = table2_repeats(path)
+    if not others:
+        return []
+    runs = [doc] + [read_json(p) for p in others]
+    out = ["Repeats of this command (%s): iterations to the target (time / RR-Sync's), per run."
+           % ", ".join("`%s`" % common.relpath(p) for p in others), "",
+           "| mode | " + " | ".join("run %d" % (k + 1) for k in range(len(runs))) + " |",
+           "|---|" + "--:|" * len(runs)]
+    for label in doc["rows"]:
+        cells = []
+        for run in runs:
+            r = run["rows"].get(label)
+            cells.append("-" if r is None else "not reached" if not r["reached"] else
+                         "%d (%s)" % (r["iterations"], f2(r["time_vs_rr"])))
+        out.append("| %s | %s |" % (label, " | ".join(cells)))
+    return out + [""]
 
 
 def section_sync(doc, path):
@@ -878,7 +902,7 @@ SECTIONS = [("lr-grid", section_lr_grid), ("table2-30-lr", section_table2),
             ("table2-30", section_table2),
             ("table2-30-dilated", section_table2),
             ("table2", section_table2),
-            ("table2-scale", None), ("fig7_lda", section_lda),
+            ("table2-scale", None), ("fig7_lda", section_lda), ("fig7_lda-off", section_lda),
             ("sync_iteration", section_sync), ("fig9_replica", section_fig9),
             ("sched_cost", section_sched)]
 
