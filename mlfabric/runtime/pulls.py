@@ -83,7 +83,7 @@ class SchedulerPulls:
         batch hands one version to many workers at once, they push together, and once tau_max
         updates of theirs and their predecessors' are planned the rest are dropped; the dropped
         ask again together, so the convoy persists (30 workers, C1-N1: half of all updates
-        dropped, a quarter of them with a lag of exactly tau_max when planned). Deferred, a
+        dropped, a fifth of all planned at a lag of exactly tau_max). Deferred, a
         requester waits at the server and is then answered a fresher version: the wait is not
         part of its update's delay.
 

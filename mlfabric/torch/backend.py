@@ -420,7 +420,7 @@ def _op(opts, what):
 def _wire(t):
     """t, or a copy mlfabric can carry (calls that do not reduce): small integer and bool types
     are widened to int32, complex ones viewed as their float pairs, uint64 viewed as int64 and
-    the float8 kinds' bits as uint8 widened (bit patterns, not values: _put reverses both)."""
+    the float8 kinds' bits as uint8 widened (bit patterns, not values: _put restores a float8's)."""
     if t.dtype in _WIRE_DTYPES:
         return t
     if t.is_complex():
