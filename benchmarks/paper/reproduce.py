@@ -314,8 +314,9 @@ LEVERS_TRIED_30 = (
 LEVERS_TRIED = {"table2-30.json": LEVERS_TRIED_30, "table2-30-lr.json": LEVERS_TRIED_30_LR}
 
 
-def table2_repeats(path):
-    """The repeats of the Table 2 command that wrote `path`: X-run2.json, ... beside X.json."""
+def repeats(path):
+    """The repeats of the command (Table 2's, Fig. 7's) that wrote `path`: X-run2.json, ...
+    beside X.json."""
     import glob
     return sorted(glob.glob(os.path.splitext(path)[0] + "-run*.json"))
 
@@ -333,7 +334,7 @@ def table2_runs(doc, path):
     """Repeats of the same Table 2 command: each cell's speedup per run, their median and its
     direction; one run on this shared machine can land either side of 1 where the two modes
     are close."""
-    others = table2_repeats(path)
+    others = repeats(path)
     if not others:
         return []
     runs = [doc] + [read_json(p) for p in others]
@@ -388,7 +389,7 @@ def section_table2_scale(results):
             doc = read_json(path)
             docs[doc["meta"]["workers"]] = doc
             runs[doc["meta"]["workers"]] = [doc] + [read_json(p)
-                                                    for p in table2_repeats(path)]
+                                                    for p in repeats(path)]
     if len(docs) < 2:
         return []
     ns = sorted(docs)
@@ -428,7 +429,7 @@ def section_table2_scale(results):
         doc = read_json(dilated)
         sets.append(("%d workers, time dilated %gx" % (doc["meta"]["workers"],
                                                         doc["meta"]["dilate"]),
-                     [doc] + [read_json(p) for p in table2_repeats(dilated)]))
+                     [doc] + [read_json(p) for p in repeats(dilated)]))
     out += [""] + paper_baseline(docs[ns[-1]], sets)
     return out
 
@@ -759,7 +760,7 @@ def lda_runs(doc, path):
     """Repeats of the Fig. 7 command (X-run2.json, ... beside X.json): each mode's iterations to
     the target and its time against RR-Sync's, per run. Asynchronous LDA's progress depends on
     the order updates arrive in, so one run says little where the modes are close."""
-    others = table2_repeats(path)
+    others = repeats(path)
     if not others:
         return []
     runs = [doc] + [read_json(p) for p in others]
