@@ -209,6 +209,8 @@ def staleness_record(control):
             "pull_wait": stats(control.get("pull_wait", [])),
             # get requests that mlfabric-A's pull admission sent back to a later batch
             "deferred_pulls": control.get("deferred_pulls", 0),
+            # ... and those it parked: their uplink slow, their update would be dropped
+            "parked_pulls": control.get("parked_pulls", 0),
             # the rest of the control path: a worker's report reaching the scheduler, the
             # scheduler's plans reaching the workers, its seconds per plan, and a pull batch's
             # round trip to the scheduler for its tree

@@ -85,6 +85,7 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
         # worker -> the version (pulls.py _admit)
         self.held = {s: {} for s in self.servers}
         self.deferred_pulls = 0     # requests that _admit sent back to wait for a later batch
+        self.parked_pulls = 0       # ... of them, for a slow uplink (_admit)
         self.after = {s: 0.0 for s in self.servers}
         self.next_batch = rt.now() + cfg.batch_interval
         self.batches = 0
@@ -483,6 +484,7 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
                            "commit_latency": list(self.commit_latency),
                            "commit_late": list(self.commit_late),
                            "deferred_pulls": self.deferred_pulls,
+                           "parked_pulls": self.parked_pulls,
                            "batches": self.batches}
         summary.failovers = list(self.failovers)
         for r in range(1, rt.size):

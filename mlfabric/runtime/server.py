@@ -126,6 +126,8 @@ class ServerRole:
         self.distribution = cfg.distribution and cfg.sched_mode is not None
         self.snapshots = {}          # version -> the model copy a pull batch is planned for
         self.pulls = []              # requests due, waiting for the models still leaving
+        self.parked = []             # requests the admission parked (slow uplink), and until when
+        self.parked_until = 0.0
         self.leaving = {}            # rank -> model sends to it in flight (0: a batch is planned)
         self.planning_since = 0.0    # when the batch being planned went to the scheduler
         # (ids, version after, job time, replica count waited for): the order, for audits and
@@ -312,6 +314,7 @@ class ServerRole:
                 self.workers.remove(r)
             self.gets = [g for g in self.gets if g[0] != r]
             self.pulls = [g for g in self.pulls if g[0] != r]
+            self.parked = [g for g in self.parked if g[0] != r]
             self.asked.pop(r, None)
             self.leaving.pop(r, None)  # their sends were dropped (DataPlane.forget_peer)
             if r == self.replica:
@@ -386,10 +389,15 @@ class ServerRole:
         """The scheduler's plan for the pull batch of `version`: send it; the requests it
         deferred (scheduler pulls.py _admit) wait, first in line, for the next batch."""
         del self.leaving[0]
-        self.rt.ledger.pull_plan.append(self.rt.now() - self.planning_since)
-        back = {w for w, _ in deferred}
+        now = self.rt.now()
+        self.rt.ledger.pull_plan.append(now - self.planning_since)
+        back = {w: park for w, _, park in deferred}
         self.pulls[:0] = [g for w, g in self.planning.items()
-                          if w in back and w not in self.rt.failed]
+                          if back.get(w) is False and w not in self.rt.failed]
+        parked = [g for w, g in self.planning.items() if back.get(w) and w not in self.rt.failed]
+        if parked:  # asked again once the monitor has reported the links anew
+            self.parked += parked
+            self.parked_until = now + self.rt.config.t_lag
         self._served((w for w in self.planning if w not in back), self.planning_since)
         self.planning = {}
         gated = gating([x[0] for x in direct + relays], paced)  # sends that hold the next batch
@@ -414,6 +422,9 @@ class ServerRole:
         return True
 
     def tick(self, now):
+        if self.parked and self.rt.now() >= self.parked_until:
+            self.pulls[:0], self.parked = self.parked, []
+            self._serve_pulls()
         if self.unreported:
             self.rt.channel.send(0, "applied", self.unreported)
             self.unreported = []

@@ -382,7 +382,7 @@ def case_pull_admission_defers_models_whose_updates_cannot_meet_tau_max():
 
 def case_async_drops_the_updates_of_slow_links_only():
     """N3 (half the NIC directions at a tenth of the rate), one period for the whole job, a bound
-    too loose to drop anything stale: the scheduler drops at their workers updates whose
+    too loose to drop anything stale, the pull admission off: the scheduler drops at their workers updates whose
     sender's egress is slow (800 KB at 2 MB/s: 0.4 s, where a full-rate sender's, a 200 ms batch
     later, would be in after 240 ms), never one from a full-rate sender; every drop has that
     reason, the accounts balance and the model is the sum of what was applied."""
@@ -392,8 +392,9 @@ def case_async_drops_the_updates_of_slow_links_only():
     emu = Emulation("C0", "N3", base_rate=20e6, period=60.0, seed=14)
     roles = Roles(WORLD.size)
     workers = len(roles.worker_ranks)
+    # the admission off: it would park the slow senders' gets instead (the case after this)
     res = run_job("mlfabric-A", size=size, iterations=8, tau_max=1000, emulation=emu,
-                  compute_s=0.02, batch_interval=0.2, t_lag=0.02)
+                  compute_s=0.02, batch_interval=0.2, t_lag=0.02, pull_admission=False)
     _check_summary(res)
     s = res.summary
     assert set(s.dropped) <= {DROP_SLOW}, s
@@ -419,6 +420,44 @@ def case_async_drops_the_updates_of_slow_links_only():
         ref = sum((upd(u >> 32, u & 0xFFFFFFFF, None) for u in applied), np.zeros(size))
         np.testing.assert_allclose(res.model, ref, rtol=1e-12, atol=1e-14)
 
+
+
+def case_pull_admission_parks_slow_uplinks_while_fast_ones_push():
+    """The setting above with the pull admission on (runtime/pulls.py _admit): a worker whose
+    uplink is slow is not handed a model while one with a fast uplink pushes (its update would
+    be dropped for the slow link), and asks again; once the fast senders are done it is served,
+    so every worker still runs all its iterations (no hang) and its updates then go in, alone
+    or with other slow senders'. Parking happens exactly when there are both kinds; fewer
+    updates are dropped for a slow link than with the admission off (same seeded links); the
+    accounts balance and the model is the sum of what was applied."""
+    size, iterations = 100_000, 8
+    emu = Emulation("C0", "N3", base_rate=20e6, period=60.0, seed=14)
+    roles = Roles(WORLD.size)
+    workers = len(roles.worker_ranks)
+    runs = {on: run_job("mlfabric-A", size=size, iterations=iterations, tau_max=1000,
+                        emulation=emu, compute_s=0.02, batch_interval=0.2, t_lag=0.02,
+                        pull_admission=on) for on in (True, False)}
+    for on, res in runs.items():
+        _check_summary(res)
+        assert set(res.summary.dropped) <= {DROP_SLOW}, res.summary
+        if res.role == "worker":
+            assert len(res.iter_times) == iterations, res.iter_times
+        if res.role == "server":
+            applied = _server_ids(res)
+            upd = default_update(size, np.float64)
+            ref = sum((upd(u >> 32, u & 0xFFFFFFFF, None) for u in applied), np.zeros(size))
+            np.testing.assert_allclose(res.model, ref, rtol=1e-12, atol=1e-14)
+    on, off = runs[True].summary, runs[False].summary
+    parked = on.control["parked_pulls"]
+    assert off.control["parked_pulls"] == 0, off.control
+    if workers >= 2:   # seed 14 gives both kinds at 2, 3 and 5 workers (the case above)
+        assert parked > 0, on.control
+        assert on.dropped.get(DROP_SLOW, 0) < off.dropped.get(DROP_SLOW, 0), (on, off)
+    else:              # a lone worker has no faster peer: never parked
+        assert parked == 0, on.control
+    if WORLD.rank == 0:
+        print("parked %d gets; dropped for a slow link: %d with the admission, %d without"
+              % (parked, on.dropped.get(DROP_SLOW, 0), off.dropped.get(DROP_SLOW, 0)))
 
 def _check_staleness_profile(s, tau):
     """The scheduler's staleness profile (every rank gets the summary): each pushed update's lag
