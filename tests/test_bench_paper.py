@@ -468,26 +468,27 @@ def test_staleness_side_of_table2_profile():
     """The staleness budget of Table 2's profile, from the scheduler's record: the median lag
     when planned (from the histogram), the share planned with no position left within tau_max,
     the medians of the updates in flight, of a fetch's wait and whole request, and of an
-    update's plan-to-applied and its lateness, and the pull admission's deferrals per get (None
-    in JSONs from before they were recorded);
+    update's plan-to-applied and its lateness, and the pull admission's deferrals and parkings
+    per get (None in JSONs from before they were recorded);
     jobs of other modes, or without the record (older JSONs), are left out."""
     rep = load_reproduce()
     st = {"lag_at_plan": {"1": 2, "4": 3, "6": 4, "9": 1},   # 10 updates: median lag 4 or 6
           "in_flight_at_plan": {"median": 3.0}, "pull_wait": {"median": 0.1},
           "get_latency": {"median": 0.4, "n": 20}, "commit_latency": {"median": 0.25},
-          "commit_late": {"median": 0.07}, "deferred_pulls": 5}
+          "commit_late": {"median": 0.07}, "deferred_pulls": 5, "parked_pulls": 2}
     job = {"mode": "mlfabric-A", "summary": {"staleness": st}}
     older = {"mode": "mlfabric-A", "summary": {"staleness": {
-        k: v for k, v in st.items() if not k.startswith(("commit", "deferred"))}}}
+        k: v for k, v in st.items() if not k.startswith(("commit", "deferred", "parked"))}}}
     doc = {"jobs": [job, {**job, "mode": "rr-sync"}, {"mode": "mlfabric-A", "summary": {}},
                     older]}
-    (median, over, flight, wait, fetch, commit, late, deferred), old = rep.staleness_side(doc,
-                                                                                         6.0)
+    (median, over, flight, wait, fetch, commit, late, deferred, parked), old = \
+        rep.staleness_side(doc, 6.0)
     assert median == 4                        # the 5th of 10 in lag order
     assert over == pytest.approx(5 / 10)      # lags 6 and 9 leave no position within tau_max 6
     assert (flight, wait, fetch, commit, late) == (3.0, 0.1, 0.4, 0.25, 0.07)
     assert deferred == pytest.approx(5 / 20)  # 5 deferrals over 20 gets
-    assert old[:5] == (median, over, flight, wait, fetch) and old[5:] == (None, None, None)
+    assert parked == pytest.approx(2 / 20)
+    assert old[:5] == (median, over, flight, wait, fetch) and old[5:] == (None,) * 4
 
 
 def test_a_ceiling_solves_its_lag_equation_and_flags_cells_above_it():

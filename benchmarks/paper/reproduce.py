@@ -298,8 +298,18 @@ LEVERS_TRIED_30_LR = (
     "C3-N1 53.5/s, 6% dropped; but under N3 13.7 and 12.6/s with every requester counted, where "
     "the admission off gave 14.1 and 16.3 at the same commit (workers behind a tenth-rate link "
     "held positions for a 0.8 s fetch, or for updates the slow-link drop takes); with requesters "
-    "whose uplink or downlink is slow served at once and not counted, 15.1 and 17.0/s. The 3 "
-    "runs above are with it.")
+    "whose uplink or downlink is slow served at once and not counted, 15.1 and 17.0/s (3 runs "
+    "with it: 4 of 9, 3 ties, C1-N3 0.95 and C3-N3 0.90 the other way). "
+    "Session 36, kept as the default: the admission parks the gets of workers whose uplink is "
+    "slow while one with a fast uplink pushes (runtime/pulls.py _admit; they ask again after "
+    "t_lag; served once no fast worker pushes, or after a quarter of MLFABRIC_TIMEOUT). Under "
+    "N3 half of all pushes were dropped for a slow link: a worker behind a tenth-rate uplink "
+    "was handed the model (taking the server's and relays' egress from the others), computed, "
+    "and its update was dropped at its batch. A/B in back-to-back runs of C1-N3 and C3-N3: "
+    "speedup 1.10 and 1.11 parked against 0.85 and 1.04 not, mlfabric-A 15.0 and 15.9 "
+    "updates/s against 11.8 and 14.9, a fetch's median 0.25 s against 0.65-0.76, 31% of the "
+    "pushes dropped against 57-62%. The 3 runs above are with it (N1 cells barely change: "
+    "under N1 no uplink is under half the rate).")
 LEVERS_TRIED_30 = (
     "Levers tried at 30 workers, A/B in back-to-back runs of `--cells C1-N1,C1-N3`, not kept as "
     "defaults: (1) the server's pull gate opening when its own link is idle instead of when "
@@ -507,8 +517,9 @@ def staleness_side(doc, tau_max):
     more - no position left within the bound, median updates in flight at a plan, median wait
     at the server before a pull batch left (s), median request-to-delivery of a fetch (s),
     median plan-to-applied of an update and its lateness against the planned arrival (s), the
-    times the pull admission sent a get back to a later batch, per get (a get can be sent back
-    more than once; None, each of the last three, in runs before they were recorded))."""
+    times the pull admission sent a get back to a later batch, per get, and of those the times
+    it parked one for a slow uplink (a get can be sent back more than once; None, each of the
+    last four, in runs before they were recorded))."""
     out = []
     for j in doc.get("jobs", []):
         st = (j.get("summary") or {}).get("staleness")
@@ -525,9 +536,9 @@ def staleness_side(doc, tau_max):
                                                           "get_latency", "commit_latency",
                                                           "commit_late")]
         gets = (st.get("get_latency") or {}).get("n")
-        deferred = st.get("deferred_pulls")
-        out.append((median, over, *med,
-                    deferred / gets if deferred is not None and gets else None))
+        per_get = [st.get(x) / gets if st.get(x) is not None and gets else None
+                   for x in ("deferred_pulls", "parked_pulls")]
+        out.append((median, over, *med, *per_get))
     return out
 
 
@@ -665,7 +676,7 @@ def table2_profile(doc):
                 "dropped 30%% in C1-N1, §7.1)." % span(idle, "%.0f"))
     budget = staleness_side(doc, m["tau_max"])
     if budget:
-        lags, over, flight, wait, fetch, commit, late, deferred = zip(*budget)
+        lags, over, flight, wait, fetch, commit, late, deferred, parked = zip(*budget)
         lines[0] += (
             " Staleness budget (tau_max = %g versions, counted per update): an update's lag when "
             "planned - the updates planned since the model it was computed from - had a median "
@@ -695,6 +706,12 @@ def table2_profile(doc):
                 "for a later pull batch %s times per get (one can be sent back more than once); "
                 "that wait is part of the fetch, not of the update's lag." % span(
                     [x for x in deferred if x is not None], "%.2f"))
+        if any(x for x in parked if x is not None):
+            lines[0] += (
+                " Besides, it parked the gets of workers whose uplink was slow while one with a "
+                "fast uplink pushed (their updates would be dropped for the slow link), %s "
+                "times per get, each time asked again after t_lag." % span(
+                    [x for x in parked if x is not None], "%.2f"))
     if need and 0.8 <= sorted(need)[len(need) // 2] <= 1.25:
         lines += ["", "Per applied update the two modes progress alike here (the median of the "
                   "first ratio is within 0.8-1.25x), so the difference in time to target is the "

@@ -84,8 +84,11 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
         # per server, the workers handed a model whose update from it is not yet planned:
         # worker -> the version (pulls.py _admit)
         self.held = {s: {} for s in self.servers}
+        # per server, worker -> the job time its get was first parked (pulls.py _admit)
+        self.parked_since = {s: {} for s in self.servers}
         self.deferred_pulls = 0     # requests that _admit sent back to wait for a later batch
         self.parked_pulls = 0       # ... of them, for a slow uplink (_admit)
+        self.parked_longest = 0.0   # the longest a get stayed parked before it was served
         self.after = {s: 0.0 for s in self.servers}
         self.next_batch = rt.now() + cfg.batch_interval
         self.batches = 0
@@ -485,6 +488,7 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
                            "commit_late": list(self.commit_late),
                            "deferred_pulls": self.deferred_pulls,
                            "parked_pulls": self.parked_pulls,
+                           "parked_longest_s": self.parked_longest,
                            "batches": self.batches}
         summary.failovers = list(self.failovers)
         for r in range(1, rt.size):

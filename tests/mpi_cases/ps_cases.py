@@ -449,15 +449,45 @@ def case_pull_admission_parks_slow_uplinks_while_fast_ones_push():
             np.testing.assert_allclose(res.model, ref, rtol=1e-12, atol=1e-14)
     on, off = runs[True].summary, runs[False].summary
     parked = on.control["parked_pulls"]
-    assert off.control["parked_pulls"] == 0, off.control
+    assert off.control["parked_pulls"] == 0, off.control["parked_pulls"]
     if workers >= 2:   # seed 14 gives both kinds at 2, 3 and 5 workers (the case above)
-        assert parked > 0, on.control
+        assert parked > 0, parked
         assert on.dropped.get(DROP_SLOW, 0) < off.dropped.get(DROP_SLOW, 0), (on, off)
     else:              # a lone worker has no faster peer: never parked
-        assert parked == 0, on.control
+        assert parked == 0, parked
     if WORLD.rank == 0:
-        print("parked %d gets; dropped for a slow link: %d with the admission, %d without"
-              % (parked, on.dropped.get(DROP_SLOW, 0), off.dropped.get(DROP_SLOW, 0)))
+        print("parked %d gets (the longest %.2f s); dropped for a slow link: %d with the "
+              "admission, %d without" % (parked, on.control["parked_longest_s"],
+                                         on.dropped.get(DROP_SLOW, 0),
+                                         off.dropped.get(DROP_SLOW, 0)))
+
+
+def case_a_parked_get_is_served_within_its_cap():
+    """A get is parked at most PARK_MAX_SHARE of MLFABRIC_TIMEOUT (runtime/pulls.py), so a worker
+    whose uplink stays slow still fetches now and then, and never nears the timeout: with the
+    cap at 30 ms (set on the scheduler) and fast workers pushing for longer than that, a parked
+    get is served within the cap plus the server's re-ask interval (t_lag) and the control
+    path's delays, and the slow workers fetch while the fast ones push - so their updates are
+    dropped for the slow link again. Every update is still accounted for."""
+    from mlfabric.runtime import pulls
+    emu = Emulation("C0", "N3", base_rate=20e6, period=60.0, seed=14)
+    workers = len(Roles(WORLD.size).worker_ranks)
+    share = pulls.PARK_MAX_SHARE
+    if WORLD.rank == 0:
+        from mlfabric import _config
+        pulls.PARK_MAX_SHARE = 0.03 / _config.timeout_s()
+    try:
+        res = run_job("mlfabric-A", size=100_000, iterations=8, tau_max=1000, emulation=emu,
+                      compute_s=0.02, batch_interval=0.2, t_lag=0.02)
+    finally:
+        pulls.PARK_MAX_SHARE = share
+    _check_summary(res)
+    s = res.summary
+    parked = {k: s.control[k] for k in ("parked_pulls", "parked_longest_s")}
+    if workers >= 2:   # both kinds of uplink (seed 14, the cases above)
+        assert parked["parked_pulls"] > 0, parked
+        assert 0.03 <= parked["parked_longest_s"] < 0.5, parked
+        assert s.dropped.get(DROP_SLOW, 0) > 0, s
 
 def _check_staleness_profile(s, tau):
     """The scheduler's staleness profile (every rank gets the summary): each pushed update's lag
