@@ -77,17 +77,17 @@ class SchedulerPulls:
 
     def _admit(self, src, version, requests):
         """mlfabric-A's admission of a pull batch: the requests served now, and those deferred
-        to a later batch of the server. Not in the paper, which answers every request of a batch and
-        drops at the worker the updates that come back too stale (§5.1). Here a model is handed
-        out only while the update computed from it can still meet tau_max: between the model's
-        version and that update go the updates planned but not applied (in flight), those
-        reported but not yet planned, and those being computed from models handed out before
-        (held: each held worker's next update); the batch's own requesters take the positions
-        left, first come first served, and at least one is always served. Why: answered whole, a
-        batch hands one version to many workers at once, they push together, and once tau_max
-        updates of theirs and their predecessors' are planned the rest are dropped; the dropped
-        ask again together, so the convoy persists (30 workers, C1-N1: half of all updates
-        dropped, a fifth of all planned at a lag of exactly tau_max). Deferred, a
+        to a later batch of the server. Not in the paper, which answers every request of a batch
+        and drops at the worker the updates that come back too stale (§5.1). Here a model is
+        handed out only while the update computed from it can still meet tau_max: between the
+        model's version and that update go the updates planned but not applied (in flight),
+        those reported but not yet planned, and those being computed from models handed out
+        before (held: each held worker's next update); the batch's own requesters take the
+        positions left, first come first served, and at least one is always served. Why:
+        answered whole, a batch hands one version to many workers at once, they push together,
+        and once tau_max updates of theirs and their predecessors' are planned the rest are
+        dropped; the dropped ask again together, so the convoy persists (30 workers, C1-N1: half
+        of all updates dropped, a fifth of all planned at a lag of exactly tau_max). Deferred, a
         requester waits at the server and is then answered a fresher version: the wait is not
         part of its update's delay.
 
@@ -98,15 +98,15 @@ class SchedulerPulls:
         only take server and relay egress from workers whose updates count. Parked, it waits at
         the server and asks again after t_lag (the monitor's next report of its link); once no
         fast worker pushes (they finished, or every uplink is slow), or it has been parked for
-        PARK_MAX_SHARE of MLFABRIC_TIMEOUT, it is served. A requester
-        whose downlink only is slow is served at once and not held: the model takes it ten
-        transfer times to come (N3), and held all that while it would keep a position from a
-        worker that turns one into an applied update in a fraction of that time. (30 workers
-        under N3, where half of each direction run at a tenth, one run of C1-N3 and C3-N3 each:
-        slow links held, mlfabric-A applied 13 updates/s; admission off, 12-16; slow links
-        served at once, 15-17; slow uplinks parked, 15-16 with a model fetch of 0.25 s instead
-        of 0.65-0.76, and 31% of the pushes dropped instead of 57-62%; over 3 runs of Table 2
-        parked, 16-19/s in C1-N3 and C3-N3, RR-Sync 16-17.)
+        PARK_MAX_SHARE of MLFABRIC_TIMEOUT, it is served. A requester whose downlink only is
+        slow is served at once and not held: the model takes it ten transfer times to come (N3),
+        and held all that while it would keep a position from a worker that turns one into an
+        applied update in a fraction of that time. (30 workers under N3, where half of each
+        direction run at a tenth, one run of C1-N3 and C3-N3 each: slow links held, mlfabric-A
+        applied 13 updates/s; admission off, 12-16; slow links served at once, 15-17; slow
+        uplinks parked, 15-16 with a model fetch of 0.25 s instead of 0.65-0.76, and 31% of the
+        pushes dropped instead of 57-62%; over 3 runs of Table 2 parked, 16-19/s in C1-N3 and
+        C3-N3, RR-Sync 16-17.)
 
         Returns (served, deferred), deferred as (worker, key, parked)."""
         s = next((s for s, r in self.rank_of.items() if r == src), None)

@@ -387,7 +387,8 @@ class ServerRole:
 
     def _distribute(self, version, direct, relays, paced, deferred):
         """The scheduler's plan for the pull batch of `version`: send it; the requests it
-        deferred (scheduler pulls.py _admit) wait, first in line, for the next batch."""
+        deferred (scheduler pulls.py _admit) wait, first in line, for the next batch, and those
+        it parked (a slow uplink) are asked again together t_lag after the last parking."""
         del self.leaving[0]
         now = self.rt.now()
         self.rt.ledger.pull_plan.append(now - self.planning_since)
