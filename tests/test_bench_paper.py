@@ -448,8 +448,8 @@ def test_push_side_numbers_of_table2_profile():
 
 def test_lda_runs_lists_each_mode_per_run(tmp_path):
     """Fig. 7's repeats (X-run2.json beside X.json): one row per mode, one column per run, the
-    iterations to the target and the time against RR-Sync's, or 'not reached'; no repeats, no
-    table."""
+    iterations to the target and the time against RR-Sync's, or 'not reached', and vanilla
+    async's first commit where the runs recorded their jobs; no repeats, no table."""
     rep = load_reproduce()
 
     def rows(iterations, vs_rr):
@@ -461,7 +461,13 @@ def test_lda_runs_lists_each_mode_per_run(tmp_path):
     text = "\n".join(rep.lda_runs({"rows": rows(35, 0.88)}, str(path)))
     assert "| rr-sync | 29 (1.00) | 29 (1.00) |" in text
     assert "| mlfabric-A-60 | 35 (0.88) | not reached |" in text
+    assert "first commit" not in text          # no jobs recorded: no row for the race
     assert rep.lda_runs({"rows": rows(35, 0.88)}, str(tmp_path / "alone.json")) == []
+    # vanilla async's first commit per run (its start-up race), "-" where a run has no record
+    jobs = [{"label": "mlfabric-A-60", "server_commits": [[3, 0.2]]},
+            {"label": "async", "server_commits": [[1, 0.3061], [1, 0.8]]}]
+    text = "\n".join(rep.lda_runs({"rows": rows(35, 0.88), "jobs": jobs}, str(path)))
+    assert "| async's first commit, s | 0.306 | - |" in text
 
 
 def test_staleness_side_of_table2_profile():

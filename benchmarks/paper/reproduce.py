@@ -792,8 +792,10 @@ def lda_runs(doc, path):
             cells.append("-" if r is None else "not reached" if not r["reached"] else
                          "%d (%s)" % (r["iterations"], f2(r["time_vs_rr"])))
         out.append("| %s | %s |" % (label, " | ".join(cells)))
-    firsts = [next((j["server_commits"][0][1] for j in run["jobs"]
-                    if j["label"] == "async" and j["server_commits"]), None) for run in runs]
+    # vanilla async's first commit: a start-up race that its iterations follow (the note below)
+    firsts = [next((j["server_commits"][0][1] for j in run.get("jobs", [])
+                    if j.get("label") == "async" and j.get("server_commits")), None)
+              for run in runs]
     if any(f is not None for f in firsts):
         out.append("| async's first commit, s | %s |" % " | ".join(f2(f, "%.3f") for f in firsts))
         out += ["", "Vanilla Async's first commit comes at ~0.31 s when the server's first model "
