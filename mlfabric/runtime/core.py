@@ -47,7 +47,9 @@ class Config:
     # mlfabric-A: drop an update whose own link is slower than the next batch's (sched.scheduler)
     slow_drop: bool = True
     # mlfabric-A: a pull batch hands out a model only while the update computed from it can
-    # still meet tau_max; the other requesters wait for a later batch (runtime/pulls.py _admit)
+    # still meet tau_max; the other requesters wait for a later batch; and (with slow_drop) a
+    # worker whose uplink is slow is parked while one with a fast uplink pushes, since its
+    # update would be dropped for it (runtime/pulls.py _admit)
     pull_admission: bool = True
     checkpoint_every: int = 0    # servers write model + version every this many updates (0: off)
     # the last commits a server / replica keeps for applied_log() (None: all, for benchmarks
