@@ -8,7 +8,7 @@ from math import inf
 
 from .. import _config
 from ..sched import Update, distribute, schedule
-from ..sched.distribution import SLOW_EGRESS
+from ..sched.distribution import SLOW_EGRESS, under_share
 from .server import GATE_SHARE
 from .worker import assignments_of, rate_of
 
@@ -71,7 +71,7 @@ class SchedulerPulls:
         # reported ingress under GATE_SHARE of src's reported egress
         out = self.view.reported(src, t)
         paced = [h for h, *_ in direct + relays
-                 if self.view.reported(self.view.hosts + h, t) < GATE_SHARE * out]
+                 if under_share(self.view.reported(self.view.hosts + h, t), out, GATE_SHARE)]
         rt.channel.send(src, "distribute", (tag, direct, relays, paced, deferred))
         self.plan_time.append(time.perf_counter() - t_start)
 
@@ -115,8 +115,8 @@ class SchedulerPulls:
             return requests, []
         t = self.rt.now()
         hosts = self.view.hosts
-        slow_up = SLOW_EGRESS * self.view.reported(hosts + src, t)    # the server's ingress
-        slow_down = SLOW_EGRESS * self.view.reported(src, t)          # ... and egress
+        ingress = self.view.reported(hosts + src, t)    # the server's
+        egress = self.view.reported(src, t)
         held = self.held[s]
         for w, _ in requests:           # asking again: done with the model it held
             held.pop(w, None)
@@ -127,22 +127,23 @@ class SchedulerPulls:
         # a slow uplink's update is dropped at the next batch if a worker with a fast one
         # pushes (sched.scheduler.slow_links): park its model until its link is fast again
         park = (self.rt.config.slow_drop and any(
-            self.view.reported(p, t) >= slow_up for p in self._pushing_peers(s, t)))
+            not under_share(self.view.reported(p, t), ingress, SLOW_EGRESS)
+            for p in self._pushing_peers(s, t)))
         # a get parked this long is served all the same: a worker whose uplink stays slow
         # still fetches now and then, and its wait never nears MLFABRIC_TIMEOUT
         park_max = _config.timeout_s() * PARK_MAX_SHARE
         parked = self.parked_since[s]
         served, deferred = [], []
         for w, key in requests:
-            up = self.view.reported(w, t)
-            if park and up < slow_up and t - parked.setdefault(w, t) < park_max:
+            slow_up = under_share(self.view.reported(w, t), ingress, SLOW_EGRESS)
+            if park and slow_up and t - parked.setdefault(w, t) < park_max:
                 deferred.append((w, key, True))
                 self.parked_pulls += 1
                 continue
             since = parked.pop(w, None)
             if since is not None:
                 self.parked_longest = max(self.parked_longest, t - since)
-            if up < slow_up or self.view.reported(hosts + w, t) < slow_down:
+            if slow_up or under_share(self.view.reported(hosts + w, t), egress, SLOW_EGRESS):
                 served.append((w, key))
             elif n > 0:
                 served.append((w, key))
