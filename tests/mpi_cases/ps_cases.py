@@ -43,6 +43,15 @@ def _server_ids(res):
     return {u for ids, *_ in res.applied_log for u in ids}
 
 
+def _check_model_is_applied_sum(res, size):
+    """On the server: its model is exactly the float64 sum of the default updates it applied."""
+    if res.role == "server":
+        upd = default_update(size, np.float64)
+        ref = sum((upd(u >> 32, u & 0xFFFFFFFF, None) for u in _server_ids(res)),
+                  np.zeros(size))
+        np.testing.assert_allclose(res.model, ref, rtol=1e-12, atol=1e-14)
+
+
 def case_sync_equals_float64_reference():
     for servers in (1, 2) if WORLD.size >= 5 else (1,):
         res = run_job("mlfabric-S", size=SIZE, iterations=4, servers=servers, emulation=FAST,
@@ -371,19 +380,15 @@ def case_pull_admission_defers_models_whose_updates_cannot_meet_tau_max():
             assert deferred == 0, s.control
         elif workers >= 3:
             assert deferred > 0, s.control
-        if res.role == "server":
-            applied = _server_ids(res)
-            upd = default_update(size, np.float64)
-            ref = sum((upd(u >> 32, u & 0xFFFFFFFF, None) for u in applied), np.zeros(size))
-            np.testing.assert_allclose(res.model, ref, rtol=1e-12, atol=1e-14)
+        _check_model_is_applied_sum(res, size)
         if WORLD.rank == 0:
             print("pull admission %s: %d requests deferred, %s" % (on, deferred, s.dropped))
 
 
 def case_async_drops_the_updates_of_slow_links_only():
     """N3 (half the NIC directions at a tenth of the rate), one period for the whole job, a bound
-    too loose to drop anything stale, the pull admission off: the scheduler drops at their workers updates whose
-    sender's egress is slow (800 KB at 2 MB/s: 0.4 s, where a full-rate sender's, a 200 ms batch
+    too loose to drop anything stale, the pull admission off: the scheduler drops at their
+    workers updates whose sender's egress is slow (800 KB at 2 MB/s: 0.4 s, where a full-rate sender's, a 200 ms batch
     later, would be in after 240 ms), never one from a full-rate sender; every drop has that
     reason, the accounts balance and the model is the sum of what was applied."""
     size = 100_000
@@ -414,12 +419,7 @@ def case_async_drops_the_updates_of_slow_links_only():
     if workers >= 2:
         assert sum(n for _, sl, n in everyone if sl) > 0, everyone
     assert s.dropped.get(DROP_SLOW, 0) == sum(n for *_, n in everyone), (everyone, s)
-    if res.role == "server":
-        applied = _server_ids(res)
-        upd = default_update(size, np.float64)
-        ref = sum((upd(u >> 32, u & 0xFFFFFFFF, None) for u in applied), np.zeros(size))
-        np.testing.assert_allclose(res.model, ref, rtol=1e-12, atol=1e-14)
-
+    _check_model_is_applied_sum(res, size)
 
 
 def case_pull_admission_parks_slow_uplinks_while_fast_ones_push():
@@ -442,11 +442,7 @@ def case_pull_admission_parks_slow_uplinks_while_fast_ones_push():
         assert set(res.summary.dropped) <= {DROP_SLOW}, res.summary
         if res.role == "worker":
             assert len(res.iter_times) == iterations, res.iter_times
-        if res.role == "server":
-            applied = _server_ids(res)
-            upd = default_update(size, np.float64)
-            ref = sum((upd(u >> 32, u & 0xFFFFFFFF, None) for u in applied), np.zeros(size))
-            np.testing.assert_allclose(res.model, ref, rtol=1e-12, atol=1e-14)
+        _check_model_is_applied_sum(res, size)
     on, off = runs[True].summary, runs[False].summary
     parked = on.control["parked_pulls"]
     assert off.control["parked_pulls"] == 0, off.control["parked_pulls"]
@@ -488,6 +484,7 @@ def case_a_parked_get_is_served_within_its_cap():
         assert parked["parked_pulls"] > 0, parked
         assert 0.03 <= parked["parked_longest_s"] < 0.5, parked
         assert s.dropped.get(DROP_SLOW, 0) > 0, s
+
 
 def _check_staleness_profile(s, tau):
     """The scheduler's staleness profile (every rank gets the summary): each pushed update's lag
