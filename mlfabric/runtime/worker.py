@@ -103,6 +103,9 @@ class WorkerRole:
         # (one update may pass here for a server and a replica)
         self.stash = {}
         self.assigned = {}
+        # a pipeline's running sum that came (its stash slot) -> the ids it says it carries: fewer
+        # than planned when a failure cut members upstream (reported lost there)
+        self.carried = {}
         self.streamed = set()    # members a streaming sum took while they were still coming
         self.cut_through = rt.config.cut_through
         # A streaming sum voided by a member's failure drops its live members too; a replica,
@@ -207,7 +210,7 @@ class WorkerRole:
             self.rt.ledger.relayed["forward"] += self._forward(key[1], stream.data,
                                                                stream.available)
         elif self.stream_sums and self._summed_here(key):
-            self._take(self._slot(key), stream)
+            self._take(key, stream)
 
     def _forward(self, forwards, data, available=None):
         """Pass `data` on to the other workers in `forwards`; returns how many."""
@@ -232,9 +235,13 @@ class WorkerRole:
     def _slot(key):
         return (key[1], key[3]) if key[0] == "u" else (key[1], None)
 
-    def _take(self, slot, data):
-        """An input (whole, or a Stream) is here: stash it, and sum if its aggregate is ready."""
+    def _take(self, key, data):
+        """An input (whole, or a Stream) under data-plane `key` is here: stash it, and sum if its
+        aggregate is ready."""
+        slot = self._slot(key)
         self.stash[slot] = data
+        if key[0] == "a":
+            self.carried[slot] = key[2]
         a = self.assigned.get(slot)
         if a is not None:
             self._try_aggregate(a)
@@ -262,7 +269,7 @@ class WorkerRole:
             if slot in self.streamed:  # its sum already took it as it came
                 self.streamed.discard(slot)
                 return
-            self._take(slot, msg.data)
+            self._take(msg.key, msg.data)
         else:
             raise RuntimeError("worker rank %d: unexpected payload %r" % (self.rt.rank, msg.key))
 
@@ -276,6 +283,13 @@ class WorkerRole:
         for m in members:
             del self.assigned[m]
         self.pending_aggs.remove(a)
+        if a.upstream is not None:
+            # members cut upstream (a failure) are lost there: our sum must not claim them, or
+            # the server would count them applied with their values missing from the model
+            carried = self.carried.pop((a.upstream[0], None), None)
+            if carried is not None and len(carried) < len(a.upstream[1]):
+                cut = set(a.upstream[1]).difference(carried)
+                a.ids = tuple(u for u in a.ids if u not in cut)
         rt = self.rt
         available = None
         if not parts:  # failures took every member: the destination still expects the key
@@ -371,6 +385,7 @@ class WorkerRole:
             for slot in slots:
                 del self.assigned[slot]
                 self.stash.pop(slot, None)
+                self.carried.pop(slot, None)
             why = [(u, DROP_WORKER_FAILED) for u in cut]
             if cut_up:  # the pipeline's sum so far died with the aggregator before us
                 why += [(u, DROP_AGGREGATOR_FAILED) for u in up[1]]
@@ -396,6 +411,7 @@ class WorkerRole:
             for slot in a.slots():
                 self.assigned.pop(slot, None)
                 self.stash.pop(slot, None)
+                self.carried.pop(slot, None)
         self.server_rank[server] = rank
         self._resend_gets(lambda s: s == server)
 

@@ -152,7 +152,7 @@ def worker_job(mode):
                       update_fn=killing_update(victim, ITERS // 2), **bound)
         s = res.summary
         assert s.failed == [victim], s.failed
-        assert s.balanced, s
+        assert s.balanced, "%s; twice %s" % (s, [hex(u) for u in s.twice])
         live = len(roles.worker_ranks) - 1
         assert s.pushed >= ITERS * live, s
         if res.role == "server":
