@@ -93,6 +93,7 @@ void bind_shm(py::module_& m) {
       .def_property_readonly("cma_enabled", &ShmEngine::cma_enabled)
       .def_property_readonly("cma_calls", &ShmEngine::cma_calls)
       .def("headers", &ShmEngine::headers)
+      .def("abandon", &ShmEngine::abandon, py::arg("status"))
       .def_property_readonly("broken", &ShmEngine::broken)
       .def_property_readonly("any_failed", &ShmEngine::any_failed);
 }

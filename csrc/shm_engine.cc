@@ -110,6 +110,13 @@ bool ShmEngine::any_failed() const {
   return false;
 }
 
+void ShmEngine::abandon(int status) {
+  broken_ = true;
+  uint64_t none = 0;
+  failed(rank_).compare_exchange_strong(none, static_cast<uint64_t>(status == 2 ? 2 : 3),
+                                        std::memory_order_acq_rel);
+}
+
 void ShmEngine::probe_publish() {
   extras(rank_).pid = getpid();
   extras(rank_).probe = reinterpret_cast<uintptr_t>(&kProbeWord);

@@ -59,6 +59,10 @@ class ShmEngine {
   const std::vector<int64_t>& headers() const { return snapshot_; }  // nranks * kHdrWords
   bool broken() const { return broken_; }
   bool any_failed() const;  // some rank's engine gave up (timeout or failure): peers may be gone
+  // Give up without a failed call of the engine's own (the caller's call failed elsewhere, e.g.
+  // in an MPI algorithm after the engine's header round): peers waiting here fail at once, as
+  // after a timeout (status 2) or another failure (3). A mark already there stays.
+  void abandon(int status);
 
   // Single-copy path (Linux cross-memory attach, process_vm_readv): ranks read their peers'
   // private buffers directly, as MPI's shared-memory transport does. probe_publish() and

@@ -20,7 +20,8 @@ import importlib as _importlib  # noqa: E402
 
 from . import _C  # noqa: E402
 from . import exit_guard as _exit_guard  # noqa: E402,F401 (its exit handler runs last)
-from .errors import MismatchError, MlfabricError, NotInitializedError, PeerTimeoutError  # noqa
+from .errors import (ConcurrentCallError, MismatchError, MlfabricError,  # noqa: E402
+                     NotInitializedError, PeerTimeoutError)
 
 # The communication API is imported on first use (PEP 562), not with the package: importing MPI
 # (and torch, for tensor support) takes seconds, and mlfabric.sched / mlfabric.sim are pure
@@ -106,4 +107,5 @@ __all__ = ["init", "finalize", "initialized", "rank", "size", "local_rank", "loc
            "allgather_async", "reduce_scatter", "reduce_scatter_async", "barrier", "send", "recv",
            "isend", "irecv", "Request", "Handle", "shared_empty", "shared_zeros", "is_shared", "cuda_built", "nccl_built",
            "MlfabricError", "MismatchError", "NotInitializedError", "PeerTimeoutError",
+           "ConcurrentCallError",
            "__version__", "alltoall", "alltoall_async"]

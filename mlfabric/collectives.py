@@ -13,6 +13,7 @@ place and returns x. Inputs may be numpy arrays or CPU torch tensors; non-contig
 (and outputs copied back). Every call blocks until this rank's part is done; *_async forms return a
 Handle whose wait() gives the result (buffers must be left alone until then).
 """
+import contextlib
 import threading
 import time
 
@@ -27,6 +28,11 @@ from .errors import MismatchError, MlfabricError, PeerTimeoutError
 ALGORITHMS = ("auto", "shm", "ring", "rhd", "tree")
 
 
+def _others(ctx):
+    """Every rank but this one: whom a wait on a collective request of ctx's waits for."""
+    return [r for r in range(ctx.size) if r != ctx.rank]
+
+
 def _exchange_headers(ctx, what, hdr):
     """Header-only exchange for paths that do not carry headers themselves (MPI algorithms)."""
     if ctx.shm is not None:
@@ -35,7 +41,7 @@ def _exchange_headers(ctx, what, hdr):
     mine = np.asarray(hdr, np.int64)
     every = np.empty(ctx.size * header.WORDS, np.int64)
     req = ctx.comm.Iallgather(mine, every)
-    p2p.wait([req], list(range(ctx.size)), f"{what} (header exchange)")
+    p2p.wait([req], _others(ctx), f"{what} (header exchange)")
     header.check(header.from_flat(every, ctx.size), what)
 
 
@@ -45,25 +51,54 @@ def _run(what, prepare, async_=False):
     A rank whose arguments are bad still joins the header exchange with a 'rejected' header, so
     its peers fail at once with a MismatchError naming it, and then raises its own error."""
     ctx = context.get()
+    return _submit(ctx, what, lambda: _call(ctx, what, prepare), async_)
 
-    def call():
-        try:
-            hdr, body = prepare(ctx)
-        except Exception as exc:  # any failed check: torch's RuntimeErrors, OverflowErrors too
-            try:
-                _exchange_headers(ctx, what, header.rejected(what))
-            except MlfabricError:
-                pass  # the peers' view of this call; this rank's own error is the one to raise
-            raise exc
-        return body(hdr)
 
+def _submit(ctx, what, call, async_):
     if async_:
         return ctx.executor.submit(what, call)
     return ctx.executor.run(what, call)
 
 
+def _call(ctx, what, prepare):
+    """One call on ctx, on the thread that runs it (see _run). Whatever ends it out of step with
+    the peers (a timeout, any error after the header exchange but a mismatch every rank raises
+    alike) makes this rank give up on ctx and tell its peers (context.Context.fail), so that no
+    rank pairs a later call with messages of this one."""
+    ctx.enter(what)
+    previous = p2p.watch(ctx.peer_failure)
+    try:
+        try:
+            hdr, body = prepare(ctx)
+        except Exception as exc:  # any failed check: torch's RuntimeErrors, OverflowErrors too
+            _reject(ctx, what)
+            raise exc
+        try:
+            result = body(hdr)
+        except MismatchError:
+            raise  # the header check: every rank raises it, in step
+        except BaseException as exc:
+            ctx.fail(what, exc)
+            raise
+    finally:
+        p2p.watch(previous)
+        ctx.leave()
+    ctx.confirm(what)
+    return result
+
+
+def _reject(ctx, what):
+    """Join the header exchange as 'rejected', so the peers fail at once naming this rank."""
+    try:
+        _exchange_headers(ctx, what, header.rejected(what))
+    except MismatchError:
+        pass  # the peers' view of this call; this rank's own error is the one to raise
+    except Exception as exc:  # the exchange itself failed (a timeout): out of step now
+        ctx.fail(what, exc)
+
+
 def _check_root(root, n):
-    if not isinstance(root, (int, np.integer)) or not 0 <= root < n:
+    if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < n:
         raise ValueError(f"root must be a rank in [0, {n}), got {root!r}")
     return int(root)
 
@@ -224,6 +259,27 @@ def _direct(x, algorithm="auto"):
     return ctx, arr
 
 
+def _run_direct(ctx, kind, plan, arr, make_out):
+    """Run a prepared engine call (_plain_plan) on the calling thread: the output array, or
+    None where the general path must take the call instead, which raises the right error on
+    every rank: the context is unusable or another thread is inside a call on it (see
+    context.Context.enter), the output cannot be allocated (the general path allocates it
+    before the header exchange, so the peers hear of the MemoryError), an array is not
+    contiguous. A timeout here marks the engine failed, as on the general path."""
+    if ctx.failure is not None or not ctx.busy.acquire(blocking=False):
+        return None
+    try:
+        try:
+            out = make_out()
+        except Exception:
+            return None
+        ctx.running = kind
+        done = ctx.shm.run_plan(kind, plan, arr, out)
+    finally:
+        ctx.leave()
+    return out if done and ctx.failure is None else None
+
+
 def _as_input(res, x, arr):
     """A direct path's new numpy result, of the kind x is (a tensor for a tensor)."""
     return res if arr is x else _buffers.from_numpy(res)
@@ -243,8 +299,9 @@ def allreduce(x, op="sum", out=None, algorithm="auto"):
                                                         not np.may_share_memory(out, x))):
         plan = _plain_plan(ctx, "allreduce", arr, op)
         if plan is not None:
-            res = np.empty_like(arr) if out is None else arr if out is x else out
-            if ctx.shm.run_plan("allreduce", plan, arr, res):
+            res = _run_direct(ctx, "allreduce", plan, arr, lambda: (
+                np.empty_like(arr) if out is None else arr if out is x else out))
+            if res is not None:
                 return _as_input(res, x, arr) if out is None else out
     return _allreduce(x, op, out, algorithm, False)
 
@@ -273,9 +330,11 @@ def reduce(x, root=0, op="sum", out=None):
                 ctx.shm.run(what, what, hdr, xb.code, opc, scale, r, xb, ob, xb.count)
                 return _finish(res, ob) if ob is not None else None
         else:
+            work = np.array(xb.arr)  # the tree reduce uses its buffer as scratch (allocated
+            # before the header exchange: a MemoryError here is a rejection the peers hear of)
+
             def body(hdr):
                 _exchange_headers(ctx, what, hdr)
-                work = np.array(xb.arr)  # the tree reduce uses its buffer as scratch
                 algorithms.tree_reduce(ctx.comm, work, xb.code, opc, r)
                 if ob is None:
                     return None
@@ -368,8 +427,9 @@ def allgather(x, out=None, element=0):
         # (as allreduce's direct path)
         plan = _plain_plan(ctx, "allgather", arr)
         if plan is not None:
-            res = np.empty((ctx.size * arr.shape[0], *arr.shape[1:]), arr.dtype)
-            if ctx.shm.run_plan("allgather", plan, arr, res):
+            res = _run_direct(ctx, "allgather", plan, arr, lambda: np.empty(
+                (ctx.size * arr.shape[0], *arr.shape[1:]), arr.dtype))
+            if res is not None:
                 return _as_input(res, x, arr)
     return _allgather(x, out, False, element)
 
@@ -411,9 +471,11 @@ def _reduce_scatter(x, op, out, async_):
         else:
             hdr = header.make(what, xb.code, opc, avg, 0, xb.shape, "ring")
 
+            work = np.array(xb.arr)  # the ring uses its buffer as scratch (allocated before
+            # the header exchange, as reduce's)
+
             def body(hdr):
                 _exchange_headers(ctx, what, hdr)
-                work = np.array(xb.arr)  # the ring uses its buffer as scratch
                 chunk = algorithms.ring_reduce_scatter(ctx.comm, work, xb.code, opc, counts)
                 ob.arr[...] = chunk
                 if avg and ob.count:
@@ -511,17 +573,39 @@ def recv(x, source, tag=0, element=0):
     what = f"recv from rank {source}"
 
     def body():
-        p2p.wait([ctx.comm.Irecv(meta, source, t)], [source], what, [True])
-        error = _recv_mismatch(what, source, meta, xb, element)
-        if error is not None:
-            # Drain the payload so the channel stays usable, then report.
-            scratch = np.empty(int(meta[1]) * _dtypes.ITEMSIZE[int(meta[0])], np.uint8)
-            p2p.wait([ctx.comm.Irecv([scratch, MPI.BYTE], source, t)], [source], what, [True])
-            raise error
-        p2p.wait([ctx.comm.Irecv([p2p.as_bytes(xb.arr), MPI.BYTE], source, t)], [source], what, [True])
+        ctx.check(what)
+        with _watched(ctx, what):
+            p2p.wait([ctx.comm.Irecv(meta, source, t)], [source], what, [True])
+            error = _recv_mismatch(what, source, meta, xb, element)
+            if error is not None:
+                # Drain the payload so the channel stays usable, then report.
+                scratch = np.empty(int(meta[1]) * _dtypes.ITEMSIZE[int(meta[0])], np.uint8)
+                p2p.wait([ctx.comm.Irecv([scratch, MPI.BYTE], source, t)], [source], what,
+                         [True])
+                raise error
+            p2p.wait([ctx.comm.Irecv([p2p.as_bytes(xb.arr), MPI.BYTE], source, t)], [source],
+                     what, [True])
         return _finish(x, xb)
 
     return ctx.executor.run("recv", body)
+
+
+@contextlib.contextmanager
+def _watched(ctx, what):
+    """A point-to-point wait on ctx: watched for a peer giving up (p2p.watch); a timeout or an
+    MPI error in it makes this rank give up on ctx (a late message would otherwise be matched
+    by a later receive), a MismatchError (the sender's array differs, the payload drained)
+    does not."""
+    previous = p2p.watch(ctx.peer_failure)
+    try:
+        yield
+    except MismatchError:
+        raise
+    except MlfabricError as exc:
+        ctx.fail(what, exc)
+        raise
+    finally:
+        p2p.watch(previous)
 
 
 class Request:
@@ -533,8 +617,8 @@ class Request:
     element type) when it completes: a mismatch is a MismatchError there (the payload, received
     into the array or cut short by MPI, is then not a result)."""
 
-    def __init__(self, what, peer, reqs, recv=None):
-        self._what, self._peer, self._reqs, self._recv = what, peer, reqs, recv
+    def __init__(self, ctx, what, peer, reqs, recv=None):
+        self._ctx, self._what, self._peer, self._reqs, self._recv = ctx, what, peer, reqs, recv
         self._lock = threading.Lock()
         self._done = False
         self._result = self._error = None
@@ -573,6 +657,7 @@ class Request:
                 p2p.give_up(self._reqs, [self._peer] * len(self._reqs), is_recv, self._what,
                             timeout)
             except PeerTimeoutError as exc:
+                self._ctx.fail(self._what, exc)
                 self._error = exc
             self._done = True
             return True
@@ -586,7 +671,8 @@ class Request:
         with self._lock:
             if not self._done:
                 try:
-                    self._result = self._complete(timeout)
+                    with _watched(self._ctx, self._what):
+                        self._result = self._complete(timeout)
                 except BaseException as exc:
                     self._error = exc
                 self._done = True
@@ -628,7 +714,9 @@ def isend(x, dest, tag=0, element=0):
     dest = _check_root(dest, ctx.size)
     t = _user_tag(tag)
     meta = _meta_of(xb, element)
-    return Request(f"send to rank {dest}", dest, [
+    what = f"send to rank {dest}"
+    ctx.check(what)
+    return Request(ctx, what, dest, [
         ctx.comm.Isend(meta, dest, t), ctx.comm.Isend([p2p.as_bytes(xb.arr), MPI.BYTE], dest, t)])
 
 
@@ -640,7 +728,9 @@ def irecv(x, source, tag=0, element=0):
     source = _check_root(source, ctx.size)
     t = _user_tag(tag)
     meta = np.empty(3, np.int64)
-    return Request(f"recv from rank {source}", source, [
+    what = f"recv from rank {source}"
+    ctx.check(what)
+    return Request(ctx, what, source, [
         ctx.comm.Irecv(meta, source, t), ctx.comm.Irecv([p2p.as_bytes(xb.arr), MPI.BYTE],
                                                        source, t)], (x, xb, meta, element))
 
@@ -684,7 +774,7 @@ def _exchange_splits(ctx, what, send_rows, rest, code):
     """(rows this rank receives from each rank, bytes of one row of shape `rest`): the split
     counts go round over MPI first, for the host and the GPU path alike."""
     recv_rows = np.empty(ctx.size, np.int64)
-    p2p.wait([ctx.comm.Ialltoall(send_rows, recv_rows)], list(range(ctx.size)),
+    p2p.wait([ctx.comm.Ialltoall(send_rows, recv_rows)], _others(ctx),
              f"{what} (split exchange)")
     return recv_rows, int(np.prod(rest, dtype=np.int64)) * _dtypes.ITEMSIZE[code]
 
@@ -694,55 +784,45 @@ def _alltoall(x, splits, async_):
     if _device.is_device(x):
         return _gpu().alltoall(x, splits, async_)
 
-    def body(ctx, xb, send_rows, hdr):
-        _exchange_headers(ctx, what, hdr)
-        rest = tuple(xb.shape[1:])
-        recv_rows, row_bytes = _exchange_splits(ctx, what, send_rows, rest, xb.code)
-        res, ob = _buffers.empty_like(xb, (int(recv_rows.sum()), *rest))
-        if row_bytes:  # the same on every rank: MPI_Ialltoallv is collective, so a rank with
-            # no rows to move takes part too. Counts in rows of a contiguous row type: no 2**31 limit on the bytes moved.
-            row = MPI.BYTE.Create_contiguous(row_bytes).Commit()
-            try:
-                sdispl = np.concatenate(([0], np.cumsum(send_rows)[:-1]))
-                rdispl = np.concatenate(([0], np.cumsum(recv_rows)[:-1]))
-                req = ctx.comm.Ialltoallv(
-                    [p2p.as_bytes(xb.arr), (send_rows.astype(np.int32), sdispl.astype(np.int32)),
-                     row],
-                    [p2p.as_bytes(ob.arr), (recv_rows.astype(np.int32), rdispl.astype(np.int32)),
-                     row])
-                p2p.wait([req], list(range(ctx.size)), what)
-            finally:
-                row.Free()
-        return _finish(res, ob), recv_rows
+    def prepare(ctx):
+        xb = _buffers.wrap(x)
+        if not xb.shape:
+            raise ValueError("alltoall needs an array with at least one dimension")
+        send_rows = _alltoall_splits(splits, xb.shape[0], ctx.size)
 
-    def call(ctx):
-        try:
-            xb = _buffers.wrap(x)
-            if not xb.shape:
-                raise ValueError("alltoall needs an array with at least one dimension")
-            send_rows = _alltoall_splits(splits, xb.shape[0], ctx.size)
-            hdr = _alltoall_header(xb.code, tuple(xb.shape[1:]))
-        except Exception as exc:
-            # Like _run(): a rank that refuses its arguments still joins the header round.
-            rejected = header.rejected("alltoall")
+        def body(hdr):
             try:
-                _exchange_headers(ctx, what, rejected)
-            except MlfabricError:
-                pass
-            raise exc
-        try:
-            return body(ctx, xb, send_rows, hdr)
-        except MismatchError as exc:
-            # header.py describes kinds it does not list as "?": on this side that is alltoall.
-            msg = str(exc).replace("kind: ? on", "kind: alltoall on")
-            if "disagree on shape" in msg:
-                msg += " (alltoall compares the shape of one row: the dimensions after the first)"
-            raise MismatchError(msg) from None
+                _exchange_headers(ctx, what, hdr)
+            except MismatchError as exc:
+                # header.py describes kinds it does not list as "?": on this side that is
+                # alltoall.
+                msg = str(exc).replace("kind: ? on", "kind: alltoall on")
+                if "disagree on shape" in msg:
+                    msg += (" (alltoall compares the shape of one row: the dimensions after the "
+                            "first)")
+                raise MismatchError(msg) from None
+            rest = tuple(xb.shape[1:])
+            recv_rows, row_bytes = _exchange_splits(ctx, what, send_rows, rest, xb.code)
+            res, ob = _buffers.empty_like(xb, (int(recv_rows.sum()), *rest))
+            if row_bytes:  # the same on every rank: MPI_Ialltoallv is collective, so a rank
+                # with no rows to move takes part too. Counts in rows of a contiguous row type:
+                # no 2**31 limit on the bytes moved.
+                row = MPI.BYTE.Create_contiguous(row_bytes).Commit()
+                try:
+                    sdispl = np.concatenate(([0], np.cumsum(send_rows)[:-1]))
+                    rdispl = np.concatenate(([0], np.cumsum(recv_rows)[:-1]))
+                    req = ctx.comm.Ialltoallv(
+                        [p2p.as_bytes(xb.arr),
+                         (send_rows.astype(np.int32), sdispl.astype(np.int32)), row],
+                        [p2p.as_bytes(ob.arr),
+                         (recv_rows.astype(np.int32), rdispl.astype(np.int32)), row])
+                    p2p.wait([req], _others(ctx), what)
+                finally:
+                    row.Free()
+            return _finish(res, ob), recv_rows
+        return _alltoall_header(xb.code, tuple(xb.shape[1:])), body
 
-    ctx = context.get()
-    if async_:
-        return ctx.executor.submit(what, lambda: call(ctx))
-    return ctx.executor.run(what, lambda: call(ctx))
+    return _run(what, prepare, async_)
 
 
 def alltoall(x, splits=None):

@@ -1,6 +1,8 @@
 """Process-wide state between init() and finalize(): the communicator mlfabric works on, the
 host-local communicator, the shared-memory transport (when all ranks share one host) and the
-executor that orders blocking and non-blocking calls. Owns init/finalize, and which context a
+executor that orders blocking and non-blocking calls. Owns init/finalize, whether a context is
+still usable (a rank gives up on it after a timeout or a failure inside a call, and tells its
+peers: comm/abort.py), the guard against calls entering from two threads at once, and which context a
 thread works in: the process-wide one, or for the duration of using(ctx) another one made on a
 sub-communicator (mlfabric.torch's process sets, the torch backend's subgroups), so that every
 collective called inside runs on that communicator without each taking a context argument."""
@@ -14,8 +16,9 @@ import numpy as np
 from mpi4py import MPI
 
 from . import _config, exit_guard, respawn
+from .comm.abort import AbortChannel
 from .comm.executor import Executor
-from .errors import MlfabricError, NotInitializedError
+from .errors import ConcurrentCallError, MlfabricError, NotInitializedError, PeerTimeoutError
 
 _ctx = None
 _lock = threading.Lock()
@@ -50,6 +53,12 @@ class Context:
         # close()'s agreement only: a collective a timeout left unfinished on self.comm would
         # be matched against it
         self.exit_comm = self.comm.Dup()
+        # and the abort notices, point-to-point there (a tag of their own)
+        self.abort = AbortChannel(self.exit_comm)
+        self.failure = None  # why this rank gave up on the context (see fail()); None: usable
+        # held by the call in progress (see enter()); `running` names it for the error
+        self.busy = threading.Lock()
+        self.running = None
         self.node_comm = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         self.local_rank, self.local_size = self.node_comm.rank, self.node_comm.size
         # Every rank's place on its host, once: one host for everyone (then every collective
@@ -129,10 +138,81 @@ class Context:
             return True
         return bool(recv[0])
 
+    def enter(self, what):
+        """Start call `what` on this context: raise if it is unusable (this rank gave up on it, or
+        a peer's notice says the peer did) or if another thread is inside a call on it; else
+        hold it (leave() lets go). Every call must enter, on whichever thread runs it."""
+        self.check(what)
+        if not self.busy.acquire(blocking=False):
+            other = self.running
+            exc = ConcurrentCallError(
+                f"{what}: called while another thread is inside {other} on the same communicator."
+                " Calls on one communicator must come from one thread at a time (the ranks would "
+                "pair different calls); use the non-blocking forms from one thread, or one "
+                "communicator per thread. The communicator is unusable now.")
+            self.fail(what, exc)
+            raise exc
+        self.running = what
+
+    def check(self, what):
+        """Raise PeerTimeoutError if the context is unusable: this rank gave up on it, or (on
+        the MPI path) a peer's notice says the peer did."""
+        if self.failure is not None:
+            raise PeerTimeoutError(f"{what}: this communicator is unusable since an earlier call "
+                                   f"failed ({self.failure})")
+        if self.shm is None:  # on one host, the engine's marks tell the same (see fail())
+            why = self.abort.heard()
+            if why is not None:
+                self.fail(what, why)
+                raise PeerTimeoutError(f"{what}: {why}. The communicator is unusable now.")
+
+    def leave(self):
+        """Let go of the context after a call enter() started (however it ended)."""
+        self.running = None
+        self.busy.release()
+
+    def confirm(self, what):
+        """Raise instead of returning the result of call `what` (ended, left) when the context
+        became unusable during it: on the MPI path a peer's notice that came meanwhile (the
+        result may pair with a call the peer abandoned), or a failure another thread recorded
+        meanwhile (a concurrent call: see enter())."""
+        if self.failure is None and self.shm is None:
+            why = self.abort.heard()
+            if why is not None:
+                self.fail(what, why)
+        if self.failure is not None:
+            raise PeerTimeoutError(f"{what}: not a result: the communicator became unusable "
+                                   f"during the call ({self.failure})")
+
+    def fail(self, what, why):
+        """Give up on this context after call `what` ended out of step with the peers (`why`: an
+        exception or a reason): every later call on this rank fails at once, and the peers are
+        told (an abort notice over MPI; on one host the engine's failed mark), so that none
+        pairs its messages with a call abandoned here. Idempotent: the first reason stays."""
+        if self.failure is not None:
+            return
+        # peers see a timeout where this rank timed out or heard of a peer that gave up,
+        # another failure where this rank failed otherwise (it names this rank's error)
+        timeout = not isinstance(why, BaseException) or isinstance(why, PeerTimeoutError)
+        if isinstance(why, BaseException):
+            why = f"{what}: {type(why).__name__}: {why}"
+        self.failure = str(why).replace(" The communicator is unusable now.", "")[:500]
+        if self.shm is not None:
+            self.shm.engine.abandon(2 if timeout else 3)
+        self.abort.tell(self.failure)
+
+    def peer_failure(self):
+        """Why the context became unusable while this rank waits in a call (a peer gave up on
+        it), or None: the check comm/p2p.py's waits poll under watch()."""
+        if self.shm is not None and self.shm.engine.any_failed:
+            return "a peer's shared-memory engine gave up (see the error on that rank)"
+        return self.abort.heard()
+
     def broken(self):
         """True after a timeout or engine failure: peers may be gone, so nothing collective."""
         from .comm import p2p
-        return bool(self.abandoned or (self.shm is not None and self.shm.engine.any_failed)
+        return bool(self.abandoned or self.failure is not None
+                    or (self.shm is not None and self.shm.engine.any_failed)
                     or p2p.abandoned()
                     or (self.nccl is not None and self.nccl.failed not in (None, "closed")))
 

@@ -19,3 +19,9 @@ class MismatchError(MlfabricError):
 class PeerTimeoutError(MlfabricError):
     """A peer did not arrive within the timeout (MLFABRIC_TIMEOUT seconds): it died, hung, or is
     running a different collective. The communicator is unusable afterwards."""
+
+
+class ConcurrentCallError(MlfabricError):
+    """A call on a communicator came from one thread while another thread was inside a call on
+    it. Calls on one communicator must come from one thread at a time; the communicator is
+    unusable afterwards (the ranks may have paired different calls)."""

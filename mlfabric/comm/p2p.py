@@ -11,11 +11,14 @@ one until the wait on its request has returned. After a timeout, unfinished rece
 and every unfinished request (with the buffer it references) is parked here for the life of the
 process, so MPI never writes into or reads from freed memory; `timeouts` counts these events so
 callers can stop reusing buffers that a parked request may still touch. The communicator is
-unusable after a timeout (messages of the failed collective may still be in flight). One collective
-at a time per communicator: all algorithm traffic shares TAG and relies on MPI's non-overtaking
-order between two ranks.
+unusable after a timeout (messages of the failed collective may still be in flight): the caller
+gives up on it (comm/abort.py), and a wait made under watch() polls whether a peer did, so it
+fails as soon as a peer's notice comes rather than at its own deadline. One collective at a time
+per communicator: all algorithm traffic shares TAG and relies on MPI's non-overtaking order
+between two ranks.
 """
 import os
+import threading
 import time
 
 import numpy as np
@@ -43,6 +46,11 @@ SEGMENT_BYTES = 256 * 1024
 SPIN_S = 50e-6
 YIELD_S = 20e-3
 MAX_SLEEP_S = 1e-3
+# How often a wait past its spin asks its watch (see watch()) whether a peer gave up: an
+# MPI_Iprobe each time, so not on every test of the requests.
+WATCH_S = 2e-3
+
+_watch = threading.local()  # .check: the callable set by watch() on this thread, or absent
 
 _abandoned = []  # requests parked by a timeout (they keep their buffers alive)
 
@@ -51,6 +59,16 @@ def abandoned():
     """Number of requests parked by timeouts so far (nonzero: a peer may be gone)."""
     return len(_abandoned)
 timeouts = 0     # how many timeouts this process has seen
+
+
+def watch(check):
+    """Make this thread's waits ask check() every WATCH_S whether the communicator they wait on
+    became unusable (a peer gave up on it: check() returns why, else None); a reason ends the
+    wait with PeerTimeoutError at once. None stops watching. Returns the previous check, to put
+    back when the call that set it ends."""
+    previous = getattr(_watch, "check", None)
+    _watch.check = check
+    return previous
 
 
 def as_bytes(arr, lo=0, hi=None):
@@ -151,11 +169,16 @@ def _poll(reqs, peers, what, is_recv, timeout=None, bound="MLFABRIC_TIMEOUT", si
     deadline = (start if since is None else since) + timeout
     yield_end = min(start + YIELD_S, deadline)
     sched_yield = os.sched_yield
+    check = getattr(_watch, "check", None)
+    next_check = now + WATCH_S if check is not None else float("inf")
     while now < yield_end:
         if testall(reqs):
             return
         sched_yield()
         now = perf()
+        if now >= next_check:
+            _ask(check, reqs, peers, is_recv, what)
+            next_check = now + WATCH_S
     nap = 20e-6
     while now < deadline:
         if testall(reqs):
@@ -163,9 +186,30 @@ def _poll(reqs, peers, what, is_recv, timeout=None, bound="MLFABRIC_TIMEOUT", si
         time.sleep(min(nap, deadline - now))
         nap = min(nap * 2, MAX_SLEEP_S)
         now = perf()
+        if now >= next_check:
+            _ask(check, reqs, peers, is_recv, what)
+            next_check = now + WATCH_S
     if testall(reqs):
         return
     _give_up(reqs, peers, is_recv, what, timeout, bound)
+
+
+def _ask(check, reqs, peers, is_recv, what):
+    """End the wait (park, PeerTimeoutError) if check() says the communicator is unusable."""
+    why = check()
+    if why is None or _done(reqs):
+        return
+    park(reqs, is_recv if is_recv is not None else [False] * len(reqs))
+    raise PeerTimeoutError(f"{describe(what)}: stopped waiting: {why}. The communicator is "
+                           "unusable now.")
+
+
+def _done(reqs):
+    """Whether every request is complete (an MPI error counts as complete: wait() reports it)."""
+    try:
+        return MPI.Request.Testall(reqs)
+    except MPI.Exception:
+        return True
 
 
 def park(reqs, is_recv):
@@ -209,7 +253,8 @@ def _give_up(reqs, peers, is_recv, what, timeout, bound="MLFABRIC_TIMEOUT"):
     for i in park(reqs, is_recv if is_recv is not None else [False] * len(reqs)):
         late.extend([peers[i]] if one_each else peers)
     late = sorted(set(late))
+    who = f"rank(s) {late}" if one_each else f"one or more of rank(s) {late}"
     raise PeerTimeoutError(
-        f"{describe(what)}: no progress from rank(s) {late} within {timeout:g} s "
+        f"{describe(what)}: no progress from {who} within {timeout:g} s "
         f"({bound}); a peer died, hangs, or is running a different collective. "
         "The communicator is unusable now.")
