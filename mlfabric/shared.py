@@ -8,6 +8,7 @@ import numpy as np
 from . import _dtypes, context
 from ._buffers import dtype_of
 from .comm import header
+from .comm.shm import ShmAllocError, ShmSpaceError
 
 
 def shared_empty(shape, dtype=np.float32):
@@ -16,7 +17,11 @@ def shared_empty(shape, dtype=np.float32):
     dtype may be a numpy dtype (returns an ndarray) or a torch dtype (returns a CPU tensor). All
     ranks must pass the same shape and dtype (checked: a MismatchError on every rank). When the
     ranks do not share one host (or MLFABRIC_SHM=0) this is a plain private array. The memory is
-    freed by finalize(): do not use the array after it."""
+    freed by finalize(): do not use the array after it.
+
+    When the filesystem behind shared memory (/dev/shm) has too little free space, every rank
+    raises ShmSpaceError (an MlfabricError naming it and how to enlarge it) and the job can go
+    on; the memory is taken at once (not at first touch), so running short shows here."""
     from .collectives import _exchange_headers, _run
 
     what = "shared_empty"
@@ -35,7 +40,18 @@ def shared_empty(shape, dtype=np.float32):
                     import torch
                     return torch.empty(dims, dtype=torch_dtype)
                 return np.empty(dims, np_dtype)
-            alloc = ctx.shm.allocate(count * _dtypes.ITEMSIZE[code])
+            try:
+                alloc = ctx.shm.allocate(count * _dtypes.ITEMSIZE[code], what)
+            except ShmSpaceError as exc:
+                # every rank has it, in step: returned, so that the call ends as a finished
+                # one (the communicator stays usable), and raised below
+                return exc
+            except ShmAllocError:
+                # MPI failed here after the ranks agreed there was room: peers may wait inside
+                # its allocation for good, so nothing collective can finish (finalize frees
+                # nothing, and the exit is bounded)
+                ctx.abandoned = True
+                raise
             mem = alloc.win.tomemory()
             if torch_dtype is not None:
                 import torch
@@ -45,7 +61,10 @@ def shared_empty(shape, dtype=np.float32):
             return np.frombuffer(mem, np_dtype, count=count).reshape(dims)
         return header.make(what, code, shape=dims), body
 
-    return _run(what, prepare)
+    result = _run(what, prepare)
+    if isinstance(result, ShmSpaceError):
+        raise result
+    return result
 
 
 def shared_zeros(shape, dtype=np.float32):

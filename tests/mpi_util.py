@@ -46,11 +46,12 @@ def mpi_env(extra=None):
 LAUNCH_FAILURES = ("The PMIx server's listener thread failed to start",)
 
 
-def run_mpi(n, args, timeout=180, env=None, mpirun_args=()):
-    """Run `mpirun -n n python args...`; return the CompletedProcess (output merged)."""
+def run_mpi(n, args, timeout=180, env=None, mpirun_args=(), prefix=()):
+    """Run `mpirun -n n python args...`; return the CompletedProcess (output merged). prefix: a
+    command that runs mpirun (its arguments appended), e.g. small_shm_prefix()'s."""
     mpirun = mpirun_path()
     assert mpirun, "mpirun not found next to python or on PATH"
-    cmd = [mpirun, "--oversubscribe", *mpirun_args, "-n", str(n), sys.executable, *args]
+    cmd = [*prefix, mpirun, "--oversubscribe", *mpirun_args, "-n", str(n), sys.executable, *args]
     for _ in range(2):
         proc = _run_bounded(cmd, env, timeout)
         if proc.returncode == 0 or not any(m in proc.stdout for m in LAUNCH_FAILURES):
@@ -108,9 +109,33 @@ def run_script_json(n, script_args, out, timeout):
         return json.load(f), proc.stdout
 
 
-def run_cases(module, n, pattern="", timeout=180, env=None):
+def run_cases(module, n, pattern="", timeout=180, env=None, prefix=()):
     """Run tests/mpi_cases/<module>.py's case_* functions on n ranks; fail with the job's output."""
-    proc = run_mpi(n, ["-m", "tests.mpi_cases.runner", module, pattern], timeout=timeout, env=env)
+    proc = run_mpi(n, ["-m", "tests.mpi_cases.runner", module, pattern], timeout=timeout, env=env,
+                   prefix=prefix)
     assert proc.returncode == 0, f"mpirun -n {n} {module} failed (rc={proc.returncode}):\n{proc.stdout}"
     assert " 0 failed" in proc.stdout, proc.stdout
     return proc.stdout
+
+
+_SMALL_SHM = {}
+
+
+def small_shm_prefix(size="64m"):
+    """(prefix, None): a command prefix (run_mpi's prefix) that runs mpirun in a private mount
+    namespace with a tmpfs of `size` over /dev/shm, as a Docker container has (64m by default);
+    or (None, the reason) where this machine does not allow it (not root, no unshare, mounts
+    refused). Asked once per size."""
+    if size not in _SMALL_SHM:
+        mount = f"mount -t tmpfs -o size={size} tmpfs /dev/shm"
+        prefix = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                  f'{mount} && exec "$@"', "sh"]
+        try:
+            probe = subprocess.run([*prefix, "true"], stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True, timeout=30)
+            why = None if probe.returncode == 0 else probe.stdout.strip() or "failed"
+        except (OSError, subprocess.SubprocessError) as exc:
+            why = str(exc)
+        _SMALL_SHM[size] = (prefix, None) if why is None else (None, f"{mount} in a private "
+                                                               f"mount namespace: {why}")
+    return _SMALL_SHM[size]

@@ -69,6 +69,7 @@ import contextlib
 import functools
 import operator
 import types
+import warnings
 import weakref
 import zlib
 
@@ -726,17 +727,33 @@ def _bucket_buffers(st, buckets, shared):
     """A zeroed flat buffer per bucket (a list of parameters), on the parameters' device; cut
     from one shared buffer per dtype when `shared` (every rank decided the same: the
     allocation is collective, so it runs in the calls' queue; one window per dtype, as a window
-    per bucket could run into MPI's limits with many small buckets)."""
+    per bucket could run into MPI's limits with many small buckets). When the filesystem behind
+    shared memory (/dev/shm) cannot hold them, every rank keeps its buckets in private memory
+    instead (the allreduces then copy through the engine's segment), with a warning."""
     specs = [(sum(p.numel() for p in ps), ps[0].dtype) for ps in buckets]
-    if not shared:
+
+    def private():
         device = buckets[0][0].device if buckets else torch.device("cpu")
         return [torch.zeros(n, dtype=dt, device=device) for n, dt in specs]
+
+    if not shared:
+        return private()
 
     def job():
         totals = {}
         for n, dt in specs:
             totals[dt] = totals.get(dt, 0) + n
-        pools = {dt: _shared.shared_empty(n, dt).zero_() for dt, n in totals.items()}
+        what = "DistributedOptimizer (gradient buckets)"
+        try:
+            # all dtypes' room agreed at once, so that none is allocated when one would not fit
+            st.ctx.shm.check_space(sum(n * dt.itemsize for dt, n in totals.items()), what)
+            pools = {dt: _shared.shared_empty(n, dt).zero_() for dt, n in totals.items()}
+        except _shared.ShmSpaceError as exc:  # on every rank alike
+            if st.ctx.shm.rank == 0:
+                warnings.warn(f"DistributedOptimizer keeps its gradient buckets in private "
+                              f"memory (allreduces copy them, not zero-copy): {exc}",
+                              RuntimeWarning, stacklevel=2)
+            return private()
         flats, at = [], dict.fromkeys(pools, 0)
         for n, dt in specs:
             flats.append(pools[dt][at[dt]:at[dt] + n])
