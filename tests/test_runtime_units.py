@@ -207,3 +207,186 @@ def test_the_pull_gate_waits_for_sends_not_paced_by_a_slow_receiver():
     assert gating([2], []) == {2: 1}
     assert gating([2, 2, 3], [3]) == {2: 2}   # counted per send, not per rank
     assert gating([], [2]) == {}
+
+
+# --- a peer's failure met mid-handler (ULFM) --------------------------------------------------------
+class _FakeRequest:
+    def Test(self):
+        return True
+
+
+class _FakeComm:
+    """A control communicator of 4 ranks on which rank `dead` died: ULFM refuses sends to it."""
+    size, rank = 4, 0
+
+    def __init__(self, dead):
+        self.dead, self.posted = dead, []
+
+    def isend(self, obj, dst, tag):
+        from mpi4py import MPI
+        if dst == self.dead:
+            raise MPI.Exception(MPI.ERR_PROC_FAILED)
+        self.posted.append((dst, obj))
+        return _FakeRequest()
+
+
+def test_a_send_to_a_rank_that_died_unnoticed_is_dropped_and_kept_for_the_daemon():
+    # a handler sending to several ranks (a promotion's news, a plan's parts) must reach the
+    # live ones after the dead one; the failure is kept for the daemon to acknowledge
+    from mlfabric.runtime.control import Channel
+    ch = Channel(_FakeComm(dead=1))
+    for r in (1, 2, 3):
+        ch.send(r, "promote", (1, 2, None))
+    assert [(dst, kind) for dst, (_, kind, _) in ch.comm.posted] == [(2, "promote"),
+                                                                       (3, "promote")]
+    assert list(ch.sent) == [0, 0, 1, 1]   # sequence numbers stay dense for the live ranks
+    e = ch.take_failure()
+    assert e is not None and ch.take_failure() is None
+
+
+def _daemon_with(role, messages, dead=1):
+    """A Daemon over a fake runtime whose control channel hands out `messages` once."""
+    import types
+    from mlfabric.runtime.control import Channel
+    from mlfabric.runtime.daemon import Daemon
+    ch = Channel(_FakeComm(dead))
+    ch._inbox = list(messages)
+
+    def receive():   # what came, and what put_back() returned
+        out, ch._inbox = ch._inbox, []
+        return out
+    ch.receive = receive
+    dp = types.SimpleNamespace(progress=lambda now: [], take_voided=lambda: [],
+                               wake_in=lambda now: 0.0)
+    rt = types.SimpleNamespace(rank=0, role="scheduler", channel=ch, dp=dp, failed=set(),
+                               requests=__import__("queue").SimpleQueue(),
+                               wakeup=__import__("threading").Event())
+    d = Daemon.__new__(Daemon)
+    d.rt, d.role, d.stop = rt, role, False
+    d.reporter = types.SimpleNamespace(due=lambda now: False)
+    d._data, d._voided = [], []
+    return d
+
+
+class _Recorder:
+    def __init__(self, raise_on=None):
+        self.seen, self.raise_on = [], raise_on
+
+    def on_ctrl(self, src, kind, body):
+        self.seen.append((src, kind))
+        if kind == self.raise_on:
+            from mlfabric.runtime.daemon import MPI
+            raise MPI.Exception(MPI.ERR_PROC_FAILED)
+
+    def tick(self, now):
+        pass
+
+
+def test_a_failure_met_by_a_handler_loses_none_of_the_messages_already_taken():
+    # the scheduler took [pulls from the server that just died, done, ready] at once; handling
+    # the first met the death (its MPI call raised): the others are handled at the next pass
+    # (were dropped: the job then waited forever for the worker's 'done')
+    from mlfabric.runtime.daemon import MPI
+    role = _Recorder(raise_on="pulls")
+    d = _daemon_with(role, [(1, "pulls", None), (3, "done", 12), (2, "ready", [])])
+    with pytest.raises(MPI.Exception):
+        d._turn()
+    d._turn()
+    assert role.seen == [(1, "pulls"), (3, "done"), (2, "ready")]
+
+
+def test_a_send_refused_by_a_death_is_acknowledged_after_the_handler_completes():
+    # a handler whose send meets the death completes (every live rank gets its message), then
+    # the daemon takes the failure as if an MPI call had raised it
+    from mlfabric.runtime.daemon import MPI
+
+    class Fanout(_Recorder):
+        def on_ctrl(self, src, kind, body):
+            super().on_ctrl(src, kind, body)
+            for r in (1, 2, 3):
+                d.rt.channel.send(r, "promote", body)
+    role = Fanout()
+    d = _daemon_with(role, [(2, "promoted", 7), (3, "done", 12)])
+    with pytest.raises(MPI.Exception) as info:
+        d._turn()
+    assert info.value.Get_error_class() == MPI.ERR_PROC_FAILED
+    assert role.seen == [(2, "promoted"), (3, "done")]
+    assert sorted({dst for dst, _ in d.rt.channel.comm.posted}) == [2, 3]
+
+
+def _scheduler(size=6, timeout=2.0, monkeypatch=None):
+    """A SchedulerRole of a replicated mlfabric-A job over a fake runtime whose channel keeps
+    what is sent."""
+    import types
+    from mlfabric.runtime.scheduler import SchedulerRole
+    monkeypatch.setenv("MLFABRIC_TIMEOUT", str(timeout))
+    roles = Roles(size, 1, 1)
+    infos = [{"version": 0} if r in roles.server_ranks else
+             {"tau_max": math.inf, "div_max": 1.0} for r in range(size)]
+    sent = []
+    channel = types.SimpleNamespace(send=lambda dst, kind, body=None: sent.append((dst, kind)),
+                                    heard=np.full(size, 1e18))
+    rt = types.SimpleNamespace(config=Config(replicas=1), roles=roles, infos=infos, size=size,
+                               failed=set(), channel=channel, ledger=Ledger(), now=lambda: 0.0)
+    sched = SchedulerRole(rt)
+    sched.sent = sent
+    return sched
+
+
+def test_a_promotion_the_replica_never_confirms_is_an_error_not_a_wait(monkeypatch):
+    from mlfabric.errors import PeerTimeoutError
+    s = _scheduler(monkeypatch=monkeypatch)
+    s.rt.failed.add(1)
+    s.peers_failed([1], [])
+    assert (2, "promote") in s.sent and 1 in s.promoting
+    s._bounds(s.promoting[1] + 1.0)       # within MLFABRIC_TIMEOUT: waits
+    with pytest.raises(PeerTimeoutError, match="replica \\(rank 2\\) has not confirmed its "
+                                               "promotion"):
+        s._bounds(s.promoting[1] + 2.5)
+
+
+def test_a_replica_that_dies_while_promoted_is_a_clear_error(monkeypatch):
+    s = _scheduler(monkeypatch=monkeypatch)
+    s.rt.failed.add(1)
+    s.peers_failed([1], [])
+    s.rt.failed.add(2)
+    with pytest.raises(MlfabricError, match="died while being promoted"):
+        s.peers_failed([2], [])
+
+
+def test_an_end_that_makes_no_progress_is_an_error_naming_what_it_waits_for(monkeypatch):
+    from mlfabric.errors import PeerTimeoutError
+    s = _scheduler(monkeypatch=monkeypatch)
+    t0 = 1000.0
+    s._bounds(t0)
+    s._bounds(t0 + 10.0)     # workers still training: no bound on how long they take
+    for w in s.workers:
+        s.done[w] = 1
+    s.ready_ids.add(3 << 32)  # reported, never resolved
+    s._bounds(t0 + 11.0)
+    s._bounds(t0 + 12.5)
+    s.resolved.add(3 << 32)   # progress restarts the clock
+    s._bounds(t0 + 13.0)
+    s._bounds(t0 + 14.5)
+    with pytest.raises(PeerTimeoutError, match="made no progress .* waiting for: "
+                                               "unresolved updates per worker"):
+        s._bounds(t0 + 15.5)
+
+
+def test_a_daemon_meeting_a_failure_at_every_pass_fails_instead_of_spinning(monkeypatch):
+    # a pass that raises before its timed work every time (the scheduler's liveness messages,
+    # its end) left the job silent while the loop still looked alive: now an error
+    import time
+    from mlfabric.errors import PeerTimeoutError
+    from mlfabric.runtime.daemon import MPI
+    monkeypatch.setenv("MLFABRIC_TIMEOUT", "0.3")
+    d = _daemon_with(_Recorder(), [])
+
+    def receive():
+        raise MPI.Exception(MPI.ERR_PROC_FAILED_PENDING)
+    d.rt.channel.receive = receive
+    d._peers_failed = lambda: None   # acknowledged; nothing new
+    d.last_turn = time.monotonic()
+    with pytest.raises(PeerTimeoutError, match="no pass of this rank's daemon completed"):
+        d._loop()
+    assert time.monotonic() - d.last_turn < 5.0

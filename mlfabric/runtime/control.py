@@ -38,6 +38,9 @@ from .. import _config
 from ..errors import MlfabricError, PeerTimeoutError
 
 TAG = 0x6D63  # "mc": control traffic
+# ULFM (mpirun --with-ft ulfm): a peer died (or a receive from any source cannot tell whether
+# the dead one would have sent), or the communicator was revoked
+FAILURE_CLASSES = {MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED}
 
 
 class Channel:
@@ -47,6 +50,9 @@ class Channel:
         self.comm = comm
         self.inflight = []   # (request, dst, kind, posted at)
         self.dead = set()    # ranks known failed (ULFM): nothing more is sent to them
+        # a send refused because its destination died before the daemon heard of it: the MPI
+        # error, for the daemon to acknowledge the failure once its handler has finished
+        self.failure = None
         self._status = MPI.Status()
         self._inbox = []     # received before an interruption, not yet handed out
         self.sent = np.zeros(comm.size, np.int64)      # messages sent to each rank
@@ -56,12 +62,34 @@ class Channel:
         self.heard = np.full(comm.size, time.monotonic())
 
     def send(self, dst, kind, body=None):
+        """Post a message. Never raises for a dead destination: a send to a rank that died
+        before the daemon was told (ULFM refuses it) is dropped, as every later one is, and
+        the error kept in `failure`. A handler sends to several ranks in turn (a plan's parts,
+        a promotion's news); raising at the dead one would skip the live ones after it, and the
+        rest of the handler's work, without anyone noticing."""
         if dst in self.dead:
             return
         seq = int(self.sent[dst])
+        try:
+            req = self.comm.isend((seq, kind, body), dst, TAG)
+        except MPI.Exception as e:
+            if e.Get_error_class() not in FAILURE_CLASSES:
+                raise
+            if self.failure is None:
+                self.failure = e
+            return
         self.sent[dst] += 1
-        self.inflight.append((self.comm.isend((seq, kind, body), dst, TAG), dst, kind,
-                              time.monotonic()))
+        self.inflight.append((req, dst, kind, time.monotonic()))
+
+    def take_failure(self):
+        """The failure a send met since the last call (an MPI.Exception), or None."""
+        e, self.failure = self.failure, None
+        return e
+
+    def put_back(self, messages):
+        """Messages receive() handed out that were not handled (a failure interrupted their
+        handling): receive() hands them out again first, in their order."""
+        self._inbox[:0] = messages
 
     def forget(self, rank):
         """`rank` died: stop sending to it and drop what it never took."""

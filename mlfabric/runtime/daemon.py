@@ -15,7 +15,8 @@ import traceback
 from mpi4py import MPI
 
 from .. import _config, exit_guard
-from ..errors import MlfabricError
+from ..errors import MlfabricError, PeerTimeoutError
+from .control import FAILURE_CLASSES
 from .monitor import Reporter
 
 # MLFABRIC_DEBUG=1: every control message and failure, one line each on stderr
@@ -24,9 +25,6 @@ DEBUG = _config.debug_enabled()
 # less while it expects an answer (poll_s()): the scheduler always (it is the control plane's
 # hub, and it has a machine of its own in the paper), a worker while its updates wait for a plan.
 IDLE_S = 0.002
-# ULFM (mpirun --with-ft ulfm): a peer died (or a receive from any source cannot tell whether
-# the dead one would have sent), or the communicator was revoked
-FAILURE_CLASSES = {MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED}
 
 
 class Daemon(threading.Thread):
@@ -35,7 +33,13 @@ class Daemon(threading.Thread):
         self.rt, self.role = rt, role
         self.stop = False
         self.reporter = Reporter(rt.nic, rt.config.t_lag)
-        self.last_turn = time.monotonic()   # liveness of this loop (api._end reads it)
+        # liveness of this loop (api._end reads it): the end of the last whole pass, so a loop
+        # that keeps meeting an error before its timed work (the scheduler's 'alive' messages,
+        # its checks) counts as stopped, not as turning
+        self.last_turn = time.monotonic()
+        # payloads (and void ones) taken from the data plane whose handling a failure
+        # interrupted: handled first at the next pass
+        self._data, self._voided = [], []
 
     def run(self):
         rt = self.rt
@@ -56,6 +60,15 @@ class Daemon(threading.Thread):
                     _debug(self.rt, "MPI error %d at %s" % (e.Get_error_class(), "".join(
                         traceback.format_tb(e.__traceback__)[-2:]).replace("\n", " | ")))
                 self._peers_failed()
+                limit = _config.timeout_s()
+                if time.monotonic() - self.last_turn > limit:
+                    # acknowledged, yet met again at every pass: the timed work (liveness, the
+                    # scheduler's batches and end) never runs; an error, not a silent loop
+                    raise PeerTimeoutError(
+                        "no pass of this rank's daemon completed for %.0f s (MLFABRIC_TIMEOUT="
+                        "%g s): each met a peer failure again (MPI error class %d at %s)"
+                        % (time.monotonic() - self.last_turn, limit, e.Get_error_class(),
+                           _where(e))) from e
 
     def _peers_failed(self):
         """ULFM told us a peer died: acknowledge it on both communicators (so receives from any
@@ -91,24 +104,23 @@ class Daemon(threading.Thread):
         rt, reporter = self.rt, self.reporter
         channel, dp = rt.channel, rt.dp
         rt.wakeup.clear()
-        now = self.last_turn = time.monotonic()
+        now = time.monotonic()
         while True:
             try:
                 req = rt.requests.get_nowait()
             except Exception:
                 break
             self.role.on_request(req)
-        for src, kind, body in channel.receive():
-            self._control(src, kind, body)
-        for msg in dp.progress(now):
-            self.role.on_data(msg)
-        for src, key, why in dp.take_voided():   # streamed payloads whose source failed
-            on_voided = getattr(self.role, "on_voided", None)
-            if on_voided is None:
-                raise RuntimeError("rank %d (%s): unexpected void payload %r from %d (%s)"
-                                   % (rt.rank, rt.role, key, src, why))
-            on_voided(src, key, why)
+        _each(channel.receive(), lambda m: self._control(*m), channel.put_back)
+        self._failure_met()
+        self._data, data = [], self._data + dp.progress(now)
+        _each(data, lambda m: self.role.on_data(m), self._data.extend)
+        self._failure_met()
+        self._voided, voided = [], self._voided + dp.take_voided()   # streams whose source failed
+        _each(voided, lambda v: self._on_voided(*v), self._voided.extend)
+        self._failure_met()
         self.role.tick(now)
+        self._failure_met()
         if reporter.due(now):
             rates = reporter.report(now)
             if rt.rank == 0:
@@ -116,6 +128,7 @@ class Daemon(threading.Thread):
             else:
                 channel.send(0, "report", rates)
         channel.progress(now)
+        self.last_turn = time.monotonic()
         if self.stop:
             return
         poll = getattr(self.role, "poll_s", None)
@@ -125,6 +138,20 @@ class Daemon(threading.Thread):
             wait = min(wait, wake_in(now))
         if wait > 0:
             rt.wakeup.wait(wait)
+
+    def _failure_met(self):
+        """A send of this pass was refused because its destination had died (Channel.send):
+        acknowledge the failure now, between handlers, as if an MPI call had raised it."""
+        e = self.rt.channel.take_failure()
+        if e is not None:
+            raise e
+
+    def _on_voided(self, src, key, why):
+        on_voided = getattr(self.role, "on_voided", None)
+        if on_voided is None:
+            raise RuntimeError("rank %d (%s): unexpected void payload %r from %d (%s)"
+                               % (self.rt.rank, self.rt.role, key, src, why))
+        on_voided(src, key, why)
 
     def _control(self, src, kind, body):
         rt = self.rt
@@ -174,6 +201,26 @@ class Daemon(threading.Thread):
             self.role.stopped(err)
         except Exception:
             pass
+
+
+def _each(items, handle, put_back):
+    """handle(item) for each item in turn; when one raises an MPI error (a peer's failure,
+    met by a handler's own MPI call), the items after it are put back for the next pass before
+    the error goes on to be handled: a failure must not make the daemon forget messages it had
+    already taken (a worker's 'done', a replica's 'promoted': the job would wait for them
+    forever)."""
+    for k, item in enumerate(items):
+        try:
+            handle(item)
+        except MPI.Exception:
+            put_back(items[k + 1:])
+            raise
+
+
+def _where(e):
+    """Where an exception was raised, in one line."""
+    frames = traceback.extract_tb(e.__traceback__)[-2:]
+    return " < ".join("%s:%d" % (f.name, f.lineno) for f in reversed(frames))
 
 
 def _debug(rt, text):

@@ -14,9 +14,12 @@ balances.
   negative).
 - A server dies without a replica: the job cannot go on (checkpoint-to-disk recovery,
   mlfabric.ps.checkpoint, restarts it); every rank gets that error.
-- A replica dies: its server goes on unreplicated.
+- A replica dies: its server goes on unreplicated. A replica that dies while being promoted
+  (its server died first) leaves nothing to go on from: every rank gets that error, as does a
+  promotion the replica has not confirmed within MLFABRIC_TIMEOUT.
 """
 import math
+import time
 
 from ..errors import MlfabricError
 from .idset import IdSet
@@ -59,7 +62,7 @@ class SchedulerRecovery:
                 "server %d (rank %d) died and has no live replica: the job cannot go on; start "
                 "it again from the last checkpoint (mlfabric.ps.init(checkpoint=...))"
                 % (s, self.rank_of[s]))
-        self.promoting.add(s)
+        self.promoting[s] = time.monotonic()   # bounded: SchedulerRole._bounds
         processed = {}
         for uid in self.resolved:
             processed[uid >> 32] = processed.get(uid >> 32, 0) + 1
@@ -70,7 +73,7 @@ class SchedulerRecovery:
     def promoted(self, rank, s, applied):
         """The replica `rank` now serves `s`; `applied` are the ids in its model."""
         rt = self.rt
-        self.promoting.discard(s)
+        self.promoting.pop(s, None)
         self.failed_over.add(s)
         self.rank_of[s] = rank
         self.replica[s] = None
@@ -101,6 +104,11 @@ class SchedulerRecovery:
                 rt.channel.send(r, "promote", (s, rank, None))
 
     def _replica_failed(self, s):
+        if s in self.promoting:   # its server died first: nothing holds the model any more
+            raise MlfabricError(
+                "server %d (rank %d) died and its replica (rank %d) died while being promoted: "
+                "the job cannot go on; start it again from the last checkpoint "
+                "(mlfabric.ps.init(checkpoint=...))" % (s, self.rank_of[s], self.replica[s]))
         state = self.rstate.pop(s, None)
         self.gate.pop(s, None)
         self.replica[s] = None

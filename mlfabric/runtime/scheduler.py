@@ -102,11 +102,14 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
         self.ledgers = {}
         self.stopping = False
         self.iteration_ready = {}  # sync: (server, iteration) -> updates reported ready
-        self.promoting = set()     # servers whose replica is being promoted (recovery.py)
+        # servers whose replica is being promoted (recovery.py) -> time.monotonic() it was asked
+        self.promoting = {}
         self.allreduce_pending = {}  # ("ar", call, root) -> contributions reported ready
         self.failed_over = set()   # servers now served by their promoted replica
         self.failovers = []        # (server, new rank, updates in the promoted model, job time)
         self.last_alive = 0.0      # time.monotonic() of the last liveness round
+        # the end's progress (_bounds): what the job has left to do, and since when it is so
+        self.end_state, self.end_since = None, time.monotonic()
 
     def on_request(self, req):
         pass
@@ -201,13 +204,42 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
                 self.view.prune(t)
         if now_mono - self.last_alive >= rt.config.t_lag:
             self._liveness(now_mono)
+            self._bounds(now_mono)
         if not self.stopping and self._finished():
             self.stopping = True
             for r in range(1, rt.size):
                 rt.channel.send(r, "stop")
             self.ledgers[0] = rt.ledger
-        if self.stopping and len(self.ledgers) == rt.size - len(rt.failed):
+        if self.stopping and all(r in self.ledgers for r in range(rt.size) if r not in rt.failed):
             self._summarize()
+
+    def _bounds(self, now_mono):
+        """The job's end never waits unboundedly on a live job: liveness (_liveness) covers a
+        rank that stops reporting; this covers ranks that report yet never send what the end
+        waits for. A promotion the replica has not confirmed within MLFABRIC_TIMEOUT is an
+        error; so is an end that makes no progress for MLFABRIC_TIMEOUT once every live worker
+        is done (nothing new can come then: every planned transfer is bounded by the data
+        plane's own timeout, so a wait that long means a message that will never come), naming
+        what it waits for."""
+        limit = _config.timeout_s()
+        for s, since in self.promoting.items():
+            if now_mono - since > limit:
+                raise PeerTimeoutError(
+                    "server %d died and its replica (rank %d) has not confirmed its promotion "
+                    "within MLFABRIC_TIMEOUT=%g s: the job cannot go on"
+                    % (s, self.replica[s], limit))
+        if not (self.stopping or all(w in self.done for w in self.workers)):
+            self.end_state, self.end_since = None, now_mono
+            return
+        state = (len(self.resolved), len(self.ready_ids), len(self.ledgers), len(self.rt.failed),
+                 len(self.failovers), tuple(self.replicated.values()), self.stopping)
+        if state != self.end_state:
+            self.end_state, self.end_since = state, now_mono
+        elif now_mono - self.end_since > limit:
+            raise PeerTimeoutError(
+                "the job's end made no progress for %.0f s (MLFABRIC_TIMEOUT=%g s) after every "
+                "worker finished; waiting for: %s" % (now_mono - self.end_since, limit,
+                                                       self.waiting_for()))
 
     def _uneven(self):
         """Sync: a worker that finished having pushed fewer updates than another pushed leaves

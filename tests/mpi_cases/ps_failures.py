@@ -1,9 +1,10 @@
 """One parameter-server job in which a rank is killed (SIGKILL), run under
 `mpirun --with-ft ulfm --mca mpi_ft_detector true` by tests/test_ps_failures.py.
 
-usage: python -m tests.mpi_cases.ps_failures SCENARIO OUTDIR
-  server-replica   mlfabric-A with a replica; the server dies after some commits: the replica is
-                   promoted, training completes, divergence at the failure <= Div_max (exactly)
+usage: python -m tests.mpi_cases.ps_failures SCENARIO OUTDIR [AT]
+  server-replica   mlfabric-A with a replica; the server dies after AT updates applied (default:
+                   two per worker): the replica is promoted, training completes, divergence at the
+                   failure <= Div_max (exactly)
   server-alone     no replica: the server dies; every survivor gets a clear error, nobody hangs
   worker-async     mlfabric-A; a worker dies mid-run; the others finish, accounts balance
   worker-sync      mlfabric-S; a worker dies mid-run; iterations go on with the others
@@ -48,8 +49,9 @@ def killing_update(victim, at):
     return update
 
 
-def server_replica(outdir):
+def server_replica(outdir, at=None):
     roles = Roles(WORLD.size, 1, 1)
+    at = 2 * len(roles.worker_ranks) if at is None else int(at)
     role = ps.init("mlfabric-A", replicas=1, emulation=EMU, batch_interval=0.02)
     upd = default_update(SIZE, np.float64)
     if role == "server":
@@ -60,7 +62,7 @@ def server_replica(outdir):
             log.extend(ids)
             with open(os.path.join(outdir, "server.json"), "w") as f:
                 json.dump(log, f)
-            if len(log) >= 2 * len(roles.worker_ranks):
+            if len(log) >= at:
                 die()
         ps.register_as_server(np.zeros(SIZE), on_update=apply)
         ps.serve()
@@ -201,9 +203,9 @@ SCENARIOS = {"server-replica": server_replica, "server-alone": server_alone,
 
 
 def main():
-    scenario, outdir = sys.argv[1], sys.argv[2]
+    scenario, outdir, args = sys.argv[1], sys.argv[2], sys.argv[3:]
     try:
-        SCENARIOS[scenario](outdir)
+        SCENARIOS[scenario](outdir, *args)
         print("RESULT ok rank %d" % WORLD.rank, flush=True)
     except Exception:  # noqa: BLE001 - reported, the harness fails the test
         print("RESULT FAIL rank %d\n%s" % (WORLD.rank, traceback.format_exc()), flush=True)
