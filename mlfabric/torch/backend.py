@@ -14,6 +14,8 @@ Rendezvous: init_method="mlfabric://" asks MPI, and so does the default init_met
 when none of MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE is set (torch would raise there). Either
 way every rank gets a real TCPStore (rank 0 serves it on a free port, MPI tells the others where),
 so torch code that needs a store (gloo groups beside this one, TORCH_DIST_INIT_BARRIER=1) works.
+The store authenticates nothing; it listens on 127.0.0.1 when the job runs on one host, else on
+the one address rank 0 reaches its peers from, or MLFABRIC_STORE_ADDR (docs/security.md).
 A rank or world size passed to init_process_group must agree with MPI's, else an error.
 
 Groups: new_group(ranks, backend="mlfabric") of any ranks (every rank calls new_group, as torch
@@ -61,12 +63,14 @@ import concurrent.futures
 import contextlib
 import functools
 import importlib
+import ipaddress
 import math
 import operator
 import os
 import socket
 import threading
 import time
+import warnings
 import zlib
 from datetime import timedelta
 from urllib.parse import parse_qsl, urlparse
@@ -1108,16 +1112,88 @@ def _group_context(ranks):
     return ctx
 
 
-def _shared_store(rank, size, timeout):
-    """A TCPStore served by rank 0 on a free port; MPI tells the other ranks where."""
-    comm = _context.get().user_comm
+# Where rank 0's rendezvous store listens and the others connect when the job spans hosts (one
+# host: the loopback). Unset, rank 0 takes the address it routes from towards its peers.
+_STORE_ADDR_VAR = "MLFABRIC_STORE_ADDR"
+
+
+def _route_from(address):
+    """This host's address on the interface it would reach `address` through (a UDP socket's
+    connect sends nothing); None when it cannot tell (no route, a name that does not resolve)."""
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(address, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(sockaddr)
+            return probe.getsockname()[0]
+    except OSError:
+        return None
+
+
+def _store_address(comm, rank, single_host):
+    """(the address rank 0's store listens on, the address the other ranks connect to); the
+    first is None when no one address reaches every peer (the store then listens on all of
+    rank 0's interfaces, as torch's TCPStore does by itself)."""
+    given = os.environ.get(_STORE_ADDR_VAR, "").strip()
+    if given:
+        return given, given
+    if single_host:
+        return "127.0.0.1", "127.0.0.1"
     hosts = comm.allgather(socket.gethostname())
-    host = "127.0.0.1" if len(set(hosts)) == 1 else hosts[0]
+    # each rank away from rank 0's host: its own address towards rank 0 ("" on rank 0's host);
+    # rank 0: its own address towards each of those, which must be one and the same
+    mine = _route_from(hosts[0]) if hosts[rank] != hosts[0] else ""
+    peers = comm.gather(mine, root=0)
+    listen = None
+    if rank == 0:
+        remote = [p for p in peers if p != ""]
+        routes = {_route_from(p) for p in remote} if None not in remote else {None}
+        listen = routes.pop() if len(routes) == 1 else None
+        if listen and ipaddress.ip_address(listen.split("%")[0]).is_loopback:
+            listen = None
+    listen = comm.bcast(listen, root=0)
+    return listen, listen or hosts[0]
+
+
+def _listening_socket(address):
+    """A TCP socket bound to `address` on a free port and listening; (its fd, the port). The fd
+    is handed to torch's TCPStore, which owns it from then on."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(address, 0, type=socket.SOCK_STREAM,
+                                                   flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind(sockaddr)
+        sock.listen(socket.SOMAXCONN)
+        port = sock.getsockname()[1]
+    except BaseException:
+        sock.close()
+        raise
+    return sock.detach(), port
+
+
+def _shared_store(rank, size, timeout):
+    """A TCPStore served by rank 0 on a free port; MPI tells the other ranks where. torch's
+    TCPStore listens on every interface whatever host it is given, so rank 0 binds the listening
+    socket itself and hands it over: to the loopback when the job runs on one host, else to the
+    address it reaches its peers from (or MLFABRIC_STORE_ADDR). The store authenticates
+    nothing (docs/security.md)."""
+    ctx = _context.get()
+    comm = ctx.user_comm
+    listen, host = _store_address(comm, rank, ctx.single_host)
     store, port = None, None
     if rank == 0:
         try:
-            store = dist.TCPStore(host, 0, size, True, timeout=timeout, wait_for_workers=False)
-            port = store.port
+            if listen is None:
+                warnings.warn(
+                    "mlfabric rendezvous: no one address of this host reaches every peer, so the "
+                    "rendezvous TCPStore listens on all interfaces; set MLFABRIC_STORE_ADDR to "
+                    "the address to use (docs/security.md)", RuntimeWarning, stacklevel=2)
+                store = dist.TCPStore(host, 0, size, True, timeout=timeout,
+                                      wait_for_workers=False)
+                port = store.port
+            else:
+                fd, port = _listening_socket(listen)
+                store = dist.TCPStore(listen, port, size, True, timeout=timeout,
+                                      wait_for_workers=False, master_listen_fd=fd)
         except Exception as exc:  # noqa: BLE001 - reported on every rank below
             port = f"{type(exc).__name__}: {exc}"
     port = comm.bcast(port, root=0)

@@ -5,12 +5,15 @@ Owns the model-consistency check: before broadcasting parameters (or optimizer s
 compare a summary of what they hold (names, dtypes, shapes), first as one hash each, and in full
 only when the hashes differ; a difference is a MismatchError on every rank naming the parameter,
 raised before any data moves. Objects travel pickled (cloudpickle when installed, as Horovod)
-in int64 tensors.
+in int64 tensors; unpickling trusts the peers (docs/security.md). broadcast_object and
+allgather_object also take serializer="plain": plain data (None, bool, int, float, str, bytes,
+lists, tuples, dicts) in a format decoded without running code.
 """
 import hashlib
 import io
 import operator
 import pickle
+import struct
 
 import numpy as np
 import torch
@@ -25,25 +28,185 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 
 # --- objects ------------------------------------------------------------------------------------
+#
+# serializer="pickle" (the default, as Horovod): any picklable object; unpickling runs whatever
+# code the data names, so the peers must be trusted (as with torch.distributed's object
+# collectives). serializer="plain": None, bool, int, float, str, bytes and lists, tuples and
+# dicts of them, in a format of mlfabric's own that the receiver decodes without running any
+# code; the sender refuses anything else.
 
-def _to_words(obj):
-    """obj pickled into a writable int64 tensor (zero-padded to whole words), and its length."""
-    buf = io.BytesIO()
-    _pickler.dump(obj, buf)
-    data = buf.getvalue()
+SERIALIZERS = ("pickle", "plain")
+_PLAIN_MAGIC = b"MLFPLAIN1"  # opens plain data (a pickle opens with b"\x80": no confusion)
+_PLAIN_DEPTH = 100           # nesting levels of lists, tuples and dicts, either way
+_PLAIN_TYPES = "None, bool, int, float, str, bytes, and lists, tuples and dicts of them"
+_LEN = struct.Struct("<Q")
+_FLOAT = struct.Struct("<d")
+
+
+class _NotPlain(TypeError):
+    """A part of obj is not plain data: says which (obj[...] as indexed from the top) and why."""
+
+    def __init__(self, reason):
+        super().__init__(reason)
+        self.reason, self.path, self.what = reason, [], "obj"
+
+    def __str__(self):
+        path = self.path[::-1]
+        if len(path) > 8:
+            path = path[:4] + [f"...({len(path) - 8} more)..."] + path[-4:]
+        return f"{self.what}: obj{''.join(path)} {self.reason}"
+
+
+def _plain_encode(obj, out, depth=0):
+    kind = type(obj)
+    if obj is None or kind is bool:
+        out += {None: b"N", True: b"T", False: b"F"}[obj]
+    elif kind is int:
+        raw = obj.to_bytes((obj.bit_length() + 8) // 8, "little", signed=True)
+        out += b"i" + _LEN.pack(len(raw)) + raw
+    elif kind is float:
+        out += b"f" + _FLOAT.pack(obj)
+    elif kind is str or kind is bytes:
+        raw = obj.encode("utf-8", "surrogatepass") if kind is str else obj
+        out += (b"s" if kind is str else b"b") + _LEN.pack(len(raw)) + raw
+    elif kind is list or kind is tuple or kind is dict:
+        if depth >= _PLAIN_DEPTH:
+            raise _NotPlain(f"is nested more than {_PLAIN_DEPTH} levels deep (or contains "
+                            "itself)")
+        out += {list: b"l", tuple: b"t", dict: b"d"}[kind] + _LEN.pack(len(obj))
+        at, in_key = None, False
+        try:
+            if kind is dict:
+                for at, value in obj.items():
+                    in_key = True
+                    _plain_encode(at, out, depth + 1)
+                    in_key = False
+                    _plain_encode(value, out, depth + 1)
+            else:
+                for at, value in enumerate(obj):
+                    _plain_encode(value, out, depth + 1)
+        except _NotPlain as exc:
+            if in_key:  # the path goes to the dict; the reason says where in its key
+                part = "".join(exc.path[::-1])
+                exc.reason = (f"has a key, {at!r:.60}, whose part {part} {exc.reason}" if part
+                              else f"has a key that {exc.reason}")
+                exc.path = []
+            else:
+                exc.path.append(f"[{at!r:.60}]")
+            raise
+    else:
+        raise _NotPlain(f"is a {kind.__module__}.{kind.__qualname__}; serializer='plain' takes "
+                        f"{_PLAIN_TYPES} (serializer='pickle' takes any object, for trusted "
+                        "peers)")
+    return out
+
+
+class _PlainReader:
+    """Decodes plain data, checking every length against what is left (a peer's bytes are not
+    trusted: a malformed message is an error, never a large allocation or a deep recursion)."""
+
+    def __init__(self, data):
+        self.data, self.at = data, len(_PLAIN_MAGIC)
+
+    def take(self, n):
+        if n > len(self.data) - self.at:
+            raise ValueError(f"plain data truncated at byte {self.at}")
+        chunk = self.data[self.at:self.at + n]
+        self.at += n
+        return chunk
+
+    def length(self):
+        return _LEN.unpack(self.take(_LEN.size))[0]
+
+    def value(self, depth=0):
+        tag = self.take(1)
+        if tag in (b"N", b"T", b"F"):
+            return {b"N": None, b"T": True, b"F": False}[tag]
+        if tag == b"i":
+            return int.from_bytes(self.take(self.length()), "little", signed=True)
+        if tag == b"f":
+            return _FLOAT.unpack(self.take(_FLOAT.size))[0]
+        if tag == b"s":
+            return self.take(self.length()).decode("utf-8", "surrogatepass")
+        if tag == b"b":
+            return bytes(self.take(self.length()))
+        if tag in (b"l", b"t", b"d"):
+            if depth >= _PLAIN_DEPTH:
+                raise ValueError(f"plain data nested more than {_PLAIN_DEPTH} levels deep")
+            count = self.length()
+            if count > len(self.data) - self.at:  # every item takes a byte at least
+                raise ValueError(f"plain data truncated at byte {self.at}")
+            if tag != b"d":
+                items = [self.value(depth + 1) for _ in range(count)]
+                return items if tag == b"l" else tuple(items)
+            out = {}
+            for _ in range(count):
+                key = self.value(depth + 1)
+                try:
+                    out[key] = self.value(depth + 1)
+                except TypeError:
+                    raise ValueError("plain data has an unhashable dict key "
+                                     f"({type(key).__name__})") from None
+            return out
+        raise ValueError(f"plain data has an unknown tag {tag!r} at byte {self.at - 1}")
+
+
+def _plain_decode(data):
+    if not data.startswith(_PLAIN_MAGIC):
+        raise MismatchError("received data that is not in the plain format (its sender used "
+                            "serializer='pickle'?): every rank must pass the same serializer")
+    reader = _PlainReader(data)
+    obj = reader.value()
+    if reader.at != len(data):
+        raise ValueError(f"plain data has {len(data) - reader.at} stray bytes at its end")
+    return obj
+
+
+def _check_serializer(serializer):
+    if serializer not in SERIALIZERS:
+        raise ValueError(f"serializer={serializer!r}: expected one of {SERIALIZERS}")
+
+
+def _to_words(obj, serializer="pickle", what="object"):
+    """obj serialized into a writable int64 tensor (zero-padded to whole words), and its
+    length."""
+    _check_serializer(serializer)
+    if serializer == "plain":
+        try:
+            data = bytes(_plain_encode(obj, bytearray(_PLAIN_MAGIC)))
+        except _NotPlain as exc:
+            exc.what = what
+            raise
+    else:
+        buf = io.BytesIO()
+        _pickler.dump(obj, buf)
+        data = buf.getvalue()
     words = bytearray(data) + bytearray(-len(data) % 8)
     return torch.from_numpy(np.frombuffer(words, dtype=np.int64)), len(data)
 
 
-def _from_words(words, nbytes):
-    return pickle.loads(words.numpy().tobytes()[:nbytes])
+def _from_words(words, nbytes, serializer="pickle"):
+    _check_serializer(serializer)
+    data = words.numpy().tobytes()[:nbytes]
+    if serializer == "plain":
+        return _plain_decode(data)
+    if data.startswith(_PLAIN_MAGIC):
+        raise MismatchError("received data in the plain format (its sender used "
+                            "serializer='plain'): every rank must pass the same serializer")
+    return pickle.loads(data)
 
 
-def _unpickled_everywhere(what, failed, process_set):
-    """One allgather of whether each rank could unpickle what it received: raises this
-    rank's own error, or an MlfabricError naming the ranks that failed, on every rank alike.
-    Every rank takes part, so that no rank goes on to its next call while another, having
-    failed, does not (broadcast_optimizer_state's tensors follow its pickled part)."""
+def _verb(serializer, done=False):
+    if serializer == "plain":
+        return "decode" if done else "encode"
+    return "unpickle" if done else "pickle"
+
+
+def _unpickled_everywhere(what, failed, process_set, serializer="pickle"):
+    """One allgather of whether each rank could load what it received: raises this rank's own
+    error, or an MlfabricError naming the ranks that failed, on every rank alike. Every rank
+    takes part, so that no rank goes on to its next call while another, having failed, does
+    not (broadcast_optimizer_state's tensors follow its pickled part)."""
     flags = ops.allgather(torch.tensor([failed is not None], dtype=torch.int64),
                           f"{what}.unpickled", process_set)
     if failed is not None:
@@ -52,17 +215,24 @@ def _unpickled_everywhere(what, failed, process_set):
     if bad:
         ranks = ops._state(process_set).ranks
         raise MlfabricError(f"{what}: rank(s) {[ranks[i] for i in bad] if ranks else bad} could "
-                            "not unpickle the object (their own errors say why)")
+                            f"not {_verb(serializer, True)} the object (their own errors say "
+                            "why)")
 
 
-def broadcast_object(obj, root_rank=0, name=None, process_set=None):
-    """root_rank's obj on every rank (pickled; the root gets its own obj back). root_rank is a
-    global rank, also with a process_set."""
+def broadcast_object(obj, root_rank=0, name=None, process_set=None, serializer="pickle"):
+    """root_rank's obj on every rank (the root gets its own obj back). root_rank is a global
+    rank, also with a process_set.
+
+    serializer="pickle" (default, as Horovod) takes any picklable object, and the receivers
+    unpickle it: only for trusted peers (unpickling runs code the data names).
+    serializer="plain" takes None, bool, int, float, str, bytes and lists, tuples and dicts of
+    them, and the receivers decode it without running any code; the root refuses anything else
+    (TypeError there, MlfabricError on the others). Every rank must pass the same serializer."""
     name = name or "broadcast_object"
     words, nbytes, error = None, 0, None
     if ops._state().ctx.rank == root_rank:
         try:
-            words, nbytes = _to_words(obj)
+            words, nbytes = _to_words(obj, serializer, name)
         except Exception as exc:  # noqa: BLE001 - the others hear of it (size -1), then raise
             nbytes, error = -1, exc
     size = ops.broadcast_(torch.tensor([nbytes], dtype=torch.int64), root_rank, f"{name}.size",
@@ -71,33 +241,35 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=None):
         raise error
     nbytes = int(size[0])
     if nbytes < 0:
-        raise MlfabricError(f"{name}: the root rank {root_rank} could not pickle its object "
-                            "(its own error says why)")
+        raise MlfabricError(f"{name}: the root rank {root_rank} could not "
+                            f"{_verb(serializer)} its object (its own error says why)")
     if words is None:
         words = torch.empty((nbytes + 7) // 8, dtype=torch.int64)
     ops.broadcast_(words, root_rank, f"{name}.data", process_set)
     if ops._state().ctx.rank == root_rank:
         loaded, error = obj, None
     else:
-        loaded, error = _loads(words, nbytes)
-    _unpickled_everywhere(name, error, process_set)
+        loaded, error = _loads(words, nbytes, serializer)
+    _unpickled_everywhere(name, error, process_set, serializer)
     return loaded
 
 
-def _loads(words, nbytes):
-    """(the object, None), or (None, the error unpickling it)."""
+def _loads(words, nbytes, serializer="pickle"):
+    """(the object, None), or (None, the error loading it)."""
     try:
-        return _from_words(words, nbytes), None
+        return _from_words(words, nbytes, serializer), None
     except Exception as exc:  # noqa: BLE001 - raised after the others hear of it
         return None, exc
 
 
-def allgather_object(obj, name=None, process_set=None):
-    """Every rank's obj (of process_set), as a list in rank order (pickled)."""
+def allgather_object(obj, name=None, process_set=None, serializer="pickle"):
+    """Every rank's obj (of process_set), as a list in rank order. serializer: as in
+    broadcast_object ("pickle", the default, only for trusted peers; "plain" for plain data,
+    decoded without running any code)."""
     name = name or "allgather_object"
     words, nbytes, error = torch.empty(0, dtype=torch.int64), -1, None
     try:
-        words, nbytes = _to_words(obj)
+        words, nbytes = _to_words(obj, serializer, name)
     except Exception as exc:  # noqa: BLE001 - the others hear of it (size -1), then raise
         error = exc
     sizes = ops.allgather(torch.tensor([nbytes], dtype=torch.int64), f"{name}.sizes",
@@ -108,18 +280,18 @@ def allgather_object(obj, name=None, process_set=None):
     if failed:
         if process_set is not None and process_set.ranks and process_set.process_set_id != 0:
             failed = [process_set.ranks[i] for i in failed]  # the set's places -> global ranks
-        raise MlfabricError(f"{name}: rank(s) {failed} could not pickle their object (their "
-                            "own errors say why)")
+        raise MlfabricError(f"{name}: rank(s) {failed} could not {_verb(serializer)} their "
+                            "object (their own errors say why)")
     gathered = ops.allgather(words, f"{name}.data", process_set)
     out, off, error = [], 0, None
     for n in sizes.tolist():
         k = (n + 7) // 8
-        obj, error = _loads(gathered[off:off + k], n)
+        obj, error = _loads(gathered[off:off + k], n, serializer)
         if error is not None:
             break
         out.append(obj)
         off += k
-    _unpickled_everywhere(name, error, process_set)
+    _unpickled_everywhere(name, error, process_set, serializer)
     return out
 
 
