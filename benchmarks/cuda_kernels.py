@@ -13,6 +13,7 @@ import torch
 
 from mlfabric import _C
 from mlfabric import _dtypes
+from mlfabric.bench.script import output_path, positive_int
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "float64": torch.float64}
@@ -32,9 +33,9 @@ def timed(fn, repeats):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--mib", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=50)
-    p.add_argument("--out")
+    p.add_argument("--mib", type=positive_int, default=256)
+    p.add_argument("--repeats", type=positive_int, default=50)
+    p.add_argument("--out", type=output_path)
     a = p.parse_args()
     assert _C.cuda_built() and torch.cuda.is_available(), "needs a CUDA build and a GPU"
     rows = []

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import mlfabric.torch.backend  # noqa: F401 - registers the "mlfabric" backend
+from mlfabric.bench.script import positive_int
 
 
 def model(args):
@@ -43,12 +44,12 @@ def run_steps(ddp, opt, batches):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--inputs", type=int, default=256)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--steps", type=int, default=10, help="steps per round")
-    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--inputs", type=positive_int, default=256)
+    p.add_argument("--hidden", type=positive_int, default=1024)
+    p.add_argument("--layers", type=positive_int, default=4)
+    p.add_argument("--batch", type=positive_int, default=32)
+    p.add_argument("--steps", type=positive_int, default=10, help="steps per round")
+    p.add_argument("--rounds", type=positive_int, default=7)
     p.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     args = p.parse_args()
     warnings.simplefilter("ignore", FutureWarning)

@@ -25,11 +25,7 @@ from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
-def parse_bytes(text):
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip().upper().rstrip("B")
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+from mlfabric.bench.script import byte_size, output_path, positive_int  # noqa: E402
 
 
 BUS_FACTOR = {"allreduce": lambda n: 2 * (n - 1) / n, "allgather": lambda n: (n - 1) / n,
@@ -39,13 +35,15 @@ BUS_FACTOR = {"allreduce": lambda n: 2 * (n - 1) / n, "allgather": lambda n: (n 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--colls", default="allreduce,allgather,broadcast")
-    p.add_argument("--min-bytes", default="1K")
-    p.add_argument("--max-bytes", default="256M")
-    p.add_argument("--factor", type=int, default=4)
-    p.add_argument("--iters", type=int, default=20, help="timed calls per round")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--out")
+    p.add_argument("--min-bytes", type=byte_size, default="1K")
+    p.add_argument("--max-bytes", type=byte_size, default="256M")
+    p.add_argument("--factor", type=positive_int, default=4, help="size factor (>= 2)")
+    p.add_argument("--iters", type=positive_int, default=20, help="timed calls per round")
+    p.add_argument("--rounds", type=positive_int, default=5)
+    p.add_argument("--out", type=output_path)
     args = p.parse_args()
+    if args.factor < 2 or args.min_bytes > args.max_bytes:
+        p.error("need --factor >= 2 and --min-bytes <= --max-bytes")
     world = MPI.COMM_WORLD
     rank, size = world.rank, world.size
 
@@ -90,8 +88,8 @@ def main():
         torch.cuda.synchronize(dev)
 
     impls = {"mlfabric": mlfabric_call, "torch-nccl": torch_call}
-    sizes, b = [], parse_bytes(args.min_bytes)
-    while b <= parse_bytes(args.max_bytes):
+    sizes, b = [], args.min_bytes
+    while b <= args.max_bytes:
         sizes.append(b)
         b *= args.factor
     rows = []

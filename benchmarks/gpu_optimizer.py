@@ -32,6 +32,8 @@ from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from mlfabric.bench.script import output_path  # noqa: E402
+
 VARIANTS = ("alone", "hvd", "ddp-nccl")
 
 
@@ -45,7 +47,7 @@ def parse_args():
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--lr", type=float, default=1e-4, help="SGD learning rate (the tests raise "
                    "it, so that an unreduced gradient would move the weights measurably)")
-    p.add_argument("--out")
+    p.add_argument("--out", type=output_path)
     args = p.parse_args()
     for name in ("inputs", "hidden", "layers", "batch", "steps", "rounds"):
         if getattr(args, name) < 1:

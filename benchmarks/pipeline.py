@@ -67,7 +67,7 @@ from mpi4py import MPI  # noqa: E402
 from mlfabric import _dtypes  # noqa: E402
 from mlfabric.bench.kernels import cpu_name  # noqa: E402
 from mlfabric.bench.report import host_info  # noqa: E402
-from mlfabric.bench.script import parser, int_list, run_main  # noqa: E402
+from mlfabric.bench.script import int_list, output_path, parser, run_main  # noqa: E402
 from mlfabric.comm import algorithms  # noqa: E402
 from mlfabric.pipeline import schedules as sch  # noqa: E402
 from mlfabric.pipeline.validate import Timeline, simulate  # noqa: E402
@@ -1132,7 +1132,8 @@ def parse_args(argv):
     p = parser("benchmarks/pipeline.py", __doc__)
     sub = p.add_subparsers(dest="experiment", required=True)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--out", metavar="FILE.json", help="write the JSON here (bubbles: and "
+    common.add_argument("--out", metavar="FILE.json", type=output_path,
+                        help="write the JSON here (bubbles: and "
                         "the Gantt PNGs beside it)")
     common.add_argument("--seed", type=int, default=0)
     common.add_argument("--quiet", "-q", action="store_true", help="no progress lines")

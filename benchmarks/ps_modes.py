@@ -33,7 +33,7 @@ from mpi4py import MPI
 
 from mlfabric.bench.kernels import cpu_name
 from mlfabric.bench.report import host_info
-from mlfabric.bench.script import parser, run_main
+from mlfabric.bench.script import output_path, parser, positive_int, run_main
 from mlfabric.emulate import Emulation
 from mlfabric.ps.driver import default_update, run_job
 from mlfabric.runtime.core import PS_MODES
@@ -107,7 +107,7 @@ def parse_args(argv):
     p.add_argument("--preset", help="compute-network emulation preset, e.g. C2-N1")
     p.add_argument("--base-rate", type=float, default=50e6,
                    help="bytes/s standing for the paper's 10 Gbps (default 50e6)")
-    p.add_argument("--size", type=int, help="model elements (float32)")
+    p.add_argument("--size", type=positive_int, help="model elements (float32)")
     p.add_argument("--compute-ms", type=float, help="nominal compute time per iteration")
     p.add_argument("--iterations", type=int, help="iterations per worker per job")
     p.add_argument("--rounds", type=int, help="repeats of the mode list (order alternating)")
@@ -120,7 +120,8 @@ def parse_args(argv):
                    "typical update norm ('inf' allowed)")
     p.add_argument("--batch-interval", type=float, default=0.1, help="scheduler batch period s")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", metavar="FILE.json", help="write the JSON here (replica: and a PNG "
+    p.add_argument("--out", metavar="FILE.json", type=output_path,
+                   help="write the JSON here (replica: and a PNG "
                    "beside it)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress lines")
     args = p.parse_args(argv)

@@ -29,7 +29,7 @@ from mpi4py import MPI
 
 import mlfabric.torch as hvd
 import mlfabric.torch.backend  # noqa: F401 - registers the "mlfabric" backend
-from mlfabric.bench.script import int_list, parser, run_main
+from mlfabric.bench.script import int_list, output_path, parser, positive_int, run_main
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torch_optimizer import finish_run, start_run  # noqa: E402
@@ -41,10 +41,11 @@ def parse_args(argv):
     p = parser("mpirun -n N python benchmarks/torch_broadcast_state.py", __doc__)
     p.add_argument("--hidden", type=int_list, default=[512, 1024, 2048],
                    help="MLP widths, comma-separated")
-    p.add_argument("--layers", type=int, default=4, help="square layers")
-    p.add_argument("--rounds", type=int, default=5, help="rounds (alternating variant order)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--out", help="JSON file to write (rank 0)")
+    p.add_argument("--layers", type=positive_int, default=4, help="square layers")
+    p.add_argument("--rounds", type=positive_int, default=5,
+                   help="rounds (alternating variant order)")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank")
+    p.add_argument("--out", type=output_path, help="JSON file to write (rank 0)")
     args = p.parse_args(argv)
     args.iters = 1  # (for finish_run's record)
     return args

@@ -25,7 +25,7 @@ import torch
 
 import mlfabric.torch as hvd
 from mlfabric.collectives import split_rows
-from mlfabric.bench.script import int_list, parser
+from mlfabric.bench.script import int_list, output_path, parser, positive_int
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torch_optimizer import (finish_run, median_rounds, start_run,  # noqa: E402
@@ -38,13 +38,14 @@ TOL = 1e-5  # float32 holds the inputs (r + 1 + i / count) to ~5e-7
 
 def parse_args(argv):
     p = parser("mpirun -n N python benchmarks/torch_grouped.py", __doc__)
-    p.add_argument("--count", type=int, default=100, help="tensors per group")
+    p.add_argument("--count", type=positive_int, default=100, help="tensors per group")
     p.add_argument("--small", type=int_list, default=[256, 4096],
                    help="elements per tensor (float32, a multiple of 4), comma-separated")
-    p.add_argument("--iters", type=int, default=20, help="calls per variant per round")
-    p.add_argument("--rounds", type=int, default=7, help="rounds (alternating variant order)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--out", help="JSON file to write (rank 0)")
+    p.add_argument("--iters", type=positive_int, default=20, help="calls per variant per round")
+    p.add_argument("--rounds", type=positive_int, default=7,
+                   help="rounds (alternating variant order)")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank")
+    p.add_argument("--out", type=output_path, help="JSON file to write (rank 0)")
     args = p.parse_args(argv)
     if any(s % ROW for s in args.small):
         p.error(f"--small: each size must be a multiple of {ROW}")

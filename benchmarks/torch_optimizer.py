@@ -64,7 +64,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import mlfabric.torch as hvd
 from mlfabric.bench.kernels import cpu_name
 from mlfabric.bench.report import host_info
-from mlfabric.bench.script import parser, int_list  # noqa: E402
+from mlfabric.bench.script import int_list, output_path, parser  # noqa: E402
 from mlfabric.torch import ops as hvd_ops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -100,7 +100,7 @@ def parse_args(argv):
                         "construction), to see how far smaller buckets overlap backward")
     p.add_argument("--threads", type=int, help="torch threads per rank (default: the host's "
                    "cores / its ranks)")
-    p.add_argument("--out", metavar="FILE.json", help="write the JSON here")
+    p.add_argument("--out", metavar="FILE.json", type=output_path, help="write the JSON here")
     args = p.parse_args(argv)
     args.experiments = [e.strip() for e in args.experiments.split(",") if e.strip()]
     bad = [e for e in args.experiments if e not in ("step", "fusion")]

@@ -26,7 +26,7 @@ import sys
 import torch
 
 import mlfabric.torch as hvd
-from mlfabric.bench.script import int_list, parser
+from mlfabric.bench.script import int_list, output_path, parser, positive_int
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torch_optimizer import (finish_run, median_rounds, start_run,  # noqa: E402
@@ -41,13 +41,14 @@ def parse_args(argv):
     p = parser("mpirun -n N python benchmarks/torch_sparse.py", __doc__)
     p.add_argument("--vocab", type=int_list, default=[10000, 100000],
                    help="embedding rows, comma-separated")
-    p.add_argument("--dim", type=int, default=64, help="embedding width")
-    p.add_argument("--rows", type=int, default=1024,
+    p.add_argument("--dim", type=positive_int, default=64, help="embedding width")
+    p.add_argument("--rows", type=positive_int, default=1024,
                    help=f"indices looked up per rank per step (a multiple of {BAG})")
-    p.add_argument("--iters", type=int, default=10, help="steps per variant per round")
-    p.add_argument("--rounds", type=int, default=5, help="rounds (alternating variant order)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--out", help="JSON file to write (rank 0)")
+    p.add_argument("--iters", type=positive_int, default=10, help="steps per variant per round")
+    p.add_argument("--rounds", type=positive_int, default=5,
+                   help="rounds (alternating variant order)")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank")
+    p.add_argument("--out", type=output_path, help="JSON file to write (rank 0)")
     args = p.parse_args(argv)
     if args.rows % BAG or args.rows <= 0:
         p.error(f"--rows must be a positive multiple of {BAG}")

@@ -37,7 +37,7 @@ def test_parse_size():
     assert driver.parse_size("1G") == 1 << 30
     assert driver.parse_size("4KiB") == 4096
     assert driver.parse_size("1.5k") == 1536
-    for bad in ("", "x", "0", "1.3", "-8", "2T"):
+    for bad in ("", "x", "0", "1.3", "-8", "2T", "inf", "nan"):
         with pytest.raises(ValueError):
             driver.parse_size(bad)
 
@@ -346,3 +346,109 @@ def test_plot(tmp_path):
     assert rc == 0, out
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+# --- the command line: bad arguments are usage errors, before any work --------------------------
+
+UNWRITABLE = "/nonexistent-mlfabric-dir/out.json"
+
+
+def run_cli(*args, timeout=60):
+    """`python *args` (one process, no mpirun): (returncode, stdout + stderr)."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout
+
+
+def assert_usage_error(rc, out, *needles):
+    assert rc == 2, out
+    assert "Traceback" not in out, out
+    assert "usage:" in out or "error:" in out, out
+    for needle in needles:
+        assert needle in out, out
+
+
+def test_output_path_checks_without_creating(tmp_path):
+    from mlfabric.bench import script
+    fresh = tmp_path / "new.json"
+    assert script.output_path(str(fresh)) == str(fresh) and not fresh.exists()
+    existing = tmp_path / "old.json"
+    existing.write_text("kept")
+    assert script.output_path(str(existing)) == str(existing)
+    assert existing.read_text() == "kept"
+    for bad, why in ((UNWRITABLE, "does not exist"), (str(tmp_path), "is a directory"),
+                     (str(existing / "x.json"), "does not exist"), ("", "empty")):
+        with pytest.raises(Exception, match=why):
+            script.output_path(bad)
+
+
+def test_byte_sizes_and_counts_as_argparse_types():
+    import argparse
+    from mlfabric.bench import script
+    assert script.byte_size("64K") == 65536 and script.byte_size("1.5KiB") == 1536
+    assert script.byte_size("16B") == 16 and script.byte_size("1g") == 1 << 30
+    for bad in ("-1", "0", "", "x", "1.3", "2T", "nan", "inf"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            script.byte_size(bad)
+    assert script.positive_int("3") == 3 and script.nonnegative_int("0") == 0
+    for fn, bad in ((script.positive_int, "0"), (script.positive_int, "x"),
+                    (script.nonnegative_int, "-1")):
+        with pytest.raises(argparse.ArgumentTypeError):
+            fn(bad)
+
+
+@pytest.mark.parametrize("args", [("--size", "-1"), ("--sizes", "0"), ("--sizes", "abc"),
+                                  ("--sizes", "1M,-4K"), ("--sizes", ","), ("--repeats", "0"),
+                                  ("--warmup", "-1"), ("--json", UNWRITABLE)],
+                         ids=lambda a: " ".join(a))
+def test_kernels_bad_arguments_are_usage_errors(args):
+    rc, out = run_cli("-m", "mlfabric.bench", "kernels", *args)
+    assert_usage_error(rc, out, "argument --")
+
+
+@pytest.mark.parametrize("command", ["sched", "sched-oracle"])
+def test_single_process_benchmarks_refuse_an_unwritable_json_at_once(command):
+    rc, out = run_cli("-m", "mlfabric.bench", command, "--json", UNWRITABLE)
+    assert_usage_error(rc, out, "cannot write", "does not exist")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+def test_unwritable_output_is_a_usage_error_before_the_run(option):
+    rc, out, _ = bench(2, "allreduce", "-b", "8", "-e", "64K", "--impl", "mpi", *QUICK,
+                       option, UNWRITABLE, timeout=60)
+    assert_usage_error(rc, out, "cannot write", "does not exist")
+    assert out.count("cannot write") == 1       # said once (rank 0), not per rank
+    assert "# mlfabric.bench allreduce" not in out  # nothing ran
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("size", ["-1", "0", "12Q"])
+def test_bad_sizes_are_usage_errors_on_every_rank(size):
+    rc, out, _ = bench(2, "allreduce", "-b", size, "--impl", "mpi", *QUICK, timeout=60)
+    assert rc == 2 and "Traceback" not in out and "bad size" in out, out
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("script,args", [
+    ("torch_grouped.py", ["--count", "2", "--small", "256", "--iters", "1", "--rounds", "1"]),
+    ("pipeline.py", ["bubbles", "--m", "4", "--repeats", "1"]),
+    ("ps_modes.py", ["sync"]),
+])
+def test_benchmark_scripts_refuse_an_unwritable_out_before_the_run(script, args):
+    if script == "torch_grouped.py":
+        pytest.importorskip("torch")
+    exe = mpirun()
+    if exe is None:
+        pytest.skip("mpirun not found next to python or on PATH")
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               PYTHONUNBUFFERED="1", OMPI_MCA_btl="self," + shared_memory_btl(),
+               MLFABRIC_TIMEOUT="30")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [exe, "--oversubscribe", "-n", "2", sys.executable, f"benchmarks/{script}", *args,
+           "--out", UNWRITABLE]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=90)
+    assert_usage_error(proc.returncode, proc.stdout, "cannot write", "does not exist")
+    assert proc.stdout.count("cannot write") == 1, proc.stdout

@@ -13,6 +13,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from . import impls, report
+from .script import output_path
 
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64")
 ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8}
@@ -45,7 +46,7 @@ def parse_size(text):
         value = float(num) * UNITS[unit]
     except ValueError:
         raise ValueError(f"bad size {text!r}: expected a byte count like 8, 64K, 128M or 1G")
-    if value < 1 or value != int(value):
+    if not 1 <= value < float("inf") or value != int(value):
         raise ValueError(f"bad size {text!r}: must be a whole number of bytes >= 1")
     return int(value)
 
@@ -360,8 +361,10 @@ def build_parser(rank=0):
                    help="mlfabric allreduce algorithm (default auto)")
     p.add_argument("--baseline", default="mpi",
                    help="impl (family or variant) the summary divides by (default mpi)")
-    p.add_argument("--json", metavar="FILE", help="write the records as a JSON list (rank 0)")
-    p.add_argument("--plot", metavar="FILE.png", help="plot busbw vs size per impl (matplotlib)")
+    p.add_argument("--json", metavar="FILE", type=output_path,
+                   help="write the records as a JSON list (rank 0)")
+    p.add_argument("--plot", metavar="FILE.png", type=output_path,
+                   help="plot busbw vs size per impl (matplotlib)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress lines on stderr")
     p.add_argument("--inject-error", action="store_true", help=argparse.SUPPRESS)
     return p

@@ -18,19 +18,24 @@ import numpy as np
 
 from .. import _C, _dtypes
 from .. import kernels as K
+from .script import byte_size, nonnegative_int, output_path, positive_int
 
 COLUMNS = ("isa", "dtype", "size", "copy", "np.copyto", "reduce k=2", "% copy", "reduce k=4",
            "% copy ")
 
 
 def parse_size(text):
-    text = text.strip().upper().rstrip("B")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-    number = text[:-1] if text[-1:] in "KMG" else text
-    value = int(float(number) * mult)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"bad size {text!r}")
-    return value
+    """'1M' -> 1048576; a usage error (argparse.ArgumentTypeError) for anything but a whole
+    number of bytes >= 1."""
+    return byte_size(text)
+
+
+def parse_sizes(text):
+    """argparse type: comma-separated sizes (at least one)."""
+    sizes = [parse_size(s) for s in text.split(",") if s.strip()]
+    if not sizes:
+        raise argparse.ArgumentTypeError(f"no size in {text!r}")
+    return sizes
 
 
 def fmt_size(n):
@@ -108,18 +113,20 @@ def print_table(rows, out=sys.stdout):
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m mlfabric.bench.kernels", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", default="1M,16M,64M",
+    p.add_argument("--sizes", type=parse_sizes, default=[1 << 20, 16 << 20, 64 << 20],
                    help="comma-separated bytes per buffer (default 1M,16M,64M)")
     p.add_argument("--isa", default="all", help="all, or a comma-separated list of "
                    f"{', '.join(K.ISAS)} (default all this CPU has)")
     p.add_argument("--dtypes", default="all",
                    help=f"all, or a comma-separated list of {', '.join(_dtypes.DTYPE_NAMES)}")
-    p.add_argument("--repeats", type=int, default=20, help="timed calls per measurement")
-    p.add_argument("--warmup", type=int, default=3, help="untimed calls first")
-    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--repeats", type=positive_int, default=20,
+                   help="timed calls per measurement")
+    p.add_argument("--warmup", type=nonnegative_int, default=3, help="untimed calls first")
+    p.add_argument("--json", metavar="FILE", type=output_path,
+                   help="also write the results as JSON")
     args = p.parse_args(argv)
 
-    sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    sizes = args.sizes
     supported = K.supported_isas()
     isas = supported if args.isa == "all" else [s.strip() for s in args.isa.split(",")]
     for name in isas:

@@ -37,6 +37,8 @@ import sys
 import threading
 import time
 
+from .script import output_path
+
 PAPER_MS = {10: 5.0, 30: 5.0, 100: 30.0, 500: 440.0, 1000: 1460.0}  # §7.4
 RATES_GBPS = (1.0, 2.5, 3.3, 5.0, 10.0)                               # §7
 PRESETS = {"N1": (0, 0, 0, 0.1, 0.9), "N2": (0, 0.1, 0.1, 0.1, 0.7), "N3": (0.5, 0, 0, 0, 0.5)}
@@ -197,7 +199,8 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0, help="seed of the instance generator")
     p.add_argument("--rates", choices=sorted(PRESETS), default="N1",
                    help="NIC rate preset (§7, default N1)")
-    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--json", metavar="FILE", type=output_path,
+                   help="also write the results as JSON")
     p.add_argument("--profile", action="store_true",
                    help="also show where the fast path's time goes")
     args = p.parse_args(argv)

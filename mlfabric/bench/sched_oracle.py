@@ -17,6 +17,7 @@ import sys
 import time
 
 from ..sched import oracle
+from .script import output_path
 
 OPTIMAL_TOL = 1e-6   # heuristic within this relative distance of the optimum counts as optimal
 
@@ -26,7 +27,8 @@ def parse_args(argv):
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--instances", type=int, default=100, help="random instances (default 100)")
     p.add_argument("--seed", type=int, default=0, help="seed of the instance generator")
-    p.add_argument("--json", metavar="F", help="write every instance's record and the summary")
+    p.add_argument("--json", metavar="F", type=output_path,
+                   help="write every instance's record and the summary")
     p.add_argument("--max-updates", type=int, default=5, help="updates per batch: 2..U (default 5)")
     p.add_argument("--time-limit", type=float, default=10.0,
                    help="solver seconds per instance and objective (default 10)")

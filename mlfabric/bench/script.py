@@ -1,8 +1,10 @@
 """What every MPI benchmark script under benchmarks/ needs around its main(): a command-line
 parser whose help and errors only rank 0 prints (every rank exits alike), a comma-separated
-integer list option, and an entry point that takes the whole job down when one rank fails,
-rather than leaving the others waiting for it."""
+integer list option, an output-file option checked before any work (a path that cannot be
+written is a usage error at once, not a failure after the whole run), and an entry point that
+takes the whole job down when one rank fails, rather than leaving the others waiting for it."""
 import argparse
+import os
 import sys
 import traceback
 
@@ -32,6 +34,77 @@ def int_list(text):
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError("%r: needs integers >= 1" % text)
     return values
+
+
+def positive_int(text):
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("%r is not an integer" % text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("%r: needs an integer >= 1" % text)
+    return value
+
+
+def nonnegative_int(text):
+    """argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("%r is not an integer" % text)
+    if value < 0:
+        raise argparse.ArgumentTypeError("%r: needs an integer >= 0" % text)
+    return value
+
+
+def byte_size(text):
+    """argparse type: a whole number of bytes >= 1, with binary K/M/G suffixes (64K, 1.5M)."""
+    s = text.strip().upper()
+    for tail in ("IB", "B"):
+        if s.endswith(tail) and len(s) > len(tail):
+            s = s[:-len(tail)]
+            break
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
+    try:
+        value = float(s[:-1] if scale > 1 else s) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError("%r is not a size like 8, 64K, 128M or 1G" % text)
+    if not 1 <= value < float("inf") or value != int(value):
+        raise argparse.ArgumentTypeError("%r: needs a whole number of bytes >= 1" % text)
+    return int(value)
+
+
+def unwritable(path):
+    """Why open(path, "w") would fail, or None; creates nothing. (As root, permission bits do
+    not stop a write: only a missing directory, a directory in the way or a read-only file
+    system do.)"""
+    if not path:
+        return "an empty path"
+    if os.path.isdir(path):
+        return "%s is a directory" % path
+    if os.path.exists(path):
+        return None if os.access(path, os.W_OK) else "%s is not writable" % path
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return "its directory %s does not exist" % parent
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return "no file can be created in %s" % parent
+    return None
+
+
+def output_path(text):
+    """argparse type: a file the run will write at its end, checked now. Under an MPI job of
+    several ranks rank 0 (the rank that writes) checks and tells the others, so that every rank
+    takes the same exit; a process without MPI checks by itself."""
+    problem = unwritable(text)
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized() \
+            and mpi.COMM_WORLD.size > 1:
+        problem = mpi.COMM_WORLD.bcast(problem, root=0)
+    if problem:
+        raise argparse.ArgumentTypeError("cannot write %r: %s" % (text, problem))
+    return text
 
 
 def run_main(main):
