@@ -72,8 +72,8 @@ class Context:
         self.homogeneous = len({ls for _, ls in places}) == 1
         self.shm = None
         if self.single_host and _config.shm_enabled():
-            from .comm.shm import ShmTransport
-            self.shm = ShmTransport(self.node_comm)
+            from .comm.shm import open_transport
+            self.shm = open_transport(self.node_comm)  # None where /dev/shm has no room
         # its thread works in this context (not the process-wide one: see using())
         self.executor = Executor(thread_init=functools.partial(setattr, _local, "ctx", self))
         self.plain_plans = {}  # (kind, dtype, shape, op) -> plan of a direct-path call
@@ -160,11 +160,10 @@ class Context:
         if self.failure is not None:
             raise PeerTimeoutError(f"{what}: this communicator is unusable since an earlier call "
                                    f"failed ({self.failure})")
-        if self.shm is None:  # on one host, the engine's marks tell the same (see fail())
-            why = self.abort.heard()
-            if why is not None:
-                self.fail(what, why)
-                raise PeerTimeoutError(f"{what}: {why}. The communicator is unusable now.")
+        why = self.peer_failure()
+        if why is not None:
+            self.fail(what, why)
+            raise PeerTimeoutError(f"{what}: {why}. The communicator is unusable now.")
 
     def leave(self):
         """Let go of the context after a call enter() started (however it ended)."""
@@ -202,10 +201,16 @@ class Context:
         self.abort.tell(self.failure)
 
     def peer_failure(self):
-        """Why the context became unusable while this rank waits in a call (a peer gave up on
-        it), or None: the check comm/p2p.py's waits poll under watch()."""
-        if self.shm is not None and self.shm.engine.any_failed:
-            return "a peer's shared-memory engine gave up (see the error on that rank)"
+        """Why the context became unusable (a peer gave up on it: on one host the engine's
+        failed mark, else its notice), or None: asked as a call starts, and polled by
+        comm/p2p.py's waits under watch()."""
+        if self.shm is not None:
+            engine = self.shm.engine
+            if engine.broken:
+                return "this rank's shared-memory engine gave up in an earlier call"
+            if engine.any_failed:
+                return "a peer gave up on the communicator (see the error on that rank)"
+            return None
         return self.abort.heard()
 
     def broken(self):

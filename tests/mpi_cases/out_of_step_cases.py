@@ -82,8 +82,10 @@ def case_a_retried_receive_never_takes_the_late_message():
     try:
         if r == 1:
             time.sleep(1.5 * T)
-            mf.send(np.full(4, 7.0), 0)  # eager: it completes, though nobody receives it
             with pytest.raises(mf.PeerTimeoutError, match="gave up|unusable"):
+                # rank 0's notice is here by now (on one host, at once): had it not been
+                # heard, the first send would complete (eager), and nobody receive it
+                mf.send(np.full(4, 7.0), 0)
                 mf.send(np.full(4, 8.0), 0)
                 mf.barrier()
         elif r == 0:
