@@ -522,6 +522,7 @@ def _issue(what, plan, job, async_, tensor=None, group=None, process_set=None, t
     except Exception as exc:
         _reject(st, what, async_)
         raise exc
+    job = _guarded(what, job)
     recording = _timeline._ACTIVE  # once: stop_timeline() may run on another thread
     if recording is not None:
         job = recording.wrap(what, job)
@@ -536,6 +537,23 @@ def _issue(what, plan, job, async_, tensor=None, group=None, process_set=None, t
         return hid
     result = st.run(what, lambda: job(st, planned))
     return _on_caller_stream(*result, tensor.device) if gpu else result
+
+
+def _guarded(what, job):
+    """job, making this rank give up on its state's communicator when the job fails other than
+    in step with the peers (a MismatchError, which every rank raises alike): after its control
+    round the peers may be inside the call's collective, waiting for this rank (a MemoryError
+    in a wire copy), and are told at once (context.Context.fail) instead of pairing this rank's
+    next call with it."""
+    def guarded(st, planned):
+        try:
+            return job(st, planned)
+        except MismatchError:
+            raise
+        except BaseException as exc:
+            st.ctx.fail(what, exc)
+            raise
+    return guarded
 
 
 # DistributedOptimizers (weak references) with buckets before their last whose step's backward

@@ -9,6 +9,8 @@ MLFABRIC_SHM=0 (the MPI path, as across hosts) and with the shared-memory engine
 - A receive times out: its retry never takes the late sender's message; the sender hears of it.
 - A rank fails to allocate a call's result before the call starts: its peers hear of it as a
   rejection (a MismatchError naming it), and the next call is in step again.
+- mlfabric.torch: a rank whose call fails after the ranks agreed on it (a MemoryError copying
+  the tensor for the wire) tells its peers, which fail at once instead of waiting a timeout.
 - Calls on one communicator from two threads at once: a ConcurrentCallError, never a wrong sum.
 
 Each case ends on a fresh context (finalize, init): the one it broke stays unusable by design."""
@@ -163,4 +165,34 @@ def case_calls_from_two_threads_at_once_are_an_error():
         assert any(isinstance(e, mf.ConcurrentCallError) for e in errors) or \
             any("gave up" in str(e) or "unusable" in str(e) for e in errors), errors
     finally:
+        _fresh()
+
+
+def case_a_torch_call_failing_after_its_control_round_tells_the_peers():
+    import torch
+
+    import mlfabric.torch as hvd
+    from mlfabric.torch import ops
+    hvd.init()
+    n, r = mf.size(), mf.rank()
+    x = torch.full((1000,), 1.0 + r)
+    saved = ops._wire_copy
+
+    def no_memory(*args):
+        raise MemoryError("no memory for the wire copy (this test)")
+    try:
+        torch.testing.assert_close(hvd.allreduce(x, op=hvd.Sum, prescale_factor=2.0),
+                                   torch.full((1000,), float(n * (n + 1))))
+        if r == 0:
+            ops._wire_copy = no_memory
+        t0 = time.monotonic()
+        with pytest.raises(MemoryError if r == 0 else mf.MlfabricError,
+                           match="wire copy" if r == 0 else "rank 0|gave up"):
+            hvd.allreduce(x, op=hvd.Sum, prescale_factor=2.0)
+        assert time.monotonic() - t0 < T, time.monotonic() - t0  # told, not timed out
+        with pytest.raises(mf.MlfabricError, match="unusable|gave up"):
+            hvd.allreduce(x, op=hvd.Sum)
+    finally:
+        ops._wire_copy = saved
+        hvd.shutdown()
         _fresh()
