@@ -21,7 +21,7 @@ from .timeline import gantt, plot
 from .validate import ScheduleError, Stats, Timeline, simulate, validate, weight_versions
 
 _LAZY = {name: "executor" for name in ("PipelineExecutor", "PipelineError", "StageInputError",
-                                        "PipelineTimeoutError")}
+                                        "PipelineTimeoutError", "StageDiedError")}
 _LAZY.update({name: "stage" for name in ("PipelineModel", "split_layers", "stage_modules",
                                          "make_schedule")})
 _LAZY.update({name: "tensor_parallel" for name in (

@@ -54,7 +54,18 @@ the failing one its own error, the others a PipelineError quoting it. A stage wh
 rejects the previous stage's output (a shape mismatch) raises StageInputError naming both stages
 and the shape. After a failure the executor is unusable (messages of the failed run may still be
 in flight).
+
+A dead peer (Open MPI under --with-ft ulfm, whose failure detector tells every survivor: a
+request with the dead process fails, and so does the receive of failure reports, which listens
+to any source) ends the run on each survivor with StageDiedError naming the dead rank and stage
+and what this rank was doing; the survivors skip the agreement (the dead cannot take part).
+Without ULFM, mpirun ends the whole job when a process dies.
+
+Construction compares, in one small bounded allgather of digests, the schedule and whatever the
+caller adds (PipelineModel: the layer count, the cuts, each layer's class and parameter shapes);
+ranks that differ raise MismatchError on every rank, naming what differs and who passed what.
 """
+import json
 import os
 import time
 import zlib
@@ -86,6 +97,7 @@ _TAG_LIMIT = 1 << 30            # data tags stay below this (MPI_TAG_UB is at le
 
 # Polling of a bounded wait (as in comm.p2p): spin briefly, then yield, then sleep with back-off.
 _SPIN_S, _YIELD_S, _MAX_SLEEP_S = 50e-6, 20e-3, 1e-3
+_CHECK_S = 20e-3  # a collective's wait asks MPI for dead peers this often
 
 _SCALE_BY_M = {"flush": True, "2bw": True, "stash": False, "vertical": False}
 
@@ -111,6 +123,27 @@ class PipelineTimeoutError(PipelineError, PeerTimeoutError):
     """A peer did not send what an action waits for within MLFABRIC_TIMEOUT seconds."""
 
 
+class StageDiedError(PipelineTimeoutError):
+    """A peer's process died (MPI reported it failed: Open MPI run with --with-ft ulfm, whose
+    failure detector tells every survivor). Raised on each surviving rank, naming the dead
+    rank(s) and their stages (`dead`, ranks of the pipeline's communicator; `origin` is the
+    first) and what this rank was doing. A PipelineTimeoutError: the dead peer will never send
+    what is awaited, so code that handles a silent peer handles a dead one. The survivors do not
+    agree on an outcome (the dead cannot take part), and the pipeline is unusable afterwards."""
+
+    def __init__(self, message, dead=(), rank=None, action=None, position=None, origin=None):
+        dead = sorted(dead)
+        super().__init__(message, rank=rank, action=action, position=position,
+                         origin=dead[0] if origin is None and dead else origin)
+        self.dead = dead
+
+
+# MPI error classes that mean a peer process died (ULFM)
+_FAILED_CLASSES = tuple(getattr(MPI, name) for name in (
+    "ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED") if hasattr(MPI, name))
+_AGREE_WORDS = 8  # the construction check's digest: field count, then one crc32 per field
+
+
 class _PeerAborted(Exception):
     """Another rank reported a failure while this one was waiting."""
 
@@ -130,15 +163,20 @@ class PipelineExecutor:
         none). The executor calls step() and zero_grad(); it owns the gradients.
     comm: an mpi4py intracommunicator with one rank per schedule rank (default COMM_WORLD); the
         executor works on private duplicates of it. Construction is collective over comm: it
-        checks that every rank passed the same schedule and gives replicas of a stage replica
-        0's weights.
+        checks that every rank passed the same schedule (and whatever agree_on names) and gives
+        replicas of a stage replica 0's weights.
+    agree_on: more (name, value, item) triples every rank must pass alike (PipelineModel gives
+        the layer count, the cuts and each layer's signature); value is JSON-able (compared by
+        its JSON text); item names a list value's elements, so a mismatch shows the first element
+        that differs ("layer 3: ..."), or is None (the whole value is shown). Ranks that differ
+        raise MismatchError on every rank, naming what differs and which ranks passed what.
 
     Counters for tests and benchmarks: live_versions / stashed (now), peak_versions /
     peak_stash (the maxima since construction, per rank, as validate() counts them),
     versions_used ({(piece, microbatch): (version of F, version of B)} of the last run) and
     steps (optimizer steps since construction)."""
 
-    def __init__(self, schedule, modules, loss_fn, optimizer=None, comm=None):
+    def __init__(self, schedule, modules, loss_fn, optimizer=None, comm=None, *, agree_on=()):
         if not isinstance(schedule, Schedule):
             raise ValueError("schedule must be a mlfabric.pipeline.Schedule, got %r"
                              % (type(schedule).__name__,))
@@ -185,16 +223,7 @@ class PipelineExecutor:
         req = comm.Ibarrier()  # bounded: a rank that never constructs is an error, not a hang
         p2p.wait([req], list(range(comm.Get_size())), who + ": waiting for every rank to start")
         self._comm = comm.Dup()
-        digest = np.array([zlib.crc32(schedule.to_text().encode())], np.int64)
-        every = np.empty(self._comm.Get_size(), np.int64)
-        p2p.wait([self._comm.Iallgather(digest, every)], list(range(self._comm.Get_size())),
-                 who + ": comparing schedules")
-        if len(set(every.tolist())) > 1:
-            groups = {}
-            for r, d in enumerate(every.tolist()):
-                groups.setdefault(d, []).append(r)
-            raise MismatchError("ranks passed different schedules (by rank groups: %s); every "
-                                "rank must build the same one" % list(groups.values()))
+        self._agree_at_start(who, schedule, agree_on)
         self._replica_comm = self._comm.Split(self.stage, self.replica)
         # TAG_UB is an attribute of COMM_WORLD only (None on COMM_SELF and on split
         # communicators); it holds for every communicator of the job
@@ -293,6 +322,10 @@ class PipelineExecutor:
             error, status = self._peer_error(e, None, None), 2
         except Exception as e:  # noqa: BLE001 - every failure is reported to the peers
             error, status = self._located(e, None, None), 1
+        if isinstance(error, StageDiedError):
+            # the dead take part in nothing: each survivor raises what it saw, no agreement
+            self._broken = str(error)
+            raise error
         if status == 1:
             self._tell_peers(error)
         self._agree(error, status)
@@ -524,6 +557,42 @@ class PipelineExecutor:
         if reqs:
             p2p.wait(reqs, list(range(n)), who + ": broadcasting replica 0's weights")
 
+    # --- the construction check -------------------------------------------------------------------
+
+    def _agree_at_start(self, who, schedule, agree_on):
+        """One small bounded allgather of a digest per field (the schedule, then agree_on); if
+        any differs, a second exchange of the values themselves so that every rank raises the
+        same MismatchError naming which ranks passed what."""
+        fields = [("the schedule", "%s, actions %08x" % (
+            schedule.header(), zlib.crc32(schedule.to_text().encode())), None)]
+        for f in agree_on:
+            name, value, item = f
+            fields.append((str(name), json.loads(json.dumps(value)), item))
+        if len(fields) >= _AGREE_WORDS:
+            raise ValueError("at most %d agree_on fields" % (_AGREE_WORDS - 2))
+        size = self._comm.Get_size()
+        digest = np.zeros(_AGREE_WORDS, np.int64)
+        digest[0] = len(fields)
+        for i, (name, value, _) in enumerate(fields):
+            digest[1 + i] = zlib.crc32(json.dumps([name, value], sort_keys=True).encode())
+        every = np.empty((size, _AGREE_WORDS), np.int64)
+        p2p.wait([self._comm.Iallgather(digest, every)], list(range(size)),
+                 who + ": comparing the schedule and the model")
+        if (every == every[0]).all():
+            return
+        blob = np.frombuffer(json.dumps([list(f) for f in fields]).encode(), np.uint8).copy()
+        sizes = np.empty(size, np.int64)
+        p2p.wait([self._comm.Iallgather(np.array([blob.size], np.int64), sizes)],
+                 list(range(size)), who + ": exchanging what differs")
+        displs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        out = np.empty(int(sizes.sum()), np.uint8)
+        p2p.wait([self._comm.Iallgatherv([blob, MPI.BYTE],
+                                         [out, sizes.tolist(), displs.tolist(), MPI.BYTE])],
+                 list(range(size)), who + ": exchanging what differs")
+        per_rank = [json.loads(bytes(out[d:d + n]).decode())
+                    for d, n in zip(displs.tolist(), sizes.tolist())]
+        raise MismatchError(_disagreement(per_rank))
+
     # --- messages ---------------------------------------------------------------------------------
 
     def _tag(self, kind, q, k):
@@ -608,14 +677,14 @@ class PipelineExecutor:
         and its requests parked with their buffers (MPI may still touch them), then
         PipelineTimeoutError (naming `what` and the late peers) or _PeerAborted is raised."""
         testall = MPI.Request.Testall
-        if testall(reqs):
-            return
         perf = time.perf_counter
         start = now = perf()
         timeout = _config.timeout_s()
         deadline = start + timeout
         nap = 0.0
         try:
+            if testall(reqs):
+                return
             while now < deadline:
                 if testall(reqs):
                     return
@@ -633,7 +702,14 @@ class PipelineExecutor:
         except _PeerAborted:
             self._park(reqs, is_recv)
             raise
-        late = sorted({p for r, p in zip(reqs, peers) if r != MPI.REQUEST_NULL and not r.Test()})
+        except MPI.Exception as e:  # a request failed; under ULFM: a peer died
+            self._park(reqs, is_recv)
+            raise self._mpi_failure(e, what, peers) from e
+        dead = self._dead_ranks()
+        if dead:
+            self._park(reqs, is_recv)
+            raise self._died(what, dead, "found when the wait ran out")
+        late = sorted({p for r, p in zip(reqs, peers) if not _done(r)})
         self._park(reqs, is_recv)
         raise PipelineTimeoutError("%s: nothing came within %g s (MLFABRIC_TIMEOUT); %s died, "
                                    "hangs, or runs a different schedule"
@@ -656,6 +732,100 @@ class PipelineExecutor:
             if r != MPI.REQUEST_NULL:
                 self._parked.append(r)
 
+    # --- dead peers (ULFM) ------------------------------------------------------------------------
+
+    def _dead_ranks(self, settle_s=0.0):
+        """The ranks of the pipeline's communicator that MPI knows to have died (ULFM's
+        MPI_Comm_get_failed; [] without ULFM). settle_s: after an MPI error that says a process
+        failed, how long to let the local failure list catch up before giving up on it."""
+        deadline = time.perf_counter() + settle_s
+        while True:
+            try:
+                g = self._comm.Get_failed()
+                n = g.Get_size()
+                dead = [] if n == 0 else MPI.Group.Translate_ranks(g, list(range(n)),
+                                                                   self._comm.Get_group())
+                dead = sorted(r for r in dead if r != MPI.UNDEFINED and r >= 0)
+            except (AttributeError, NotImplementedError, MPI.Exception):
+                return []
+            if dead or time.perf_counter() >= deadline:
+                return dead
+            time.sleep(_MAX_SLEEP_S)
+
+    def _died(self, what, dead, how, cause=None):
+        """StageDiedError: `what` (this rank's action, or what it waited for) and who died."""
+        from .. import exit_guard
+        exit_guard.peer_failed()  # MPI_Finalize may now wait on the dead: bound the exit
+        label = ", ".join(self.schedule.rank_label(r) for r in dead)
+        text = "%s died (%s%s)" % (label, how, "" if cause is None else ": %s" % cause)
+        return StageDiedError("%s: %s; the pipeline cannot go on without %s: restart the job "
+                              "(from a checkpoint)" % (what, text,
+                                                       "it" if len(dead) == 1 else "them"),
+                              dead=dead, rank=self.rank)
+
+    def _wait_collective(self, req, what):
+        """Wait for a collective request over the pipeline's communicator, at most
+        MLFABRIC_TIMEOUT seconds (then comm.p2p's PeerTimeoutError). A peer's death ends the
+        wait at once with StageDiedError: a collective with a dead member may not fail until
+        much later (seconds), so the any-source receive of failure reports is tested alongside,
+        which ULFM fails as soon as a death is known."""
+        size = self._comm.Get_size()
+        perf = time.perf_counter
+        start = now = perf()
+        deadline = start + _config.timeout_s()
+        next_check, nap = start + _CHECK_S, 0.0
+        try:
+            while not req.Test():  # polled as _wait polls
+                if now >= deadline:
+                    break
+                if now >= next_check:
+                    dead = self._dead_ranks(settle_s=1.0) if self._failure_reported() else []
+                    if dead:
+                        self._parked.append(req)
+                        raise self._died(what, dead, "MPI reported the process failed")
+                    next_check = now + _CHECK_S
+                if now - start < _SPIN_S:
+                    pass
+                elif now - start < _YIELD_S:
+                    os.sched_yield()
+                else:
+                    nap = min(max(nap * 2, 20e-6), _MAX_SLEEP_S, deadline - now)
+                    time.sleep(nap)
+                now = perf()
+            else:
+                return
+        except MPI.Exception as e:
+            self._parked.append(req)
+            raise self._mpi_failure(e, what, list(range(size))) from e
+        p2p.wait([req], list(range(size)), what, since=start)  # the timeout error; parks req
+
+    def _mpi_failure(self, e, what, peers):
+        """The error for an MPI error `e` in a wait on `peers`: StageDiedError if MPI knows a
+        peer died, else a PipelineError naming the peers and MPI's message."""
+        cls = e.Get_error_class()
+        failed = cls in _FAILED_CLASSES or cls == MPI.ERR_IN_STATUS
+        dead = self._dead_ranks(settle_s=1.0 if failed else 0.0)
+        if dead:
+            return self._died(what, dead, "MPI reported the process failed",
+                              e.Get_error_string())
+        return PipelineError("%s: MPI error talking to %s: %s"
+                             % (what, ", ".join(self.schedule.rank_label(r)
+                                                for r in sorted(set(peers))),
+                                e.Get_error_string()), rank=self.rank)
+
+    def _failure_reported(self):
+        """Whether MPI reports a dead process (ULFM fails the any-source receive of failure
+        reports then) or already lists one. A failure report that arrives is kept for
+        _check_abort."""
+        try:
+            if self._abort is None and self._abort_req.Test(self._abort_status):
+                n = self._abort_status.Get_count(MPI.BYTE)
+                self._abort = (self._abort_status.Get_source(),
+                               bytes(self._abort_buf[:n]).decode("utf-8", "replace"))
+        except MPI.Exception:
+            return True
+        return bool(self._dead_ranks())
+
     def _check_abort(self):
         if self._abort is None and self._abort_req.Test(self._abort_status):
             n = self._abort_status.Get_count(MPI.BYTE)
@@ -671,17 +841,25 @@ class PipelineExecutor:
         data = np.frombuffer(str(error).encode("utf-8")[:_ABORT_BYTES], np.uint8).copy()
         for r in range(self._comm.Get_size()):
             if r != self.rank:
-                self._parked.append((self._comm.Isend([data, MPI.BYTE], r, _ABORT_TAG), data))
+                try:
+                    self._parked.append((self._comm.Isend([data, MPI.BYTE], r, _ABORT_TAG),
+                                         data))
+                except MPI.Exception:  # a dead peer (ULFM): the others still hear of it
+                    pass
 
     def _agree(self, error, status):
         """Every rank says how its run ended; all raise if any failed."""
         size = self._comm.Get_size()
         mine = np.array([status], np.int64)
         every = np.empty(size, np.int64)
+        if error is None:
+            what = "pipeline %s failed on %s, agreeing on the outcome of the run (it ran all its " \
+                "actions)" % (self.schedule.name, self.schedule.rank_label(self.rank))
+        else:  # what went wrong here first, then the agreement (a death can be known only then)
+            what = "%s; then, agreeing on the outcome of the run" % str(error).splitlines()[0]
         try:
-            p2p.wait([self._comm.Iallgather(mine, every)], list(range(size)),
-                     "%s: agreeing on the outcome of the run" % self.schedule.rank_label(self.rank))
-        except PeerTimeoutError as e:
+            self._wait_collective(self._comm.Iallgather(mine, every), what)
+        except MlfabricError as e:  # a timeout, or a dead peer (StageDiedError)
             self._broken = str(e)
             raise e from error
         if not every.any():
@@ -693,6 +871,10 @@ class PipelineExecutor:
             failed = [r for r, s in enumerate(every.tolist()) if s == 1]
             try:
                 self._await_report(failed)
+            except MPI.Exception as e:
+                error = self._mpi_failure(e, "%s: waiting for the failure report of rank(s) %s"
+                                          % (self.schedule.rank_label(self.rank), failed),
+                                          failed)
             except _PeerAborted as e:
                 error = PipelineError("%s ran all its actions, but %s failed:\n%s"
                                       % (self.schedule.rank_label(self.rank),
@@ -726,16 +908,24 @@ class PipelineExecutor:
         """e with where it happened and the step x rank grid."""
         if isinstance(e, _Located):
             return e.error
-        cls = type(e) if isinstance(e, PipelineError) else PipelineError
         where = self._where(a, i) if a is not None else \
             "%s, outside its actions" % self.schedule.rank_label(self.rank)
+        if not isinstance(e, PipelineError) and isinstance(e, (MPI.Exception, MlfabricError)):
+            dead = self._dead_ranks()
+            if dead:  # e.g. the replicas' allreduce met a dead replica
+                e = self._died(where, dead, "MPI reported the process failed",
+                               "%s: %s" % (type(e).__name__, e))
+        cls = type(e) if isinstance(e, PipelineError) else PipelineError
         text = str(e) if isinstance(e, PipelineError) else "%s: %s" % (type(e).__name__, e)
         if text.startswith(where):  # a wait's message already says where
             text = text[len(where):].lstrip(": ")
         msg = "pipeline %s failed on %s: %s" % (self.schedule.name, where, text)
         if a is not None:
             msg += "\n" + self.failure_grid(i)
-        err = cls(msg, rank=self.rank, action=a, position=i)
+        if isinstance(e, StageDiedError):
+            err = cls(msg, dead=e.dead, rank=self.rank, action=a, position=i)
+        else:
+            err = cls(msg, rank=self.rank, action=a, position=i)
         err.__cause__ = e
         return err
 
@@ -776,6 +966,61 @@ class _Located(Exception):
     def __init__(self, error, status):
         super().__init__(str(error))
         self.error, self.status = error, status
+
+
+def _disagreement(per_rank):
+    """The message of a failed construction check: per field that differs (in the order the
+    fields were given), "ranks disagree on NAME: VALUE on rank(s) [...]; ..." (the style of
+    mlfabric.comm.header's mismatch messages). per_rank[r]: rank r's [name, value, item] list."""
+    names, items = [], {}
+    for fields in per_rank:
+        for name, _, item in fields:
+            if name not in items:
+                names.append(name)
+                items[name] = item
+    lines = []
+    for name in names:
+        values = [next((v for n, v, _ in fields if n == name), _MISSING) for fields in per_rank]
+        texts = [json.dumps(v, sort_keys=True) for v in values]
+        if len(set(texts)) == 1:
+            continue
+        item = items[name]
+        index = None
+        if item and all(isinstance(v, list) for v in values) \
+                and len({len(v) for v in values}) == 1:
+            index = next(i for i in range(len(values[0]))
+                         if len({json.dumps(v[i], sort_keys=True) for v in values}) > 1)
+        groups = {}
+        for r, (v, t) in enumerate(zip(values, texts)):
+            key = t if index is None else json.dumps(v[index], sort_keys=True)
+            groups.setdefault(key, (v if index is None else v[index], []))[1].append(r)
+        parts = "; ".join("%s on rank(s) %s" % (_show(v), ranks) for v, ranks in groups.values())
+        lines.append("ranks disagree on %s: %s"
+                     % (name if index is None else "%s (first at %s %d)" % (name, item, index),
+                        parts))
+    return ("pipeline construction: %s\nevery rank must build the same schedule and model (the "
+            "same layers, cut at the same places); cuts computed per rank from timings "
+            "(profile_layers, partition) can differ: compute them on one rank and broadcast "
+            "them (comm.bcast)" % "\n".join(lines or ["ranks disagree on the call"]))
+
+
+_MISSING = "(not given)"
+
+
+def _show(v):
+    if isinstance(v, str):
+        return v
+    return json.dumps(v)
+
+
+def _done(req):
+    """Whether a request has completed (an MPI error on it counts as not: it never delivered)."""
+    if req == MPI.REQUEST_NULL:
+        return True
+    try:
+        return req.Test()
+    except MPI.Exception:
+        return False
 
 
 def _copy_params(params):

@@ -11,9 +11,14 @@ must have), or by default layers spread as evenly as their count allows. With v 
 (interleaved schedules) the model is cut into p * v pieces and rank s holds pieces s, s + p, ...
 
 Every rank builds the whole layer list (seeded alike, so the weights agree) and keeps its pieces;
-replicas of a stage are given replica 0's weights anyway. The running is mlfabric.pipeline.
-executor's. This module imports torch; MPI (mpi4py, the executor) only when a PipelineModel is
-built, so split_layers and make_schedule work in a process without MPI.
+replicas of a stage are given replica 0's weights anyway. Construction checks that every rank
+cut the same model the same way: the schedule, the layer count, the cuts and each layer's
+signature (its class, its submodules' classes, its parameters' and buffers' names, shapes and
+dtypes) are compared in one small bounded collective; ranks that differ (cuts computed per rank
+from timings, say) raise MismatchError on every rank, naming what differs and who passed what.
+The running is mlfabric.pipeline.executor's. This module imports torch; MPI (mpi4py, the
+executor) only when a PipelineModel is built, so split_layers and make_schedule work in a
+process without MPI.
 """
 import torch
 
@@ -139,6 +144,11 @@ class PipelineModel:
         if not callable(optimizer):
             raise ValueError("optimizer must be a factory: params -> torch optimizer")
         pieces = split_layers(layers, schedule.pieces, boundaries, partition)
+        sizes = [len(pc) for pc in pieces]
+        agree_on = (("the number of layers", sum(sizes), None),
+                    ("the cuts (the first layer of each piece after the first)",
+                     [sum(sizes[:i]) for i in range(1, len(sizes))], None),
+                    ("the layers", [layer_signature(m) for pc in pieces for m in pc], "layer"))
         self.schedule = schedule
         self.rank = comm.Get_rank()
         self.stage = schedule.placement[self.rank].stage
@@ -146,7 +156,8 @@ class PipelineModel:
         self.modules = stage_modules(pieces, schedule, self.rank)
         params = [prm for m in self.modules for prm in m.parameters() if prm.requires_grad]
         self.optimizer = optimizer(params) if params else None
-        self.executor = PipelineExecutor(schedule, self.modules, loss_fn, self.optimizer, comm)
+        self.executor = PipelineExecutor(schedule, self.modules, loss_fn, self.optimizer, comm,
+                                         agree_on=agree_on)
         self.is_first = 0 in self.executor.pieces
         self.is_last = self.executor.last_piece in self.executor.pieces
 
@@ -169,6 +180,25 @@ class PipelineModel:
             return None
         total, count = self.executor.replica_sum([sum(losses.values()), len(losses)])
         return float(total / count) if count else float("nan")
+
+
+def layer_signature(module):
+    """What must match across ranks about one layer: its class, its submodules' classes and its
+    parameters' and buffers' names, shapes and dtypes (frozen parameters marked), as a short
+    string, e.g. "Sequential[Linear, Tanh](0.weight 6x5 float64, 0.bias 6 float64)"."""
+    subs = [type(m).__name__ for m in module.modules()][1:]
+    out = type(module).__name__ + ("[%s]" % ", ".join(subs) if subs else "")
+    tensors = ["%s %s%s" % (n, _tensor_signature(t), "" if t.requires_grad else " frozen")
+               for n, t in module.named_parameters()]
+    tensors += ["%s %s buffer" % (n, _tensor_signature(t)) for n, t in module.named_buffers()]
+    return out + "(%s)" % ", ".join(tensors)
+
+
+def _tensor_signature(t):
+    if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):  # a lazy module's
+        return "uninitialized"
+    return "%s %s" % ("x".join(str(d) for d in t.shape) or "scalar",
+                      str(t.dtype).replace("torch.", ""))
 
 
 def _microbatches(data, n, what):
