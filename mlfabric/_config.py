@@ -17,6 +17,10 @@ MLFABRIC_NCCL_SHARE_GPU
 MLFABRIC_TORCH_META
                    0 makes mlfabric.torch read its grouped calls' tensors through torch's Python
                    API instead of PyTorch's C shim (default 1; the results are the same).
+MLFABRIC_STORE_ADDR
+                   the address where rank 0's rendezvous TCPStore (the torch.distributed
+                   backend's) listens and the other ranks connect (default: 127.0.0.1 on one
+                   host, else the address rank 0 reaches its peers from).
 """
 import math
 import os

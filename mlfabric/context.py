@@ -108,10 +108,11 @@ class Context:
         (broken()), or an exception went uncaught there (its peers may be waiting for it in a
         collective, and time out: a rank that raised before a collective must not wait for them
         in a free, nor they for it). Every rank gets the same answer when all of them get here:
-        one MAX reduction, on which an out-of-step rank waits at most 2 x MLFABRIC_TIMEOUT (its
-        peers may need MLFABRIC_TIMEOUT to notice); a rank in step waits as long as it takes
-        (a peer may legitimately still be working), as in the collective frees it used to go
-        straight to.
+        one MAX reduction, on which an out-of-step rank waits at most MLFABRIC_TIMEOUT (its peers
+        are told it gave up, see fail(), and come as soon as they are done); a rank in step waits
+        as long as it takes (a peer may legitimately still be working), as in the collective
+        frees it used to go straight to, unless a peer's notice comes meanwhile (then the wait is
+        bounded as an out-of-step rank's: the peer may exit before the reduction completes).
 
         Not MPI_Abort on an uncaught exception (as `python -m mpi4py` does): it would kill the
         peers before they report anything, and it would end elastic jobs whose survivors are
@@ -120,16 +121,17 @@ class Context:
             return self.broken()
         if self.abandoned or _has_failed(self.comm):
             return True  # a member is dead (abandoned: the elastic reset's): nothing can finish
-        mine = int(self.broken() or exit_guard.uncaught())
+        mine = int(self.broken() or self.peer_failure() is not None or exit_guard.uncaught())
         send, recv = np.array([mine], np.int32), np.zeros(1, np.int32)
         try:
             req = self.exit_comm.Iallreduce(send, recv, op=MPI.MAX)
-            if not mine:
-                req.Wait()
-                return bool(recv[0])
-            deadline, pause = time.monotonic() + 2 * _config.timeout_s(), 1e-4
+            deadline = time.monotonic() + _config.timeout_s() if mine else None
+            pause = 1e-4
             while not req.Test():
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if deadline is None and self.peer_failure() is not None:
+                    deadline = now + _config.timeout_s()
+                if deadline is not None and now > deadline:
                     _parked.append((req, send, recv))
                     return True
                 time.sleep(pause)
