@@ -28,11 +28,6 @@ from .errors import MismatchError, MlfabricError, PeerTimeoutError
 ALGORITHMS = ("auto", "shm", "ring", "rhd", "tree")
 
 
-def _others(ctx):
-    """Every rank but this one: whom a wait on a collective request of ctx's waits for."""
-    return [r for r in range(ctx.size) if r != ctx.rank]
-
-
 def _exchange_headers(ctx, what, hdr):
     """Header-only exchange for paths that do not carry headers themselves (MPI algorithms)."""
     if ctx.shm is not None:
@@ -41,7 +36,7 @@ def _exchange_headers(ctx, what, hdr):
     mine = np.asarray(hdr, np.int64)
     every = np.empty(ctx.size * header.WORDS, np.int64)
     req = ctx.comm.Iallgather(mine, every)
-    p2p.wait([req], _others(ctx), f"{what} (header exchange)")
+    p2p.wait([req], p2p.others(ctx.comm), f"{what} (header exchange)")
     header.check(header.from_flat(every, ctx.size), what)
 
 
@@ -774,7 +769,7 @@ def _exchange_splits(ctx, what, send_rows, rest, code):
     """(rows this rank receives from each rank, bytes of one row of shape `rest`): the split
     counts go round over MPI first, for the host and the GPU path alike."""
     recv_rows = np.empty(ctx.size, np.int64)
-    p2p.wait([ctx.comm.Ialltoall(send_rows, recv_rows)], _others(ctx),
+    p2p.wait([ctx.comm.Ialltoall(send_rows, recv_rows)], p2p.others(ctx.comm),
              f"{what} (split exchange)")
     return recv_rows, int(np.prod(rest, dtype=np.int64)) * _dtypes.ITEMSIZE[code]
 
@@ -816,7 +811,7 @@ def _alltoall(x, splits, async_):
                          (send_rows.astype(np.int32), sdispl.astype(np.int32)), row],
                         [p2p.as_bytes(ob.arr),
                          (recv_rows.astype(np.int32), rdispl.astype(np.int32)), row])
-                    p2p.wait([req], _others(ctx), what)
+                    p2p.wait([req], p2p.others(ctx.comm), what)
                 finally:
                     row.Free()
             return _finish(res, ob), recv_rows

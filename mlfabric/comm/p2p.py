@@ -71,6 +71,12 @@ def watch(check):
     return previous
 
 
+def others(comm):
+    """Every rank of comm but the caller: the ranks a wait on a collective request waits for."""
+    me = comm.Get_rank()
+    return [r for r in range(comm.Get_size()) if r != me]
+
+
 def as_bytes(arr, lo=0, hi=None):
     """uint8 view (no copy) of elements [lo, hi) of a 1-D contiguous array."""
     a = arr[lo:hi]

@@ -221,7 +221,7 @@ class PipelineExecutor:
 
         who = "PipelineExecutor on " + schedule.rank_label(self.rank)
         req = comm.Ibarrier()  # bounded: a rank that never constructs is an error, not a hang
-        p2p.wait([req], list(range(comm.Get_size())), who + ": waiting for every rank to start")
+        p2p.wait([req], p2p.others(comm), who + ": waiting for every rank to start")
         self._comm = comm.Dup()
         self._agree_at_start(who, schedule, agree_on)
         self._replica_comm = self._comm.Split(self.stage, self.replica)
@@ -555,7 +555,8 @@ class PipelineExecutor:
                     buf = prm.data.reshape(-1).view(torch.uint8).numpy()
                     reqs.append(self._replica_comm.Ibcast([buf, MPI.BYTE], 0))
         if reqs:
-            p2p.wait(reqs, list(range(n)), who + ": broadcasting replica 0's weights")
+            p2p.wait(reqs, p2p.others(self._replica_comm),
+                     who + ": broadcasting replica 0's weights")
 
     # --- the construction check -------------------------------------------------------------------
 
@@ -576,7 +577,7 @@ class PipelineExecutor:
         for i, (name, value, _) in enumerate(fields):
             digest[1 + i] = zlib.crc32(json.dumps([name, value], sort_keys=True).encode())
         every = np.empty((size, _AGREE_WORDS), np.int64)
-        p2p.wait([self._comm.Iallgather(digest, every)], list(range(size)),
+        p2p.wait([self._comm.Iallgather(digest, every)], p2p.others(self._comm),
                  who + ": comparing the schedule and the model")
         if (every == every[0]).all():
             return
@@ -797,7 +798,7 @@ class PipelineExecutor:
         except MPI.Exception as e:
             self._parked.append(req)
             raise self._mpi_failure(e, what, list(range(size))) from e
-        p2p.wait([req], list(range(size)), what, since=start)  # the timeout error; parks req
+        p2p.wait([req], p2p.others(self._comm), what, since=start)  # the timeout error; parks req
 
     def _mpi_failure(self, e, what, peers):
         """The error for an MPI error `e` in a wait on `peers`: StageDiedError if MPI knows a

@@ -108,7 +108,7 @@ class TPGroup:
         mine = np.array([t if isinstance(t, (int, np.integer)) and not isinstance(t, bool)
                          else -1], np.int64)
         every = np.empty(comm.Get_size(), np.int64)
-        p2p.wait([comm.Iallgather(mine, every)], list(range(comm.Get_size())),
+        p2p.wait([comm.Iallgather(mine, every)], p2p.others(comm),
                  "TPGroup.split (agreeing on t)")
         if mine[0] < 1:
             raise ValueError(f"tensor-parallel size t must be a positive int, got {t!r}")
@@ -154,7 +154,7 @@ class TPGroup:
         if not too_long:
             mine[2:2 + len(words)] = words
         every = np.empty(self.size * _AGREE_WORDS, np.int64)
-        p2p.wait([self.comm.Iallgather(mine, every)], list(range(self.size)),
+        p2p.wait([self.comm.Iallgather(mine, every)], p2p.others(self.comm),
                  f"{what} (argument check over the tensor-parallel group)")
         if too_long:
             raise ValueError(f"{what}: arguments too long to check ({len(words)} values; "
