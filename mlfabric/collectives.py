@@ -14,6 +14,7 @@ place and returns x. Inputs may be numpy arrays or CPU torch tensors; non-contig
 Handle whose wait() gives the result (buffers must be left alone until then).
 """
 import contextlib
+import functools
 import threading
 import time
 
@@ -46,10 +47,7 @@ def _run(what, prepare, async_=False):
     A rank whose arguments are bad still joins the header exchange with a 'rejected' header, so
     its peers fail at once with a MismatchError naming it, and then raises its own error."""
     ctx = context.get()
-    return _submit(ctx, what, lambda: _call(ctx, what, prepare), async_)
-
-
-def _submit(ctx, what, call, async_):
+    call = functools.partial(_call, ctx, what, prepare)
     if async_:
         return ctx.executor.submit(what, call)
     return ctx.executor.run(what, call)
@@ -254,25 +252,20 @@ def _direct(x, algorithm="auto"):
     return ctx, arr
 
 
-def _run_direct(ctx, kind, plan, arr, make_out):
-    """Run a prepared engine call (_plain_plan) on the calling thread: the output array, or
-    None where the general path must take the call instead, which raises the right error on
-    every rank: the context is unusable or another thread is inside a call on it (see
-    context.Context.enter), the output cannot be allocated (the general path allocates it
-    before the header exchange, so the peers hear of the MemoryError), an array is not
-    contiguous. A timeout here marks the engine failed, as on the general path."""
+def _run_direct(ctx, kind, plan, arr, out):
+    """Run a prepared engine call (_plain_plan) on the calling thread; False (nothing done)
+    where the general path must take the call instead, which raises the right error on every
+    rank: the context is unusable, or another thread is inside a call on it (see
+    context.Context.enter), or an array is not contiguous. A timeout here marks the engine
+    failed, as on the general path."""
     if ctx.failure is not None or not ctx.busy.acquire(blocking=False):
-        return None
+        return False
+    ctx.running = kind
     try:
-        try:
-            out = make_out()
-        except Exception:
-            return None
-        ctx.running = kind
         done = ctx.shm.run_plan(kind, plan, arr, out)
     finally:
         ctx.leave()
-    return out if done and ctx.failure is None else None
+    return done and ctx.failure is None
 
 
 def _as_input(res, x, arr):
@@ -294,9 +287,11 @@ def allreduce(x, op="sum", out=None, algorithm="auto"):
                                                         not np.may_share_memory(out, x))):
         plan = _plain_plan(ctx, "allreduce", arr, op)
         if plan is not None:
-            res = _run_direct(ctx, "allreduce", plan, arr, lambda: (
-                np.empty_like(arr) if out is None else arr if out is x else out))
-            if res is not None:
+            try:
+                res = np.empty_like(arr) if out is None else arr if out is x else out
+            except Exception:  # a MemoryError: the general path allocates it again, before its
+                res = None     # header exchange, so that the peers hear of it
+            if res is not None and _run_direct(ctx, "allreduce", plan, arr, res):
                 return _as_input(res, x, arr) if out is None else out
     return _allreduce(x, op, out, algorithm, False)
 
@@ -422,9 +417,11 @@ def allgather(x, out=None, element=0):
         # (as allreduce's direct path)
         plan = _plain_plan(ctx, "allgather", arr)
         if plan is not None:
-            res = _run_direct(ctx, "allgather", plan, arr, lambda: np.empty(
-                (ctx.size * arr.shape[0], *arr.shape[1:]), arr.dtype))
-            if res is not None:
+            try:
+                res = np.empty((ctx.size * arr.shape[0], *arr.shape[1:]), arr.dtype)
+            except Exception:  # (as allreduce's)
+                res = None
+            if res is not None and _run_direct(ctx, "allgather", plan, arr, res):
                 return _as_input(res, x, arr)
     return _allgather(x, out, False, element)
 
