@@ -208,11 +208,11 @@ class Context:
         comm/p2p.py's waits under watch()."""
         if self.shm is not None:
             engine = self.shm.engine
+            if not engine.any_failed:  # (this rank's own mark included)
+                return None
             if engine.broken:
                 return "this rank's shared-memory engine gave up in an earlier call"
-            if engine.any_failed:
-                return "a peer gave up on the communicator (see the error on that rank)"
-            return None
+            return "a peer gave up on the communicator (see the error on that rank)"
         return self.abort.heard()
 
     def broken(self):
