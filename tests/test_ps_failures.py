@@ -24,15 +24,15 @@ def test_a_killed_rank(scenario, n, tmp_path):
 
 @pytest.mark.mpi
 def test_a_killed_server_fails_over_on_every_run(tmp_path):
-    """The failover, run ten times at 5 and 6 ranks, the server dying at a different point of
+    """The failover, run twelve times at 5 and 6 ranks, the server dying at a different point of
     the job each time (from its first updates to two thirds of them): every run ends with the
     scheduler's summary, accounts balanced, on every survivor. A stall once in tens of runs is
     what this looks for: a stuck rank's stacks come with the failure (run_mpi), and a job that
     can no longer end is an error within MLFABRIC_TIMEOUT rather than a wait."""
     iters = 12   # ps_failures.ITERS
-    for i in range(10):
+    for i in range(12):
         n = 5 + i % 2
-        at = max(1, round((i + 1) / 15 * iters * (n - 3)))
+        at = max(1, round((i + 1) / 18 * iters * (n - 3)))
         out = tmp_path / str(i)
         out.mkdir()
         proc = run_mpi(n, ["-m", "tests.mpi_cases.ps_failures", "server-replica", str(out),
