@@ -293,11 +293,15 @@ def _wait_for_summary(rt):
             if rt.summary.done():   # it ended in the meantime (or failed: its own error)
                 return rt.summary.wait(timeout=0)
         now = time.monotonic()
-        if not rt.daemon.is_alive() or now - rt.daemon.last_turn > limit:
+        stalled = now - rt.daemon.last_turn
+        silent = rt.rank != 0 and now - rt.channel.heard[0] > limit
+        # the scheduler's messages come through this rank's daemon: silence while the daemon
+        # has not turned for a while says this rank is stuck, not the scheduler
+        if not rt.daemon.is_alive() or stalled > limit or (silent and stalled > limit / 2):
             raise PeerTimeoutError("rank %d: the end of the job did not come and this rank's "
                                    "daemon has stopped turning (MLFABRIC_TIMEOUT=%g s)"
                                    % (rt.rank, limit))
-        if rt.rank != 0 and now - rt.channel.heard[0] > limit:
+        if silent:
             raise PeerTimeoutError("rank %d: the end of the job did not come and the scheduler "
                                    "(rank 0) has sent nothing for %.0f s (MLFABRIC_TIMEOUT=%g s)"
                                    % (rt.rank, now - rt.channel.heard[0], limit))
