@@ -1,11 +1,12 @@
 """Process-wide state between init() and finalize(): the communicator mlfabric works on, the
 host-local communicator, the shared-memory transport (when all ranks share one host) and the
-executor that orders blocking and non-blocking calls. Owns init/finalize, whether a context is
+executor that orders blocking and non-blocking calls. Owns init/finalize; whether a context is
 still usable (a rank gives up on it after a timeout or a failure inside a call, and tells its
-peers: comm/abort.py), the guard against calls entering from two threads at once, and which context a
-thread works in: the process-wide one, or for the duration of using(ctx) another one made on a
-sub-communicator (mlfabric.torch's process sets, the torch backend's subgroups), so that every
-collective called inside runs on that communicator without each taking a context argument."""
+peers: comm/abort.py); the guard against calls entering from two threads at once; and which
+context a thread works in: the process-wide one, or for the duration of using(ctx) another one
+made on a sub-communicator (mlfabric.torch's process sets, the torch backend's subgroups), so
+that every collective called inside runs on that communicator without each taking a context
+argument."""
 import atexit
 import contextlib
 import functools
@@ -157,8 +158,8 @@ class Context:
         self.running = what
 
     def check(self, what):
-        """Raise PeerTimeoutError if the context is unusable: this rank gave up on it, or (on
-        the MPI path) a peer's notice says the peer did."""
+        """Raise PeerTimeoutError if the context is unusable: this rank gave up on it, or a peer
+        did (see peer_failure())."""
         if self.failure is not None:
             raise PeerTimeoutError(f"{what}: this communicator is unusable since an earlier call "
                                    f"failed ({self.failure})")
