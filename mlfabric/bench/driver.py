@@ -13,7 +13,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from . import impls, report
-from .script import output_path
+from .script import output_path, parse_size
 
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64")
 ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8}
@@ -24,7 +24,6 @@ ALGORITHMS = ("auto", "shm", "ring", "rhd", "tree")
 SENTINEL = 16384    # written to outputs before a run: exact in every dtype, and no input or
                     # expected value reaches it (|values| <= 256 up to 256 ranks, <= n beyond)
 CHUNK = 1 << 20     # elements per step when filling and checking, to bound temporary memory
-UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
 class UsageError(Exception):
@@ -32,24 +31,6 @@ class UsageError(Exception):
 
 
 # --- sizes ---------------------------------------------------------------------------------------
-
-def parse_size(text):
-    """'8' -> 8, '64K' -> 65536, '128M', '1G', '1.5K', '4KiB', '16B'; binary units."""
-    s = str(text).strip().upper()
-    for tail in ("IB", "B"):
-        if s.endswith(tail) and len(s) > len(tail):
-            s = s[:-len(tail)]
-            break
-    unit = s[-1] if s and s[-1] in UNITS else ""
-    num = s[:-1] if unit else s
-    try:
-        value = float(num) * UNITS[unit]
-    except ValueError:
-        raise ValueError(f"bad size {text!r}: expected a byte count like 8, 64K, 128M or 1G")
-    if not 1 <= value < float("inf") or value != int(value):
-        raise ValueError(f"bad size {text!r}: must be a whole number of bytes >= 1")
-    return int(value)
-
 
 def size_sweep(begin, end, factor):
     """begin, begin*factor, ... up to end (inclusive), as nccl-tests' -b/-e/-f."""

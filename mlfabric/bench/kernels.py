@@ -24,15 +24,9 @@ COLUMNS = ("isa", "dtype", "size", "copy", "np.copyto", "reduce k=2", "% copy", 
            "% copy ")
 
 
-def parse_size(text):
-    """'1M' -> 1048576; a usage error (argparse.ArgumentTypeError) for anything but a whole
-    number of bytes >= 1."""
-    return byte_size(text)
-
-
 def parse_sizes(text):
     """argparse type: comma-separated sizes (at least one)."""
-    sizes = [parse_size(s) for s in text.split(",") if s.strip()]
+    sizes = [byte_size(s) for s in text.split(",") if s.strip()]
     if not sizes:
         raise argparse.ArgumentTypeError(f"no size in {text!r}")
     return sizes

@@ -36,43 +36,50 @@ def int_list(text):
     return values
 
 
-def positive_int(text):
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError("%r is not an integer" % text)
-    if value < 1:
-        raise argparse.ArgumentTypeError("%r: needs an integer >= 1" % text)
-    return value
+def _int_at_least(low):
+    """argparse type: an integer >= low."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError("%r is not an integer" % text)
+        if value < low:
+            raise argparse.ArgumentTypeError("%r: needs an integer >= %d" % (text, low))
+        return value
+    return parse
 
 
-def nonnegative_int(text):
-    """argparse type: an integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError("%r is not an integer" % text)
-    if value < 0:
-        raise argparse.ArgumentTypeError("%r: needs an integer >= 0" % text)
-    return value
+positive_int = _int_at_least(1)
+nonnegative_int = _int_at_least(0)
+
+UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
-def byte_size(text):
-    """argparse type: a whole number of bytes >= 1, with binary K/M/G suffixes (64K, 1.5M)."""
-    s = text.strip().upper()
+def parse_size(text):
+    """'8' -> 8, '64K' -> 65536, '128M', '1G', '1.5K', '4KiB', '16B'; binary units. ValueError
+    for anything but a whole number of bytes >= 1."""
+    s = str(text).strip().upper()
     for tail in ("IB", "B"):
         if s.endswith(tail) and len(s) > len(tail):
             s = s[:-len(tail)]
             break
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
+    unit = s[-1] if s and s[-1] in UNITS else ""
+    num = s[:-1] if unit else s
     try:
-        value = float(s[:-1] if scale > 1 else s) * scale
+        value = float(num) * UNITS[unit]
     except ValueError:
-        raise argparse.ArgumentTypeError("%r is not a size like 8, 64K, 128M or 1G" % text)
+        raise ValueError(f"bad size {text!r}: expected a byte count like 8, 64K, 128M or 1G")
     if not 1 <= value < float("inf") or value != int(value):
-        raise argparse.ArgumentTypeError("%r: needs a whole number of bytes >= 1" % text)
+        raise ValueError(f"bad size {text!r}: must be a whole number of bytes >= 1")
     return int(value)
+
+
+def byte_size(text):
+    """argparse type: parse_size() as a usage error."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc))
 
 
 def unwritable(path):
