@@ -12,7 +12,7 @@ import subprocess
 import torch
 
 from mlfabric import _C
-from mlfabric import _dtypes
+from mlfabric._core import dtypes as _dtypes
 from mlfabric.bench.script import output_path, positive_int
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,

@@ -64,7 +64,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from mlfabric import _dtypes  # noqa: E402
+from mlfabric._core import dtypes as _dtypes  # noqa: E402
 from mlfabric.bench.kernels import cpu_name  # noqa: E402
 from mlfabric.bench.report import host_info  # noqa: E402
 from mlfabric.bench.script import int_list, output_path, parser, run_main  # noqa: E402

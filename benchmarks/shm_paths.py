@@ -13,7 +13,7 @@ import numpy as np
 from mpi4py import MPI
 
 import mlfabric as mf
-from mlfabric import context
+from mlfabric.comm import context
 
 
 def per_call_us(comm, fn, iters=10):

@@ -24,7 +24,7 @@ import sys
 import torch
 
 import mlfabric.torch as hvd
-from mlfabric.collectives import split_rows
+from mlfabric.comm.collectives import split_rows
 from mlfabric.bench.script import int_list, output_path, parser, positive_int
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

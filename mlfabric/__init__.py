@@ -19,20 +19,24 @@ _os.environ.setdefault("OMPI_MCA_osc", "^ucx")
 import importlib as _importlib  # noqa: E402
 
 from . import _C  # noqa: E402
-from . import exit_guard as _exit_guard  # noqa: E402,F401 (its exit handler runs last)
+from ._core import exit_guard as _exit_guard  # noqa: E402,F401 (its exit handler runs last)
+from ._core import moved as _moved  # noqa: E402
 from .errors import (ConcurrentCallError, MismatchError, MlfabricError,  # noqa: E402
                      NotInitializedError, PeerTimeoutError)
 
 # The communication API is imported on first use (PEP 562), not with the package: importing MPI
 # (and torch, for tensor support) takes seconds, and mlfabric.sched / mlfabric.sim are pure
 # computation that must not pay for it or start MPI.
-_LAZY = {name: ".collectives" for name in (
+_LAZY = {name: ".comm.collectives" for name in (
     "Handle", "allgather", "allgather_async", "allreduce", "allreduce_async", "alltoall",
     "alltoall_async", "barrier",
     "broadcast", "broadcast_async", "irecv", "isend", "recv", "reduce", "reduce_scatter",
     "reduce_scatter_async", "Request", "send")}
-_LAZY.update({name: ".context" for name in ("finalize", "init", "initialized")})
-_LAZY.update({name: ".shared" for name in ("is_shared", "shared_empty", "shared_zeros")})
+_LAZY.update({name: ".comm.context" for name in ("finalize", "init", "initialized")})
+_LAZY.update({name: ".comm.shared" for name in ("is_shared", "shared_empty", "shared_zeros")})
+
+
+_moved.install()
 
 
 def __getattr__(name):

@@ -5,7 +5,8 @@ and the CPU instruction-set switch. Owns argument checking for them; the arithme
 Accepts numpy arrays and CPU torch tensors (non-contiguous ones go through a contiguous copy), and
 CUDA torch tensors in builds with CUDA kernels (work is queued on the tensor's current stream).
 """
-from . import _C, _buffers, _dtypes
+from . import _C
+from ._core import buffers as _buffers, dtypes as _dtypes
 from .errors import MlfabricError
 
 ISAS = ("scalar", "avx2", "avx512")

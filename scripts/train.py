@@ -195,7 +195,7 @@ class Reporter:
     """Per-epoch metrics on the reporting rank: JSON lines, the progress bar, the plot."""
 
     def __init__(self, args, steps, active):
-        from mlfabric.progress import Progress
+        from mlfabric._core.progress import Progress
         self.args, self.active, self.rows = args, active, []
         self.bar = Progress(steps, "train %s" % args.mode, enabled=active and not args.quiet)
         self.out = open(args.metrics, "w") if active and args.metrics else None
@@ -263,7 +263,7 @@ def pick_device(args, comm, hvd):
     a mix would make the first collective a MismatchError."""
     import torch
     from mpi4py import MPI
-    from mlfabric import _config
+    from mlfabric._core import config as _config
     if args.device == "cpu":
         return torch.device("cpu")
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -332,7 +332,7 @@ def train_elastic(args, model, opt, data_xy, test, report, compute, device, hvd)
     alive, committed after it. Returns (steps, last loss, test accuracy, ranks at the end)."""
     import signal
     from mpi4py import MPI
-    from mlfabric import respawn
+    from mlfabric.comm import respawn
     from mlfabric.workloads import data
     # a replacement for a dead rank (--replace) runs this program from its start, but never
     # plays the victim of --kill-rank
@@ -393,7 +393,7 @@ def main(argv=None):
         import mlfabric.torch as hvd
         hvd.init()
         rank, size = hvd.rank(), hvd.size()
-        from mlfabric import respawn
+        from mlfabric.comm import respawn
         # every rank knows the size: all refuse alike, before the first collective (not a
         # replacement for a dead rank, which joins a job already past this check)
         if args.kill_rank and args.kill_rank[0] >= size and not respawn.joining:
@@ -479,7 +479,7 @@ _FINAL_TAG = 0x7A11  # the server's final accuracy to the reporting worker (COMM
 def _final_accuracy(comm, server):
     """The server's final model accuracy, sent once every worker is done; None if it does not
     come within MLFABRIC_TIMEOUT (the summary is printed anyway)."""
-    from mlfabric._config import timeout_s
+    from mlfabric._core.config import timeout_s
     deadline = time.monotonic() + timeout_s()
     while time.monotonic() < deadline:
         if comm.Iprobe(source=server, tag=_FINAL_TAG):

@@ -120,7 +120,7 @@ def main(argv=None):
     torch.set_num_threads(1)  # ranks share the machine's cores
     from mpi4py import MPI
     from mlfabric.pipeline.stage import PipelineModel, make_schedule
-    from mlfabric.progress import Progress
+    from mlfabric._core.progress import Progress
     comm = MPI.COMM_WORLD
     X, y, _, _ = load_data(args)
     batches = len(X) // args.batch_size

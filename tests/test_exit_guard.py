@@ -1,4 +1,4 @@
-"""mlfabric/exit_guard.py: once a peer has died, the exit is bounded. Open MPI's MPI_Finalize can
+"""mlfabric/_core/exit_guard.py: once a peer has died, the exit is bounded. Open MPI's MPI_Finalize can
 then wait forever (its ULFM fence includes the dead process; seen here with plain mpi4py); that
 hang is not reproducible on demand, so here an exit handler that never returns stands in for it,
 registered before mlfabric is imported so that it runs where MPI_Finalize runs: after

@@ -1,4 +1,4 @@
-"""mlfabric/respawn.py's pieces that need no failure (the spawn itself is tested where a rank
+"""mlfabric/comm/respawn.py's pieces that need no failure (the spawn itself is tested where a rank
 dies: tests/test_torch_elastic.py, tests/test_train_script.py): how a program is started again,
 the transport check, the limit's parsing, and that a process nobody spawned does not wait."""
 import subprocess
@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from mlfabric import respawn
-from mlfabric._config import elastic_replace
+from mlfabric.comm import respawn
+from mlfabric._core.config import elastic_replace
 from mlfabric.errors import MlfabricError
 
 from .mpi_util import ROOT, mpi_env

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.mpi
 
 ULFM = ("--with-ft", "ulfm", "--mca", "mpi_ft_detector", "true")
 
-# The survivors of a killed rank exit through mlfabric's bounded exit (mlfabric/exit_guard.py):
+# The survivors of a killed rank exit through mlfabric's bounded exit (mlfabric/_core/exit_guard.py):
 # Open MPI's MPI_Finalize can otherwise wait forever on the dead rank (one run in a few hung
 # there under the full suite's load before it).
 

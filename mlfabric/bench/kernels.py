@@ -16,7 +16,8 @@ import time
 
 import numpy as np
 
-from .. import _C, _dtypes
+from .. import _C
+from .._core import dtypes as _dtypes
 from .. import kernels as K
 from .script import byte_size, nonnegative_int, output_path, positive_int
 

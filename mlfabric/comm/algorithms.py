@@ -6,7 +6,7 @@ users get when they name an algorithm explicitly.
 Contract: every function is blocking and collective over all ranks of `comm` (each rank calls it
 with the same count, dtype, op, root and algorithm; that is the caller's to check: ranks that
 disagree end in an MPI error or a PeerTimeoutError). Arrays are 1-D contiguous numpy arrays of the
-storage dtype of `code` (mlfabric._dtypes.storage_dtype: bfloat16 is carried as uint16), owned by
+storage dtype of `code` (_core.dtypes.storage_dtype: bfloat16 is carried as uint16), owned by
 the caller and worked on in place. The only temporary is a scratch buffer of at most one chunk
 (never more than two message segments, or one segment per tree child; see p2p.SEGMENT_BYTES),
 cached per thread between calls. Results are bit-for-bit identical on every rank: each element is
@@ -14,7 +14,7 @@ reduced by exactly one rank, in an order fixed by the algorithm, then copied to 
 traffic goes through mlfabric.comm.p2p (a dedicated tag, bounded waits), so a dead or diverged peer
 raises PeerTimeoutError instead of hanging.
 
-`op` is a kernel op code (mlfabric._dtypes.OP_CODES) or an op name; "avg" (floating dtypes only)
+`op` is a kernel op code (_core.dtypes.OP_CODES) or an op name; "avg" (floating dtypes only)
 is a sum scaled by 1/n, applied by the rank that finishes each chunk, so it costs no extra pass.
 """
 import threading
@@ -22,7 +22,8 @@ import threading
 import numpy as np
 from mpi4py import MPI
 
-from .. import _C, _dtypes
+from .. import _C
+from .._core import dtypes as _dtypes
 from . import p2p
 from .p2p import isend, irecv, segments, wait
 

@@ -7,7 +7,7 @@ import zlib
 
 import numpy as np
 
-from .. import _dtypes
+from .._core import dtypes as _dtypes
 from ..errors import MismatchError
 
 WORDS, CHECKED = 16, 12

@@ -22,7 +22,7 @@ import socket
 import threading
 import time
 
-from .. import _config
+from .._core import config as _config
 from ..errors import MlfabricError, PeerTimeoutError
 
 # ncclDataType_t of mlfabric's wire dtypes (_dtypes.DTYPE_NAMES order: float32, float64, float16,

@@ -2,7 +2,7 @@
 
 Owns: the tag those algorithms use, the cut of a byte range into messages (segments), posting
 non-blocking sends/receives on byte views of the caller's arrays, and the one wait they all go
-through. That wait polls until a deadline of MLFABRIC_TIMEOUT seconds (mlfabric._config.timeout_s())
+through. That wait polls until a deadline of MLFABRIC_TIMEOUT seconds (_core.config.timeout_s())
 and then raises PeerTimeoutError naming the operation and the ranks it was still waiting on, so a
 dead or diverged peer becomes an error instead of a hang.
 
@@ -24,7 +24,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .. import _config
+from .._core import config as _config
 from ..errors import MlfabricError, PeerTimeoutError
 
 # The tag of all algorithm traffic, so it never matches a user's send/recv on the same

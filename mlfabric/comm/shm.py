@@ -22,7 +22,8 @@ import warnings
 
 from mpi4py import MPI
 
-from .. import _C, _config, exit_guard
+from .. import _C
+from .._core import config as _config, exit_guard
 from ..errors import MlfabricError, PeerTimeoutError
 from . import header
 

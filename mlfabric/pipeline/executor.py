@@ -75,7 +75,7 @@ import torch
 from mpi4py import MPI
 from torch.func import functional_call
 
-from .. import _config, _dtypes
+from .._core import config as _config, dtypes as _dtypes
 from ..comm import algorithms, p2p
 from ..errors import MismatchError, MlfabricError, PeerTimeoutError
 from .validate import grid, lockstep, validate, weight_versions
@@ -755,7 +755,7 @@ class PipelineExecutor:
 
     def _died(self, what, dead, how, cause=None):
         """StageDiedError: `what` (this rank's action, or what it waited for) and who died."""
-        from .. import exit_guard
+        from .._core import exit_guard
         exit_guard.peer_failed()  # MPI_Finalize may now wait on the dead: bound the exit
         label = ", ".join(self.schedule.rank_label(r) for r in dead)
         text = "%s died (%s%s)" % (label, how, "" if cause is None else ": %s" % cause)

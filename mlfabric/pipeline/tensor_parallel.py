@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from mpi4py import MPI
 from torch import nn
 
-from .. import _buffers, _dtypes
+from .._core import buffers as _buffers, dtypes as _dtypes
 from ..comm import algorithms, p2p
 from ..errors import MismatchError, MlfabricError
 

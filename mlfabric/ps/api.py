@@ -18,7 +18,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .. import _config, exit_guard, kernels
+from .._core import config as _config, exit_guard
+from .. import kernels
 from ..errors import MismatchError, MlfabricError, NotInitializedError, PeerTimeoutError
 from ..runtime.core import Config, Runtime
 from ..runtime.roles import REPLICA, SCHEDULER, SERVER, WORKER, Roles

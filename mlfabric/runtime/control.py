@@ -34,7 +34,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .. import _config
+from .._core import config as _config
 from ..errors import MlfabricError, PeerTimeoutError
 
 TAG = 0x6D63  # "mc": control traffic

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 
-from .. import _config
+from .._core import config as _config
 from ..emulate import Emulation
 from ..errors import MlfabricError, PeerTimeoutError
 from ..sched.distribution import OBJECTIVES

@@ -14,7 +14,7 @@ import traceback
 
 from mpi4py import MPI
 
-from .. import _config, exit_guard
+from .._core import config as _config, exit_guard
 from ..errors import MlfabricError, PeerTimeoutError
 from .control import FAILURE_CLASSES
 from .monitor import Reporter

@@ -69,7 +69,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .. import _config
+from .._core import config as _config
 from ..emulate.nic import EmulatedNic
 from ..errors import MlfabricError, PeerTimeoutError
 from .control import probe

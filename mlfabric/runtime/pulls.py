@@ -6,7 +6,7 @@ Mixed into SchedulerRole (scheduler.py); latency-critical, so planned when asked
 import time
 from math import inf
 
-from .. import _config
+from .._core import config as _config
 from ..sched import Update, distribute, schedule
 from ..sched.distribution import SLOW_EGRESS, under_share
 from .server import GATE_SHARE

@@ -18,7 +18,7 @@ from collections import Counter
 from dataclasses import replace
 from math import inf
 
-from .. import _config
+from .._core import config as _config
 from ..errors import MlfabricError, PeerTimeoutError
 from ..sched import ReplicaState, Update, replicate, schedule
 from ..sched.view import SchedulerView

@@ -6,7 +6,7 @@
 work on CPU tensors (and torch's functional collectives, DeviceMesh and DTensor, which find the
 group by the name torch gives it). Owns the ProcessGroup subclass (MlfabricProcessGroup), its
 Work objects, the "mlfabric://" rendezvous and the registrations with torch; the data moves
-through mlfabric's public collectives (mlfabric/collectives.py), which also turn a shape, dtype
+through mlfabric's public collectives (mlfabric/comm/collectives.py), which also turn a shape, dtype
 or op that differs between ranks into an error on every rank.
 
 Ranks and world size come from MPI (mlfabric.init() on MPI.COMM_WORLD if not yet initialised).
@@ -20,7 +20,7 @@ A rank or world size passed to init_process_group must agree with MPI's, else an
 
 Groups: new_group(ranks, backend="mlfabric") of any ranks (every rank calls new_group, as torch
 requires; only the members reach the backend). A group of fewer than every rank gets a context
-of its own (mlfabric.context.Context on a communicator made among its members alone,
+of its own (mlfabric.comm.context.Context on a communicator made among its members alone,
 MPI_Comm_create_group: its own shared memory, queue, NCCL communicator), and each of its calls
 runs in that context (context.using), so groups run independently; it is freed at mlfabric's
 finalize (destroy_process_group does not free it sooner). CUDA tensors move over NCCL
@@ -83,8 +83,8 @@ from torch._C._distributed_c10d import (AllreduceCoalescedOptions, AllreduceOpti
                                         ReduceScatterOptions, ScatterOptions)
 
 import mlfabric as mf
-from mlfabric import _buffers, _config
-from mlfabric import context as _context
+from mlfabric._core import buffers as _buffers, config as _config
+from mlfabric.comm import context as _context
 from mlfabric.comm import header as _header
 from mlfabric.comm import nccl as _nccl
 from mlfabric.errors import MismatchError, MlfabricError

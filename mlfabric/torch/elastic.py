@@ -23,7 +23,7 @@ change), calls the reset callbacks, makes every rank hold the new rank 0's commi
 a reset callback).
 
 With MLFABRIC_ELASTIC_REPLACE=N the survivors also spawn new processes in place of the dead
-(up to N over the job; mlfabric/respawn.py) before re-initialising: each runs the program from
+(up to N over the job; mlfabric/comm/respawn.py) before re-initialising: each runs the program from
 its start, joins at its hvd.init() (after the survivors' ranks) and gets their state at the first
 sync of its run(); the job goes on at its full size. Such a program must make no collective call
 before entering run() (as Horovod's elastic programs: the first sync does the broadcasting).
@@ -44,8 +44,9 @@ import sys
 import torch
 from mpi4py import MPI
 
-from .. import context as _context
-from .. import exit_guard, respawn
+from ..comm import context as _context
+from .._core import exit_guard
+from ..comm import respawn
 from ..errors import MismatchError, MlfabricError, PeerTimeoutError
 
 _FAILED = {MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED}

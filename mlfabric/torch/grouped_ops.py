@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .. import _C
-from .. import collectives as _coll
+from ..comm import collectives as _coll
 from . import tensor_meta as _meta
 from .compression import Compression
 from .ops import (_ACTIVE, _ALLGATHER, _CORE_OPS, _DTYPE_CODE, _DTYPES, _REDUCESCATTER,

@@ -52,11 +52,11 @@ import torch
 from torch.autograd.graph import increment_version as _increment_version
 
 from .. import _C
-from .. import _config
-from .. import _buffers
-from .. import collectives as _coll
-from .. import context as _context
-from .. import shared as _shared
+from .._core import config as _config
+from .._core import buffers as _buffers
+from ..comm import collectives as _coll
+from ..comm import context as _context
+from ..comm import shared as _shared
 from ..comm import nccl as _nccl
 from ..comm.executor import Executor
 from ..errors import MismatchError, MlfabricError, PeerTimeoutError
@@ -438,7 +438,7 @@ def _drain():
         s.queue.shutdown()
 
 
-# Registered after mlfabric.context's finalize (imported above), so it runs before it at exit.
+# Registered after mlfabric.comm.context's finalize (imported above), so it runs before it at exit.
 atexit.register(_drain)
 
 

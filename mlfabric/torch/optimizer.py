@@ -76,10 +76,10 @@ import zlib
 import numpy as np
 import torch
 
-from .. import collectives as _coll
-from .. import context as _context
-from .. import respawn as _respawn
-from .. import shared as _shared
+from ..comm import collectives as _coll
+from ..comm import context as _context
+from ..comm import respawn as _respawn
+from ..comm import shared as _shared
 from ..errors import MismatchError, MlfabricError
 from . import adasum as _adasum
 from . import ops

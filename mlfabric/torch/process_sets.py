@@ -7,7 +7,7 @@
 
 Owns ProcessSet, global_process_set, add_process_set / remove_process_set and the sets passed to
 init(process_sets=[...]). A registered set has, on each of its ranks, a context of its own
-(mlfabric.context.Context on a communicator split from mlfabric's: its own shared-memory
+(mlfabric.comm.context.Context on a communicator split from mlfabric's: its own shared-memory
 transport, queue, and NCCL communicator when GPU tensors move) and an ops._State running its
 calls in it, so its collectives and control rounds stay among its ranks, in their own order:
 calls on different sets are independent, as in Horovod. Every collective of mlfabric.torch and
@@ -22,7 +22,7 @@ in the global calls only, so its set's calls wait for it (at most MLFABRIC_TIMEO
 import numpy as np
 from mpi4py import MPI
 
-from .. import context as _context
+from ..comm import context as _context
 from . import ops
 
 

@@ -18,7 +18,8 @@ from array import array
 import numpy as np
 import torch
 
-from .. import _C, _config
+from .. import _C
+from .._core import config as _config
 
 _SCAN = None  # torch._C._aoti's handle maker once the shim is open; False: not available
 

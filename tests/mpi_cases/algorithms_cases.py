@@ -14,7 +14,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from mlfabric import _dtypes
+from mlfabric._core import dtypes as _dtypes
 from mlfabric.comm import algorithms as alg
 from mlfabric.comm import p2p
 from mlfabric.errors import PeerTimeoutError

@@ -88,7 +88,7 @@ def case_allreduce_torch_and_noncontiguous():
 
 
 def _zero_copy_calls():
-    from mlfabric import context
+    from mlfabric.comm import context
     return context.get().shm.zero_copy_calls
 
 
@@ -179,7 +179,7 @@ def case_direct_and_general_paths_agree():
 def case_direct_path_plans_stay_bounded():
     # The engine keeps every prepared call: allgathers of ever new shapes (sparse gradients'
     # varying rows) must stop preparing new ones at the cache's bound, and stay right after it.
-    from mlfabric import context
+    from mlfabric.comm import context
     ctx = context.get()
     if ctx.shm is None:
         return
@@ -326,7 +326,8 @@ def case_broadcast_then_barrier_rounds():
 
 
 def case_single_copy_path_when_enabled():
-    from mlfabric import _config, context
+    from mlfabric._core import config as _config
+    from mlfabric.comm import context
     engine = context.get().shm.engine
     if not engine.cma_enabled:
         return  # one rank, or the kernel refuses process_vm_readv here

@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 
 import mlfabric as mf
-from mlfabric import _buffers, collectives
+from mlfabric._core import buffers as _buffers
+from mlfabric.comm import collectives
 
 from .common import setup  # noqa: F401
 

@@ -123,8 +123,8 @@ def case_a_receive_has_one_bound_for_header_and_payload():
     leaves the payload the rest of the bound, not a bound of its own. Both the default bound
     (MLFABRIC_TIMEOUT, 2 s here) and Request.wait(timeout) (torch's Work.wait(timeout)): each
     ends about its bound after the wait began, where one bound per phase ended 1 s later."""
-    from mlfabric import collectives as coll
-    from mlfabric import context
+    from mlfabric.comm import collectives as coll
+    from mlfabric.comm import context
     n, r = mf.size(), mf.rank()
     go = np.zeros(1)
     took = {}   # checked once both rounds are done: rank 0 waits for each round's go

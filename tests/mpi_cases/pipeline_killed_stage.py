@@ -25,7 +25,7 @@ import traceback
 import torch
 from mpi4py import MPI
 
-from mlfabric import _config
+from mlfabric._core import config as _config
 from mlfabric.errors import MlfabricError, PeerTimeoutError
 from mlfabric.pipeline import flush
 from mlfabric.pipeline.executor import PipelineTimeoutError
@@ -99,7 +99,7 @@ def main():
         model.train_step(x, y)
     except Exception as e:  # noqa: BLE001 - judged below
         err, took = e, time.monotonic() - t0
-    if exit_timeout is not None:  # the exit's bound (mlfabric.exit_guard) as the test set it
+    if exit_timeout is not None:  # the exit's bound (mlfabric._core.exit_guard) as the test set it
         os.environ["MLFABRIC_TIMEOUT"] = exit_timeout
     if err is None:
         print("RESULT FAIL rank %d: no error after rank %d died" % (R, victim), flush=True)

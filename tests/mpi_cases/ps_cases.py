@@ -470,7 +470,7 @@ def case_a_parked_get_is_served_within_its_cap():
     workers = len(Roles(WORLD.size).worker_ranks)
     share = pulls.PARK_MAX_SHARE
     if WORLD.rank == 0:
-        from mlfabric import _config
+        from mlfabric._core import config as _config
         pulls.PARK_MAX_SHARE = 0.03 / _config.timeout_s()
     try:
         res = run_job("mlfabric-A", size=100_000, iterations=8, tau_max=1000, emulation=emu,

@@ -21,7 +21,7 @@ import numpy as np
 from mpi4py import MPI
 
 import mlfabric.ps as ps
-from mlfabric import exit_guard
+from mlfabric._core import exit_guard
 from mlfabric.emulate import Emulation
 from mlfabric.errors import MlfabricError
 from mlfabric.ps.driver import default_update, run_job
@@ -210,7 +210,7 @@ def main():
     except Exception:  # noqa: BLE001 - reported, the harness fails the test
         print("RESULT FAIL rank %d\n%s" % (WORLD.rank, traceback.format_exc()), flush=True)
     # survivors exit through MPI_Finalize, which a dead peer can hold up: mlfabric bounds it
-    # (mlfabric/exit_guard.py)
+    # (mlfabric/_core/exit_guard.py)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import pytest
 from mpi4py import MPI
 
 import mlfabric.ps as ps
-from mlfabric import _config
+from mlfabric._core import config as _config
 from mlfabric.errors import MlfabricError
 from mlfabric.ps import api
 from mlfabric.ps.driver import run_job

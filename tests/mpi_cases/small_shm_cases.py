@@ -15,7 +15,7 @@ import pytest
 from mpi4py import MPI
 
 import mlfabric as mf
-from mlfabric import context
+from mlfabric.comm import context
 from mlfabric.comm import shm
 
 from .common import torch

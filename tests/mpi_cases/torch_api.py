@@ -596,7 +596,7 @@ def case_grouped_allreduce_staging_and_outputs():
 
 
 def _zero_copy_calls():
-    from mlfabric import context
+    from mlfabric.comm import context
     shm = context.get().shm
     return None if shm is None else shm.zero_copy_calls
 
@@ -685,7 +685,7 @@ def case_distributed_optimizers_built_and_dropped_leave_no_close_hooks():
     hooks of optimizers that are gone are dropped when the next one is built."""
     import gc
 
-    from mlfabric import context
+    from mlfabric.comm import context
     from mlfabric.torch.optimizer import _unshare
     if not hvd.is_initialized():   # (run alone)
         hvd.init()

@@ -310,7 +310,7 @@ def main_replace(victim, steps, kill_at, every):
     their state at its first sync; training goes on at the full size, so the weights must be
     those of training that never lost a rank (the steps since the last commit are redone with
     every slot's batch). Every process, the replacement too, prints its RESULT."""
-    from mlfabric import respawn
+    from mlfabric.comm import respawn
     torch.set_num_threads(1)
     hvd.init()
     replacement = respawn.joining

@@ -21,10 +21,11 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from . import _C, _buffers, _device, _dtypes, context
-from .comm import algorithms, header, p2p
-from .comm.executor import Handle
-from .errors import MismatchError, MlfabricError, PeerTimeoutError
+from .. import _C
+from .._core import buffers as _buffers, device as _device, dtypes as _dtypes
+from . import algorithms, context, header, p2p
+from .executor import Handle
+from ..errors import MismatchError, MlfabricError, PeerTimeoutError
 
 ALGORITHMS = ("auto", "shm", "ring", "rhd", "tree")
 

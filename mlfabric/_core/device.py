@@ -11,7 +11,7 @@ deferred(), which mlfabric.torch uses, it returns once launched: see there)."""
 import math
 import sys
 
-from . import _dtypes
+from . import dtypes as _dtypes
 
 
 class TorchDevices:

@@ -9,9 +9,9 @@ since a non-blocking call runs on mlfabric's queue thread, whose current stream 
 A call returns once NCCL is done (inside nccl.deferred(), as mlfabric.torch calls it, once
 launched: the caller then waits). Results on the GPU are written in place: a non-contiguous
 output is refused, not copied back."""
-from . import _device, _dtypes, collectives as _coll, context
-from .comm import header, nccl
-from .errors import MlfabricError
+from .._core import device as _device, dtypes as _dtypes
+from . import collectives as _coll, context, header, nccl
+from ..errors import MlfabricError
 
 
 def _now(fn):

@@ -16,10 +16,11 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from . import _config, exit_guard, respawn
-from .comm.abort import AbortChannel
-from .comm.executor import Executor
-from .errors import ConcurrentCallError, MlfabricError, NotInitializedError, PeerTimeoutError
+from .._core import config as _config, exit_guard
+from . import respawn
+from .abort import AbortChannel
+from .executor import Executor
+from ..errors import ConcurrentCallError, MlfabricError, NotInitializedError, PeerTimeoutError
 
 _ctx = None
 _lock = threading.Lock()
@@ -73,7 +74,7 @@ class Context:
         self.homogeneous = len({ls for _, ls in places}) == 1
         self.shm = None
         if self.single_host and _config.shm_enabled():
-            from .comm.shm import open_transport
+            from .shm import open_transport
             self.shm = open_transport(self.node_comm)  # None where /dev/shm has no room
         # its thread works in this context (not the process-wide one: see using())
         self.executor = Executor(thread_init=functools.partial(setattr, _local, "ctx", self))
@@ -218,7 +219,7 @@ class Context:
 
     def broken(self):
         """True after a timeout or engine failure: peers may be gone, so nothing collective."""
-        from .comm import p2p
+        from . import p2p
         return bool(self.abandoned or self.failure is not None
                     or (self.shm is not None and self.shm.engine.any_failed)
                     or p2p.abandoned()

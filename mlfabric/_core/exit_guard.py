@@ -15,8 +15,8 @@ nobody died exits as it always did."""
 import atexit
 import sys
 
-from . import _C
-from ._config import timeout_s
+from .. import _C
+from .config import timeout_s
 
 _armed = False       # a peer died (or ranks got out of step): bound the exit
 _uncaught = False    # an exception reached sys.excepthook

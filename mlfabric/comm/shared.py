@@ -5,10 +5,10 @@ import math
 
 import numpy as np
 
-from . import _dtypes, context
-from ._buffers import dtype_of
-from .comm import header
-from .comm.shm import ShmAllocError, ShmSpaceError
+from .._core import dtypes as _dtypes
+from .._core.buffers import dtype_of
+from . import context, header
+from .shm import ShmAllocError, ShmSpaceError
 
 
 def shared_empty(shape, dtype=np.float32):
@@ -76,8 +76,8 @@ def shared_zeros(shape, dtype=np.float32):
 
 def is_shared(x):
     """True when x lives in an mlfabric shared buffer (collectives on it run zero-copy)."""
-    from ._buffers import wrap
-    from ._device import is_device
+    from .._core.buffers import wrap
+    from .._core.device import is_device
     ctx = context.get()
     if ctx.shm is None or is_device(x):
         return False

@@ -23,9 +23,9 @@ import time
 
 from mpi4py import MPI
 
-from . import exit_guard
-from ._config import elastic_replace, timeout_s
-from .errors import MlfabricError
+from .._core import exit_guard
+from .._core.config import elastic_replace, timeout_s
+from ..errors import MlfabricError
 
 _TAG = 7781
 _TOKEN = "mlfabric-replacement"

@@ -6,8 +6,8 @@ import sys
 
 import numpy as np
 
-from . import _dtypes
-from .errors import MlfabricError
+from . import dtypes as _dtypes
+from ..errors import MlfabricError
 
 _TORCH_CODES = {}   # torch dtype -> wire code, filled at the first tensor
 

@@ -25,7 +25,7 @@ MLFABRIC_STORE_ADDR
 import math
 import os
 
-from .errors import MlfabricError
+from ..errors import MlfabricError
 
 # Settings that shape the collectives' protocol (and mlfabric.torch's fusion, which decides how
 # many calls a list of tensors makes): every rank must use the same values. init() compares the
