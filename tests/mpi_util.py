@@ -60,7 +60,7 @@ def run_mpi(n, args, timeout=180, env=None, mpirun_args=(), prefix=()):
 
 
 def _run_bounded(cmd, env, timeout):
-    """Run cmd in its own session; past `timeout` s, fail naming what still runs and where each
+    """Run cmd in its own process group (setsid); past `timeout` s, fail naming what still runs and where each
     Python rank is stuck (SIGABRT: PYTHONFAULTHANDLER prints every thread's stack), so a hang
     seen once in CI can be read from the log rather than guessed at."""
     import resource

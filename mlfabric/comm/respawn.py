@@ -39,7 +39,7 @@ _joined = _UNSET  # join()'s result, once (a process has one parent for its life
 def command():
     """The arguments after the interpreter that started this program (python -m module ...,
     or python script ...), for its replacements; None when it cannot be started again (python
-    -c, an interactive session)."""
+    -c, an interactive interpreter)."""
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     if spec is not None and spec.name:
         name = spec.name[:-len(".__main__")] if spec.name.endswith(".__main__") else spec.name
