@@ -49,7 +49,7 @@ def __getattr__(name):
 
 
 def _get():
-    from .context import get
+    from .comm.context import get
     return get()
 
 
