@@ -1,4 +1,4 @@
-"""Old import paths of modules that moved into mlfabric.comm and mlfabric._core, kept working for
+"""Old import paths of modules that moved (into mlfabric.comm, mlfabric._core, mlfabric.runtime), kept
 one release: `import mlfabric.collectives` gives the module object of mlfabric.comm.collectives
 (the same object, so monkeypatching either name patches both) and a DeprecationWarning naming the
 new path. CHANGES.md lists the moves; this table is removed in the release after."""
@@ -20,6 +20,7 @@ MOVED = {
     "mlfabric._dtypes": "mlfabric._core.dtypes",
     "mlfabric._buffers": "mlfabric._core.buffers",
     "mlfabric._device": "mlfabric._core.device",
+    "mlfabric.ps.checkpoint": "mlfabric.runtime.checkpoint",
 }
 
 

@@ -316,7 +316,7 @@ def register_as_server(model, on_update=None, on_request=None):
                         % (type(model).__name__ if not isinstance(model, np.ndarray)
                            else model.dtype))
     from ..runtime.server import ServerRole
-    from . import checkpoint
+    from ..runtime import checkpoint
     model = np.ascontiguousarray(model)
     cfg = _state["config"]
     version = 0

@@ -235,7 +235,7 @@ class ServerRole:
 
     def _checkpoint(self):
         """Every checkpoint_every updates (or iterations), the model and version to disk."""
-        from ..ps import checkpoint
+        from . import checkpoint
         cfg = self.rt.config
         if self.version // cfg.checkpoint_every > self.checkpointed // cfg.checkpoint_every:
             t0 = time.perf_counter()

@@ -305,7 +305,7 @@ def case_replica_equals_server_and_divergence_is_bounded():
 def case_checkpoint_then_resume():
     import os
     import tempfile
-    from mlfabric.ps import checkpoint
+    from mlfabric.runtime import checkpoint
     d = WORLD.bcast(tempfile.mkdtemp(prefix="mlfabric-ckpt-") if WORLD.rank == 0 else None)
     roles = Roles(WORLD.size)
     upd = default_update(SIZE, np.float64)
