@@ -1,6 +1,7 @@
 """The public collectives: allreduce, reduce, broadcast, allgather, reduce_scatter, barrier, send,
-recv, and their non-blocking forms. Owns argument checking, the header exchange that turns a
-mismatch on any rank into an error on every rank, and the choice of data path:
+recv, and their non-blocking forms. Owns the host path's argument checks and the choice of data
+path (the call guard and header exchange that turn a mismatch on any rank into an error on every
+rank are call.py's, shared with the GPU path):
 
 - every rank on one host (the usual case): the shared-memory engine (comm/shm.py), zero-copy when
   the buffers come from shared_empty();
@@ -14,7 +15,6 @@ place and returns x. Inputs may be numpy arrays or CPU torch tensors; non-contig
 Handle whose wait() gives the result (buffers must be left alone until then).
 """
 import contextlib
-import functools
 import threading
 import time
 
@@ -23,81 +23,14 @@ from mpi4py import MPI
 
 from .. import _C
 from .._core import buffers as _buffers, device as _device, dtypes as _dtypes
-from . import algorithms, context, header, p2p
+from . import algorithms, context, gpu_collectives, header, p2p
+from .call import (alltoall_splits as _alltoall_splits, check_root as _check_root,
+                   exchange_headers as _exchange_headers, exchange_splits as _exchange_splits,
+                   run as _run, split_rows)
 from .executor import Handle
 from ..errors import MismatchError, MlfabricError, PeerTimeoutError
 
 ALGORITHMS = ("auto", "shm", "ring", "rhd", "tree")
-
-
-def _exchange_headers(ctx, what, hdr):
-    """Header-only exchange for paths that do not carry headers themselves (MPI algorithms)."""
-    if ctx.shm is not None:
-        ctx.shm.check_headers(what, hdr)
-        return
-    mine = np.asarray(hdr, np.int64)
-    every = np.empty(ctx.size * header.WORDS, np.int64)
-    req = ctx.comm.Iallgather(mine, every)
-    p2p.wait([req], p2p.others(ctx.comm), f"{what} (header exchange)")
-    header.check(header.from_flat(every, ctx.size), what)
-
-
-def _run(what, prepare, async_=False):
-    """Check arguments (prepare() -> (header, body) or raise), exchange headers, run body().
-
-    A rank whose arguments are bad still joins the header exchange with a 'rejected' header, so
-    its peers fail at once with a MismatchError naming it, and then raises its own error."""
-    ctx = context.get()
-    call = functools.partial(_call, ctx, what, prepare)
-    if async_:
-        return ctx.executor.submit(what, call)
-    return ctx.executor.run(what, call)
-
-
-def _call(ctx, what, prepare):
-    """One call on ctx, on the thread that runs it (see _run). Whatever ends it out of step with
-    the peers (a timeout, any error after the header exchange but a mismatch every rank raises
-    alike) makes this rank give up on ctx and tell its peers (context.Context.fail), so that no
-    rank pairs a later call with messages of this one."""
-    ctx.enter(what)
-    # waits over MPI poll for a peer giving up; the engine's own waits see its failed marks
-    watched = ctx.shm is None
-    previous = p2p.watch(ctx.peer_failure) if watched else None
-    try:
-        try:
-            hdr, body = prepare(ctx)
-        except Exception as exc:  # any failed check: torch's RuntimeErrors, OverflowErrors too
-            _reject(ctx, what)
-            raise exc
-        try:
-            result = body(hdr)
-        except MismatchError:
-            raise  # the header check: every rank raises it, in step
-        except BaseException as exc:
-            ctx.fail(what, exc)
-            raise
-    finally:
-        if watched:
-            p2p.watch(previous)
-        ctx.leave()
-    ctx.confirm(what)
-    return result
-
-
-def _reject(ctx, what):
-    """Join the header exchange as 'rejected', so the peers fail at once naming this rank."""
-    try:
-        _exchange_headers(ctx, what, header.rejected(what))
-    except MismatchError:
-        pass  # the peers' view of this call; this rank's own error is the one to raise
-    except Exception as exc:  # the exchange itself failed (a timeout): out of step now
-        ctx.fail(what, exc)
-
-
-def _check_root(root, n):
-    if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < n:
-        raise ValueError(f"root must be a rank in [0, {n}), got {root!r}")
-    return int(root)
 
 
 def _resolve_algorithm(ctx, algorithm, nbytes):
@@ -151,16 +84,10 @@ def _finish(obj, buf):
 
 # --- allreduce / reduce -------------------------------------------------------------------------
 
-def _gpu():
-    """The GPU path (imported at the first GPU array: it imports this module)."""
-    from . import gpu_collectives
-    return gpu_collectives
-
-
 def _allreduce(x, op, out, algorithm, async_):
     what = "allreduce"
     if _device.is_device(x):
-        return _gpu().allreduce(x, op, out, algorithm, async_)
+        return gpu_collectives.allreduce(x, op, out, algorithm, async_)
 
     def prepare(ctx):
         xb = _buffers.wrap(x)
@@ -311,7 +238,7 @@ def reduce(x, root=0, op="sum", out=None):
     """Reduce x over all ranks onto root; returns the result on root, None elsewhere."""
     what = "reduce"
     if _device.is_device(x):
-        return _gpu().reduce(x, root, op, out)
+        return gpu_collectives.reduce(x, root, op, out)
 
     def prepare(ctx):
         xb = _buffers.wrap(x)
@@ -348,7 +275,7 @@ def reduce(x, root=0, op="sum", out=None):
 def _broadcast(x, root, async_, element=0):
     what = "broadcast"
     if _device.is_device(x):
-        return _gpu().broadcast(x, root, async_, element)
+        return gpu_collectives.broadcast(x, root, async_, element)
 
     def prepare(ctx):
         xb = _buffers.wrap(x, writable=True)
@@ -389,7 +316,7 @@ def broadcast_async(x, root=0, element=0):
 def _allgather(x, out, async_, element=0):
     what = "allgather"
     if _device.is_device(x):
-        return _gpu().allgather(x, out, async_, element)
+        return gpu_collectives.allgather(x, out, async_, element)
 
     def prepare(ctx):
         xb = _buffers.wrap(x)
@@ -438,15 +365,10 @@ def allgather_async(x, out=None, element=0):
 
 # --- reduce_scatter -----------------------------------------------------------------------------
 
-def split_rows(rows, n):
-    """Rows of each rank's chunk: like numpy.array_split, the first rows % n ranks get one more."""
-    return [rows // n + (1 if r < rows % n else 0) for r in range(n)]
-
-
 def _reduce_scatter(x, op, out, async_):
     what = "reduce_scatter"
     if _device.is_device(x):
-        return _gpu().reduce_scatter(x, op, out, async_)
+        return gpu_collectives.reduce_scatter(x, op, out, async_)
 
     def prepare(ctx):
         xb = _buffers.wrap(x)
@@ -749,38 +671,10 @@ def _alltoall_header(code, row_shape):
     return header.make("alltoall", code, 0, False, 0, row_shape)
 
 
-def _alltoall_splits(splits, rows, n):
-    """Rows each rank gets, as an int64 array of n; ValueError when they do not fit x."""
-    if splits is None:
-        if rows % n:
-            raise ValueError(f"alltoall without splits sends shape[0] / size rows to each rank: "
-                             f"shape[0]={rows} is not divisible by size={n}; pass splits")
-        return np.full(n, rows // n, np.int64)
-    if _buffers.is_torch(splits):
-        splits = splits.detach().cpu().numpy()
-    arr = np.asarray(splits)
-    if arr.ndim != 1 or arr.size != n or not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"alltoall: splits must be {n} integers (one per rank), got {splits!r}")
-    arr = arr.astype(np.int64)
-    if (arr < 0).any() or int(arr.sum()) != rows:
-        raise ValueError(f"alltoall: splits {arr.tolist()} must be non-negative and add up to "
-                         f"shape[0]={rows}")
-    return arr
-
-
-def _exchange_splits(ctx, what, send_rows, rest, code):
-    """(rows this rank receives from each rank, bytes of one row of shape `rest`): the split
-    counts go round over MPI first, for the host and the GPU path alike."""
-    recv_rows = np.empty(ctx.size, np.int64)
-    p2p.wait([ctx.comm.Ialltoall(send_rows, recv_rows)], p2p.others(ctx.comm),
-             f"{what} (split exchange)")
-    return recv_rows, int(np.prod(rest, dtype=np.int64)) * _dtypes.ITEMSIZE[code]
-
-
 def _alltoall(x, splits, async_):
     what = "alltoall"
     if _device.is_device(x):
-        return _gpu().alltoall(x, splits, async_)
+        return gpu_collectives.alltoall(x, splits, async_)
 
     def prepare(ctx):
         xb = _buffers.wrap(x)

@@ -1,5 +1,6 @@
-"""The GPU path of the public collectives (collectives.py sends GPU arrays here): the same
-arguments, checks and results as the host path, moved by NCCL (comm/nccl.py).
+"""The GPU path of the public collectives (collectives.py sends GPU arrays here; this module
+never imports it: what both share is in call.py): the same arguments, checks and results as the
+host path, moved by NCCL (comm/nccl.py).
 
 Every call still exchanges headers over MPI first, with the algorithm word set to 'nccl': ranks
 that disagree on shape, dtype, op or root, or where one passes a GPU array and another a host
@@ -10,7 +11,7 @@ A call returns once NCCL is done (inside nccl.deferred(), as mlfabric.torch call
 launched: the caller then waits). Results on the GPU are written in place: a non-contiguous
 output is refused, not copied back."""
 from .._core import device as _device, dtypes as _dtypes
-from . import collectives as _coll, context, header, nccl
+from . import call, context, header, nccl
 from ..errors import MlfabricError
 
 
@@ -78,7 +79,7 @@ def allreduce(x, op, out, algorithm, async_):
         _check_gpu(ctx, xb, what)
 
         def body(hdr):
-            _coll._exchange_headers(ctx, what, hdr)
+            call.exchange_headers(ctx, what, hdr)
             comm = _communicator(ctx, xb)
             if xb.count:
                 comm.allreduce(what, xb.devices, ready, xb.ptr, ob.ptr, xb.count, xb.code, opc,
@@ -86,7 +87,7 @@ def allreduce(x, op, out, algorithm, async_):
             return res
         return header.make(what, xb.code, opc, avg, 0, xb.shape, "nccl"), body
 
-    return _coll._run(what, prepare, async_)
+    return call.run(what, prepare, async_)
 
 
 def reduce(x, root, op, out):
@@ -95,7 +96,7 @@ def reduce(x, root, op, out):
     def now():
         ctx = context.get()
         xb = _device.wrap(x)
-        r = _coll._check_root(root, ctx.size)
+        r = call.check_root(root, ctx.size)
         res, ob = _output(xb, out, what, xb.count, xb.shape) if ctx.rank == r else (None, xb)
         return xb, r, res, ob, _device.ready_event(xb)
     early = _now(now)
@@ -106,7 +107,7 @@ def reduce(x, root, op, out):
         _check_gpu(ctx, xb, what)
 
         def body(hdr):
-            _coll._exchange_headers(ctx, what, hdr)
+            call.exchange_headers(ctx, what, hdr)
             comm = _communicator(ctx, xb)
             if xb.count:
                 comm.reduce(what, xb.devices, ready, xb.ptr, ob.ptr, xb.count, xb.code, opc, avg,
@@ -114,7 +115,7 @@ def reduce(x, root, op, out):
             return res
         return header.make(what, xb.code, opc, avg, r, xb.shape, "nccl"), body
 
-    return _coll._run(what, prepare)
+    return call.run(what, prepare)
 
 
 def broadcast(x, root, async_, element=0):
@@ -127,18 +128,18 @@ def broadcast(x, root, async_, element=0):
 
     def prepare(ctx):
         xb, ready = early()
-        r = _coll._check_root(root, ctx.size)
+        r = call.check_root(root, ctx.size)
         _check_gpu(ctx, xb, what)
 
         def body(hdr):
-            _coll._exchange_headers(ctx, what, hdr)
+            call.exchange_headers(ctx, what, hdr)
             comm = _communicator(ctx, xb)
             if xb.count:
                 comm.broadcast(what, xb.devices, ready, xb.ptr, xb.count, xb.code, r)
             return x
         return header.make(what, xb.code, 0, False, r, xb.shape, "nccl", element=element), body
 
-    return _coll._run(what, prepare, async_)
+    return call.run(what, prepare, async_)
 
 
 def allgather(x, out, async_, element=0):
@@ -157,14 +158,14 @@ def allgather(x, out, async_, element=0):
         _check_gpu(ctx, xb, what)
 
         def body(hdr):
-            _coll._exchange_headers(ctx, what, hdr)
+            call.exchange_headers(ctx, what, hdr)
             comm = _communicator(ctx, xb)
             if xb.count:
                 comm.allgather(what, xb.devices, ready, xb.ptr, ob.ptr, xb.count, xb.code)
             return res
         return header.make(what, xb.code, 0, False, 0, xb.shape, "nccl", element=element), body
 
-    return _coll._run(what, prepare, async_)
+    return call.run(what, prepare, async_)
 
 
 def reduce_scatter(x, op, out, async_):
@@ -175,7 +176,7 @@ def reduce_scatter(x, op, out, async_):
         xb = _device.wrap(x)
         if not xb.shape:
             raise ValueError("reduce_scatter needs an array with at least one dimension")
-        rows = _coll.split_rows(xb.shape[0], ctx.size)
+        rows = call.split_rows(xb.shape[0], ctx.size)
         row_len = xb.count // xb.shape[0] if xb.shape[0] else 0
         counts = [r * row_len for r in rows]
         res, ob = _output(xb, out, what, counts[ctx.rank], (rows[ctx.rank], *xb.shape[1:]))
@@ -190,7 +191,7 @@ def reduce_scatter(x, op, out, async_):
         _check_gpu(ctx, xb, what)
 
         def body(hdr):
-            _coll._exchange_headers(ctx, what, hdr)
+            call.exchange_headers(ctx, what, hdr)
             comm = _communicator(ctx, xb)
             if not xb.count:
                 return res
@@ -208,7 +209,7 @@ def reduce_scatter(x, op, out, async_):
             return res
         return header.make(what, xb.code, opc, avg, 0, xb.shape, "nccl"), body
 
-    return _coll._run(what, prepare, async_)
+    return call.run(what, prepare, async_)
 
 
 def alltoall(x, splits, async_):
@@ -223,7 +224,7 @@ def alltoall(x, splits, async_):
         xb = _device.wrap(x)
         if not xb.shape:
             raise ValueError("alltoall needs an array with at least one dimension")
-        return xb, _coll._alltoall_splits(splits, xb.shape[0], n), \
+        return xb, call.alltoall_splits(splits, xb.shape[0], n), \
             xb.devices.current_stream(xb.arr)
     early = _now(now)
 
@@ -232,10 +233,10 @@ def alltoall(x, splits, async_):
         _check_gpu(ctx, xb, what)
 
         def body(hdr):
-            _coll._exchange_headers(ctx, what, hdr)
+            call.exchange_headers(ctx, what, hdr)
             comm = _communicator(ctx, xb)
             rest = tuple(xb.shape[1:])
-            recv_rows, row_bytes = _coll._exchange_splits(ctx, what, send_rows, rest, xb.code)
+            recv_rows, row_bytes = call.exchange_splits(ctx, what, send_rows, rest, xb.code)
             devices = xb.devices
             with devices.using(caller):
                 res, ob = _device.empty_like(xb, (int(recv_rows.sum()), *rest))
@@ -248,4 +249,4 @@ def alltoall(x, splits, async_):
         # The shape carried is one row's (the first dimension may differ between ranks).
         return header.make(what, xb.code, 0, False, 0, tuple(xb.shape[1:]), "nccl"), body
 
-    return _coll._run(what, prepare, async_)
+    return call.run(what, prepare, async_)

@@ -8,6 +8,7 @@ import numpy as np
 from .._core import dtypes as _dtypes
 from .._core.buffers import dtype_of
 from . import context, header
+from .call import exchange_headers, run
 from .shm import ShmAllocError, ShmSpaceError
 
 
@@ -22,8 +23,6 @@ def shared_empty(shape, dtype=np.float32):
     When the filesystem behind shared memory (/dev/shm) has too little free space, every rank
     raises ShmSpaceError (an MlfabricError naming it and how to enlarge it) and the job can go
     on; the memory is taken at once (not at first touch), so running short shows here."""
-    from .collectives import _exchange_headers, _run
-
     what = "shared_empty"
 
     def prepare(ctx):
@@ -34,7 +33,7 @@ def shared_empty(shape, dtype=np.float32):
         count = math.prod(dims)
 
         def body(hdr):
-            _exchange_headers(ctx, what, hdr)
+            exchange_headers(ctx, what, hdr)
             if ctx.shm is None:
                 if torch_dtype is not None:
                     import torch
@@ -61,7 +60,7 @@ def shared_empty(shape, dtype=np.float32):
             return np.frombuffer(mem, np_dtype, count=count).reshape(dims)
         return header.make(what, code, shape=dims), body
 
-    result = _run(what, prepare)
+    result = run(what, prepare)
     if isinstance(result, ShmSpaceError):
         raise result
     return result
