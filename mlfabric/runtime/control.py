@@ -1,16 +1,17 @@
 """The control plane: small messages between daemons and the scheduler on a communicator of their
 own (paper §4), so a large payload never delays a control message. Messages are (kind, body) tuples
-sent pickled with non-blocking sends; the channel keeps each send's request until it completes and
+sent pickled with non-blocking sends, a plan's parts as the typed records of messages.py
+(deliver() sends a lowered plan); the channel keeps each send's request until it completes and
 gives up on a peer that takes no message for MLFABRIC_TIMEOUT seconds.
 
 Kinds (body in brackets; job times are the scheduler's):
   worker -> scheduler    ready [(id, server, bytes, version, norm, sent at), ...]; done [pushed];
                          lost [(id, reason), ...] (members a failure took from its aggregates)
-  scheduler -> worker    send [(sent at, [(id, hop, destination, not_before, rate, last send)])];
-                         drop [(id, reason), ...]; release [ids] (no replica copy will be asked);
-                         aggregate [Assignment, ...]; promote [(server, new rank, None)]
-  scheduler -> server    expect [(key, ids, versions, replica count needed, via), ...] in commit
-                         order (a replica's carry the norms sixth); dropped [ids];
+  scheduler -> worker    send [(sent at, [SendUpdate, ...])]; drop [DropUpdate, ...];
+                         release [ids] (no replica copy will be asked);
+                         aggregate [SumUpdates, ...]; promote [(server, new rank, None)]
+  scheduler -> server    expect [ExpectCommit, ...] in commit order (a replica's carry the
+                         norms); dropped [DropUpdate, ...];
                          iteration [version] (sync: all of it planned); replica-gone [];
                          distribute [(tag, direct sends, relays, ranks whose downlink
                          paces the server's send to them)] (a pull batch's plan)
@@ -36,6 +37,7 @@ from mpi4py import MPI
 
 from .._core import config as _config
 from ..errors import MlfabricError, PeerTimeoutError
+from .messages import DropUpdate, ExpectCommit, SendUpdate, SumUpdates
 
 TAG = 0x6D63  # "mc": control traffic
 # ULFM (mpirun --with-ft ulfm): a peer died (or a receive from any source cannot tell whether
@@ -200,3 +202,28 @@ def clock_offsets(comm, root=0, rounds=4):
                 if t1 - t0 < best[0]:
                     best = (t1 - t0, ts - (t0 + t1) / 2)
     return best[1] if comm.rank != root else 0.0
+
+
+# the control kind that carries each record to a rank (the server is told of drops as 'dropped')
+_KIND = {ExpectCommit: "expect", SumUpdates: "aggregate", SendUpdate: "send", DropUpdate: "drop"}
+
+
+def deliver(rt, parts, server=None, kinds=(ExpectCommit, SumUpdates, SendUpdate, DropUpdate)):
+    """Send each rank its part of a lowered plan ({rank: [record, ...]}), one control message per
+    rank and kind, the kinds in the order `kinds` gives: commits first (the server and replica
+    know what comes before it comes), then the aggregators' sums, the workers' sends (with the
+    job time they left, for the plan's latency), the drops. `server`: the rank told of drops as
+    'dropped'."""
+    for cls in kinds:
+        if cls is SendUpdate:
+            sent = rt.now()
+        for rank, records in parts.items():
+            mine = [m for m in records if type(m) is cls]
+            if not mine:
+                continue
+            if cls is SendUpdate:
+                rt.channel.send(rank, "send", (sent, mine))
+            elif cls is DropUpdate and rank == server:
+                rt.channel.send(rank, "dropped", mine)
+            else:
+                rt.channel.send(rank, _KIND[cls], mine)

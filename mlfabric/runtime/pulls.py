@@ -9,8 +9,10 @@ from math import inf
 from .._core import config as _config
 from ..sched import Update, distribute, schedule
 from ..sched.distribution import SLOW_EGRESS, under_share
+from .control import deliver
+from .lowering import lower, rate_of
+from .messages import SendUpdate, SumUpdates
 from .server import GATE_SHARE
-from .worker import assignments_of, rate_of
 
 # a get is parked (_admit) at most this share of MLFABRIC_TIMEOUT, the bound on a worker's wait
 PARK_MAX_SHARE = 0.25
@@ -179,21 +181,8 @@ class SchedulerPulls:
         self.batches += 1
         for tr in plan.transfers():
             self.view.book(hosts[tr.src], hosts[tr.dst], tr.segments)
-        sends, aggs = {}, {}
-        for tr in plan.direct:
-            sends.setdefault(hosts[tr.src], []).append(
-                (tr.ids[0], root, call, tr.start, rate_of(tr), True))
-        for j, a in enumerate(plan.aggregates):
-            parts, inputs = assignments_of(a, ("ar", k, j), call, hosts, k)
-            for uid, hop, tr in inputs:
-                sends.setdefault(hosts[tr.src], []).append(
-                    (uid, hop, call, tr.start, rate_of(tr), True))
-            for rank, assignment in parts:
-                aggs.setdefault(rank, []).append(assignment)
-        for rank, entries in aggs.items():
-            self.rt.channel.send(rank, "aggregate", entries)
-        sent = self.rt.now()
-        for rank, entries in sends.items():
-            self.rt.channel.send(rank, "send", (sent, entries))
+        parts = lower(plan, hosts, {u.id: u for u in got}, call, ("ar", k), sync=True,
+                      commits=False)
+        deliver(self.rt, parts, kinds=(SumUpdates, SendUpdate))   # the root sums what comes
         self.plan_time.append(time.perf_counter() - t_start)
 

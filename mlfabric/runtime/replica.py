@@ -69,7 +69,7 @@ class ReplicaRole:
         if self.model is None:
             return
         rt = self.rt
-        for ids, norms, data, _ in self.order.due(self._within_bound, values=5):
+        for ids, norms, data, _ in self.order.due(self._within_bound, values="norms"):
             if ids:
                 self.apply_fn(self.model, data, ids)
             for n in norms:

@@ -22,13 +22,15 @@ from .._core import config as _config
 from ..errors import MlfabricError, PeerTimeoutError
 from ..sched import ReplicaState, Update, replicate, schedule
 from ..sched.view import SchedulerView
+from .control import deliver
 from .gate import DivergenceGate
 from .idset import IdSet
 from .ledger import profile, summarize
+from .lowering import lower
+from .messages import DropUpdate
 from .monitor import UNPACED, ReportedCapacities
 from .pulls import SchedulerPulls
 from .recovery import SchedulerRecovery
-from .worker import Assignment, assignments_of, rate_of
 
 PEER_WINDOW = 3   # batches: a worker that reported an update within them still pushes (slow drop)
 
@@ -420,48 +422,17 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
                 if t - at <= window and w not in self.rt.failed and w not in self.done]
 
     def _send_parts(self, server, plan, hosts, by_id, final):
-        """Each daemon's part of a plan. `final`: no replica copy follows, so a worker frees its
-        update after this send (with a replica it keeps it for the copy)."""
-        rt = self.rt
+        """Each daemon's part of a plan (lowering.py), sent. `final`: no replica copy follows, so
+        a worker frees its update after this send (with a replica it keeps it for the copy)."""
         srank = self.rank_of[server]
-        sends = {}      # worker rank -> [(id, hop, destination, not_before, rate, final)]
-        aggs = {}       # aggregator rank -> [Assignment]
-        expect = []     # the server's commits: (key, ids, versions, replica count needed, via)
-        gate = self.gate.get(server)
-        for tr in plan.direct:
-            uid = tr.ids[0]
-            u = by_id[uid]
-            sends.setdefault(u.worker, []).append(
-                (uid, srank, server, tr.start, rate_of(tr), final))
-            need = gate.commit((u.norm,)) if gate else 0
-            expect.append((("u", uid), (uid,), (u.version,), need, u.worker))
-        for k, a in enumerate(plan.aggregates):
-            key = (self.batches, k)
-            version = by_id[a.members[0]].version if self.mode == "sync" else None
-            parts, inputs = assignments_of(a, key, server, hosts, version)
-            for uid, hop, tr in inputs:
-                sends.setdefault(by_id[uid].worker, []).append(
-                    (uid, hop, server, tr.start, rate_of(tr), final))
-            for rank, assignment in parts:
-                aggs.setdefault(rank, []).append(assignment)
-            need = gate.commit([by_id[u].norm for u in a.members]) if gate else 0
-            expect.append((("a", key), tuple(a.members),
-                           tuple(by_id[u].version for u in a.members), need, hosts[a.aggregator]))
+        parts = lower(plan, hosts, by_id, server, (self.batches,), final=final,
+                      sync=self.mode == "sync", gate=self.gate.get(server),
+                      replica=self.replica[server], replica_planned=self.replica_planned[server])
         if plan.replica is not None:
-            self._replica_parts(server, plan.replica, hosts, by_id, sends, aggs)
-            if expect:  # §5.3: the batch's last commit waits for the replica's planned catch-up
-                last = expect[-1]
-                expect[-1] = last[:3] + (max(last[3], self.replica_planned[server]),) + last[4:]
-        if expect:
-            rt.channel.send(srank, "expect", expect)
-        for rank, entries in aggs.items():
-            rt.channel.send(rank, "aggregate", entries)
-        sent = rt.now()
-        for rank, entries in sends.items():
-            rt.channel.send(rank, "send", (sent, entries))
-        if plan.dropped:
-            self._drop(server, {uid: (by_id[uid].worker, why)
-                                for uid, why in plan.dropped.items()})
+            self.replica_planned[server] += len(plan.replica.applied)
+        for uid, why in plan.dropped.items():
+            self._resolve((uid,), why)
+        deliver(self.rt, parts, srank)
 
     def _drop(self, server, drops, tell_server=True):
         """Tell the workers and the server that these updates {id: (worker, reason)} are
@@ -469,37 +440,12 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
         per_worker = {}
         for uid, (w, why) in drops.items():
             self._resolve((uid,), why)
-            per_worker.setdefault(w, []).append((uid, why))
+            per_worker.setdefault(w, []).append(DropUpdate(uid, why))
         for w, entries in per_worker.items():
             self.rt.channel.send(w, "drop", entries)
         if tell_server:
-            self.rt.channel.send(self.rank_of[server], "dropped", list(drops))
-
-    def _replica_parts(self, server, rp, hosts, by_id, sends, aggs):
-        """The replica's frozen transfers as plan parts: copies from workers (the update's last
-        send: the worker may then free it), its aggregators' sums, its commits in order."""
-        replica = self.replica[server]
-        keys = {}
-        for tr in rp.direct:
-            uid = tr.ids[0]
-            sends.setdefault(uid >> 32, []).append(
-                (uid, replica, replica, tr.start, rate_of(tr), True))
-            keys[(uid,)] = (("u", uid), uid >> 32)
-        for k, a in enumerate(rp.aggregates):
-            for tr in a.inbound:
-                uid = tr.ids[0]
-                sends.setdefault(uid >> 32, []).append(
-                    (uid, hosts[a.aggregator], replica, tr.start, rate_of(tr), True))
-            key = (self.batches, "r", k)
-            aggs.setdefault(hosts[a.aggregator], []).append(Assignment(
-                key, replica, a.members, a.transfer.start, rate_of(a.transfer), None))
-            keys[tuple(a.members)] = (("a", key), hosts[a.aggregator])
-        norm = {u.id: u.norm for u in by_id.values()}
-        commits = [(keys[tuple(c.ids)][0], tuple(c.ids), (None,) * len(c.ids), 0,
-                    keys[tuple(c.ids)][1], tuple(norm[u] for u in c.ids)) for c in rp.commits]
-        self.replica_planned[server] += len(rp.applied)
-        if commits:
-            self.rt.channel.send(replica, "expect", commits)
+            self.rt.channel.send(self.rank_of[server], "dropped",
+                                 [DropUpdate(uid, why) for uid, (_, why) in drops.items()])
 
     # --- the end ----------------------------------------------------------------------------------
     def _summarize(self):
@@ -530,3 +476,4 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
 
     def stopped(self, error):
         pass
+

@@ -21,12 +21,19 @@ from math import inf
 import numpy as np
 
 from .. import kernels
+from ..errors import MlfabricError
 from .ledger import DROP_AGGREGATOR_FAILED, DROP_STREAM_VOIDED, DROP_WORKER_FAILED
+from .messages import uid_text
 
 
-def _pick(planned, values, ids):
-    """values (one per planned id) of the ids that came, in their order."""
-    of = dict(zip(planned, values))
+def _pick(entry, values, ids):
+    """values (one per id `entry` plans) of the ids that came, in their order; a payload
+    carrying an id its commit does not plan is an error naming the commit."""
+    of = dict(zip(entry.ids, values))
+    extra = [u for u in ids if u not in of]
+    if extra:
+        raise MlfabricError("plan message `%s`: its payload carries update(s) %s, which it does "
+                            "not plan" % (entry, ", ".join(uid_text(u) for u in extra)))
     return tuple(of[u] for u in ids)
 
 
@@ -56,7 +63,7 @@ class ApplyInOrder:
     but never break the divergence bound."""
 
     def __init__(self):
-        self.expect = deque()    # (arrival key, ids, versions, replica count needed, via)
+        self.expect = deque()    # ExpectCommit records (messages.py), in order
         self.arrived = {}        # arrival key -> (ids, payload)
         self.replica_count = 0   # updates the replica has reported applied
 
@@ -66,28 +73,28 @@ class ApplyInOrder:
     def arrive(self, key, ids, data):
         self.arrived[key] = (ids, data)
 
-    def due(self, may=None, values=2):
+    def due(self, may=None, values="versions"):
         """Pop and yield (ids, their values, payload, replica count waited for) while the next
-        commit may be applied. The values are a field of the plan entry, one per planned id:
-        versions (field 2) by default, norms (field 5) in a replica's plan; `may(norms)`, if
-        given, must agree too. The ids are the payload's own: an aggregate whose aggregator lost a
-        member to a failure carries fewer than planned."""
-        while (self.expect and self.expect[0][0] in self.arrived
-               and self.replica_count >= self.expect[0][3]):
+        commit may be applied. The values are a field of the commit, one per planned id:
+        versions by default, norms in a replica's plan; `may(norms)`, if given, must agree too.
+        The ids are the payload's own: an aggregate whose aggregator lost a member to a failure
+        carries fewer than planned."""
+        while (self.expect and self.expect[0].key in self.arrived
+               and self.replica_count >= self.expect[0].need):
             entry = self.expect[0]
-            ids = self.arrived[entry[0]][0]
-            if may is not None and not may(_pick(entry[1], entry[5], ids)):
+            ids = self.arrived[entry.key][0]
+            if may is not None and not may(_pick(entry, entry.norms, ids)):
                 return
             self.expect.popleft()
-            data = self.arrived.pop(entry[0])[1]
-            yield ids, _pick(entry[1], entry[values], ids), data, entry[3]
+            data = self.arrived.pop(entry.key)[1]
+            yield ids, _pick(entry, getattr(entry, values), ids), data, entry.need
 
     def replica_need(self):
         """The replica count the next commit waits for when only the replica holds it (its
         payload is in), else 0."""
-        if (self.expect and self.expect[0][0] in self.arrived
-                and self.replica_count < self.expect[0][3]):
-            return self.expect[0][3]
+        if (self.expect and self.expect[0].key in self.arrived
+                and self.replica_count < self.expect[0].need):
+            return self.expect[0].need
         return 0
 
     def forget(self, dead):
@@ -95,10 +102,9 @@ class ApplyInOrder:
         or an aggregate it was to send. Removed; returns [(id, reason)]."""
         lost, keep = [], deque()
         for entry in self.expect:
-            key, ids, via = entry[0], entry[1], entry[4]
-            if via == dead and key not in self.arrived:
-                why = DROP_WORKER_FAILED if key[0] == "u" else DROP_AGGREGATOR_FAILED
-                lost.extend((u, why) for u in ids)
+            if entry.via == dead and entry.key not in self.arrived:
+                why = DROP_WORKER_FAILED if entry.key[0] == "u" else DROP_AGGREGATOR_FAILED
+                lost.extend((u, why) for u in entry.ids)
             else:
                 keep.append(entry)
         self.expect = keep
@@ -217,7 +223,7 @@ class ServerRole:
         """Sync mode uses the plan only to know what is still to come (so a failure can be told
         from a late payload): an arrival settles its entry, whichever came first."""
         self.sync_seen.add(key)
-        self.order.expect = deque(e for e in self.order.expect if e[0] != key)
+        self.order.expect = deque(e for e in self.order.expect if e.key != key)
 
     def _close_iteration(self):
         """Take the step once the scheduler has planned every live worker's update of the open
@@ -259,7 +265,7 @@ class ServerRole:
     def on_ctrl(self, src, kind, body):
         if kind == "expect":
             if self.mode == "mlfabric-S":
-                self.order.add_plan(e for e in body if e[0] not in self.sync_seen)
+                self.order.add_plan(e for e in body if e.key not in self.sync_seen)
             else:
                 self.order.add_plan(body)
             if self.rt.failed:  # planned before the scheduler knew: from the dead, nothing comes
@@ -279,9 +285,9 @@ class ServerRole:
             self.replica = None
             self._apply_due()
         elif kind == "dropped":
-            for uid in body:
-                if uid >> 32 in self.processed:
-                    self.processed[uid >> 32] += 1
+            for d in body:
+                if d.id >> 32 in self.processed:
+                    self.processed[d.id >> 32] += 1
         elif kind == "get":  # a worker has one get at a time: a re-sent one supersedes
             rid, clock = body
             self.gets = [g for g in self.gets if g[0] != src] + [(src, rid, clock)]

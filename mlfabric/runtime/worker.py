@@ -31,27 +31,23 @@ from .. import kernels
 from ..errors import MismatchError, MlfabricError
 from .dataplane import Stream
 from .ledger import DROP_AGGREGATOR_FAILED, DROP_WORKER_FAILED, profile
+from .messages import handle_each, uid_text
 from .relay import StreamingSum
 from .server import send_distribution
 
 
 class Assignment:
-    """Sum `members` (update ids, in order) as they arrive, then send the sum to `dst` no earlier
-    than `not_before` (job time) at `rate` bytes/s. `key` names the aggregate at its destination.
-
-    In a cut-through pipeline (sched.aggregation.pipeline) the sum also takes in `upstream`, the
-    running sum of the aggregators before this one, as (its key, its ids, the rank sending it),
-    and goes to rank `via` (the next aggregator) instead of `dst` unless it is the last. `ids`
-    are the update ids the sum carries (default: members)."""
+    """An aggregator's working state for one SumUpdates record (messages.py) it was sent: the
+    members, ids and upstream still to come, which a failure may cut (peers_failed)."""
     __slots__ = ("key", "dst", "members", "not_before", "rate", "version", "ids", "via",
-                 "upstream")
+                 "upstream", "record")
 
-    def __init__(self, key, dst, members, not_before, rate, version, ids=None, via=None,
-                 upstream=None):
-        self.key, self.dst, self.members = key, dst, tuple(members)
-        self.not_before, self.rate, self.version = not_before, rate, version
-        self.ids = self.members if ids is None else tuple(ids)
-        self.via, self.upstream = via, upstream
+    def __init__(self, record):
+        self.record = record   # as the scheduler sent it (errors name it)
+        self.key, self.dst, self.members = record.key, record.dst, tuple(record.members)
+        self.not_before, self.rate, self.version = record.not_before, record.rate, record.version
+        self.ids = tuple(record.ids)
+        self.via, self.upstream = record.via, record.upstream
 
     def slots(self):
         """Its inputs as stash keys: (update id, destination) per member; (key, None) for the
@@ -60,34 +56,6 @@ class Assignment:
         if self.upstream is not None:
             out.append((self.upstream[0], None))
         return out
-
-
-def assignments_of(a, key, dst, hosts, version):
-    """How the daemons carry plan aggregate `a` (a sched Aggregate, hosts as indices into
-    `hosts`) to `dst` under `key`: ([(aggregator rank, Assignment)], [(update id, the rank it is
-    sent to, its Transfer)]). One Assignment per aggregator of a cut-through pipeline; a partial
-    sum's key is ('up', key, level)."""
-    levels = a.levels()
-    out, sends, upstream = [], [], None
-    for j, lv in enumerate(levels):
-        last = j == len(levels) - 1
-        k = key if last else ("up", key, j)
-        own = [t.ids[0] for t in lv.inbound if t.what == "update"]
-        sends += [(t.ids[0], hosts[lv.aggregator], t) for t in lv.inbound if t.what == "update"]
-        rank = hosts[lv.aggregator]
-        out.append((rank, Assignment(k, dst, own, lv.transfer.start, rate_of(lv.transfer), version,
-                                     ids=lv.members, via=None if last else hosts[lv.dst],
-                                     upstream=upstream)))
-        upstream = (k, tuple(lv.members), rank)
-    return out, sends
-
-
-def rate_of(tr):
-    """The planned average rate of a transfer (bytes/s); None for an empty one."""
-    if tr is None:
-        return None
-    d = tr.end - tr.start
-    return tr.size / d if d > 0 and tr.size > 0 else None
 
 
 class WorkerRole:
@@ -175,31 +143,45 @@ class WorkerRole:
         if kind == "send":
             sent_at, entries = body
             self.plan_latency.append(rt.now() - sent_at)
-            for uid, hop, dst, not_before, rate, final in entries:
-                _server, payload, version = self.outbox[uid]
-                rt.dp.send(hop, ("u", uid, version, dst), payload, rate=rate,
-                           not_before=rt.local(not_before))
-                if final:
-                    del self.outbox[uid]
-        elif kind in ("drop", "release"):   # dropped, or no replica copy will be asked for
-            for item in body:
-                self.outbox.pop(item[0] if kind == "drop" else item, None)
-            if kind == "drop":
-                self.dropped.extend(body)
+            handle_each("worker rank %d" % rt.rank, entries, self._send)
+        elif kind == "drop":
+            for d in body:
+                self.outbox.pop(d.id, None)
+            self.dropped.extend((d.id, d.reason) for d in body)
+        elif kind == "release":   # no replica copy will be asked for
+            for uid in body:
+                self.outbox.pop(uid, None)
         elif kind == "distribute":   # we are an allreduce root: send the result out
             tag, direct, relays = body[:3]
             send_distribution(rt, self.root_of.pop(tag)[0], direct, relays)
         elif kind == "aggregate":
-            for a in body:
-                self.pending_aggs.append(a)
-                for slot in a.slots():
-                    self.assigned[slot] = a
-                self._try_aggregate(a)
+            handle_each("worker rank %d" % rt.rank, body, self._assigned)
             if rt.failed:  # planned before the scheduler knew of a death
                 self.peers_failed(sorted(rt.failed), [], resend=False)
         else:
             raise RuntimeError("worker rank %d: unexpected control message %r from %d"
                                % (rt.rank, kind, src))
+
+    def _send(self, m):
+        """SendUpdate m: our update to its next hop, as planned."""
+        held = self.outbox.get(m.id)
+        if held is None:
+            raise MlfabricError("worker rank %d: plan message `%s`: update %s is not waiting "
+                                "here to be sent (never pushed, or already sent for good or "
+                                "dropped)" % (self.rt.rank, m, uid_text(m.id)))
+        rt = self.rt
+        rt.dp.send(m.hop, ("u", m.id, held[2], m.dst), held[1], rate=m.rate,
+                   not_before=rt.local(m.not_before))
+        if m.final:
+            del self.outbox[m.id]
+
+    def _assigned(self, m):
+        """SumUpdates m: sum its members as they come (some may be here already)."""
+        a = Assignment(m)
+        self.pending_aggs.append(a)
+        for slot in a.slots():
+            self.assigned[slot] = a
+        self._try_aggregate(a)
 
     # --- payloads ---------------------------------------------------------------------------------
     def on_stream(self, src, key, stream):
