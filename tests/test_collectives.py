@@ -1,4 +1,5 @@
-"""The public collectives under real mpirun at 1, 2, 3 and 4 ranks (tests/mpi_cases/)."""
+"""The public collectives under real mpirun at 1, 2, 3 and 4 ranks (tests/mpi_cases/), on
+MPI_COMM_WORLD and on communicators derived from it."""
 import pytest
 
 from tests.mpi_util import run_cases
@@ -9,6 +10,13 @@ pytestmark = pytest.mark.mpi
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_collectives(n):
     run_cases("collectives_cases", n, timeout=600)
+
+
+@pytest.mark.parametrize("comm,n", [("dup", 3), ("split", 4), ("split", 5)])
+def test_collectives_on_a_derived_communicator(comm, n):
+    # The same cases on a duplicate of MPI_COMM_WORLD, and on a split into two groups (ranks in
+    # reverse order) that run side by side: 4 ranks give two groups of 2, 5 give groups of 3 and 2.
+    run_cases("collectives_cases", n, timeout=600, env={"MLFABRIC_TEST_COMM": comm})
 
 
 @pytest.mark.parametrize("n", [2])

@@ -88,13 +88,34 @@ def digest(x):
 
 
 def same_everywhere(x, what):
-    from mpi4py import MPI
-    hashes = MPI.COMM_WORLD.allgather(digest(x))
+    hashes = COMM.allgather(digest(x))
     assert len(set(hashes)) == 1, f"{what}: ranks got different bits: {hashes}"
 
 
+# The communicator the cases run on (mpi4py's test mixins over a COMM attribute): set by setup()
+# from MLFABRIC_TEST_COMM, so one case module runs unchanged on MPI_COMM_WORLD, on a duplicate of
+# it, and on a split of it whose ranks are numbered in reverse (so mlfabric's rank differs from the
+# world's and two groups run their collectives side by side).
+COMM = None
+
+
+def test_comm(kind):
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    if kind == "world":
+        return world
+    if kind == "dup":
+        return world.Dup()
+    if kind == "split":
+        return world.Split(color=world.rank % 2, key=world.size - world.rank)
+    raise ValueError(f"MLFABRIC_TEST_COMM must be world, dup or split, got {kind!r}")
+
+
 def setup():
-    mf.init()
+    import os
+    global COMM
+    COMM = test_comm(os.environ.get("MLFABRIC_TEST_COMM", "world"))
+    mf.init(COMM)
 
 
 def take_part(role, work, model_size=3):
