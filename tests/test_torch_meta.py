@@ -8,14 +8,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from mlfabric.torch import ops, tensor_meta  # noqa: E402
+from mlfabric.torch import arguments, tensor_meta  # noqa: E402
 
 
 def python_scan(tensors):
-    """What ops._scan's Python path reads: (codes, shapes) and the addresses (None where one
-    is not contiguous)."""
-    return ((tuple(ops._DTYPE_CODE[t.dtype] for t in tensors), tuple(tuple(t.shape)
-                                                                     for t in tensors)),
+    """What arguments.scan_tensors's Python path reads: (codes, shapes) and the addresses (None
+    where one is not contiguous)."""
+    return ((tuple(arguments.DTYPE_CODE[t.dtype] for t in tensors), tuple(tuple(t.shape)
+                                                                          for t in tensors)),
             None if not all(t.is_contiguous() for t in tensors)
             else [t.data_ptr() for t in tensors])
 
@@ -27,7 +27,7 @@ def decoded(got):
 
 def test_the_native_reader_is_on_with_the_pinned_torch():
     # CI pins torch 2.13, which has the shim: a reader silently off would go unnoticed
-    assert tensor_meta.available(ops._dtype_name(c) for c in range(len(ops._DTYPES)))
+    assert tensor_meta.available(arguments.dtype_name(c) for c in range(len(arguments.DTYPES)))
 
 
 def test_it_reads_what_torch_reads():
@@ -35,7 +35,7 @@ def test_it_reads_what_torch_reads():
     tensors = [torch.randn(3, 4), base[5:17].view(3, 4), base[3], torch.zeros(0),
                torch.zeros(2, 0, 3), torch.nn.Parameter(torch.ones(6)),
                torch.randn(5, requires_grad=True), torch.randn(2, 3, 4, 5, 6, 7, 2, 1, 3)]
-    tensors += [torch.zeros(3, dtype=dt) for dt in ops._DTYPES]
+    tensors += [torch.zeros(3, dtype=dt) for dt in arguments.DTYPES]
     got = tensor_meta.scan(tensors)
     assert decoded(got) == python_scan(tensors)
     assert got[1].dtype == np.uint64 and int(got[1][1]) == base.data_ptr() + 5 * 8  # a view
@@ -45,10 +45,10 @@ def test_it_reads_what_torch_reads():
     # one tensor not contiguous: no addresses (torch copies), the same signature
     strided = tensors + [base.view(5, 8).t()]
     assert decoded(tensor_meta.scan(strided)) == python_scan(strided)
-    for case in (tensors, strided):   # ops uses it, and its Python path gives the same
-        native = ops._scan(case, "x")
+    for case in (tensors, strided):   # the calls use it; its Python path gives the same
+        native = arguments.scan_tensors(case, "x")
         with _reader_off():
-            python = ops._scan(case, "x")
+            python = arguments.scan_tensors(case, "x")
         assert native[0] == python[0] and decoded(native) == decoded(python)
 
 
@@ -70,10 +70,10 @@ def test_what_it_cannot_read_is_left_to_the_python_checks(odd):
     assert dense._use_count() == 1   # the handle made for `dense` was released
     if isinstance(odd, torch.Tensor) and odd.device.type == "meta":
         with pytest.raises(Exception, match="mlfabric.torch moves CPU and CUDA tensors only"):
-            ops._scan([dense, odd], "grouped_allreduce")
+            arguments.scan_tensors([dense, odd], "grouped_allreduce")
     else:
         with pytest.raises((TypeError, ValueError)):
-            ops._scan([dense, odd], "grouped_allreduce")
+            arguments.scan_tensors([dense, odd], "grouped_allreduce")
 
 
 def test_every_handle_is_released():
@@ -85,12 +85,12 @@ def test_every_handle_is_released():
 
 def test_the_setting_turns_it_off_and_a_bad_value_is_an_error(monkeypatch):
     from mlfabric.errors import MlfabricError
-    names = [ops._dtype_name(c) for c in range(len(ops._DTYPES))]
+    names = [arguments.dtype_name(c) for c in range(len(arguments.DTYPES))]
     monkeypatch.setattr(tensor_meta, "_SCAN", None)
     monkeypatch.setenv("MLFABRIC_TORCH_META", "0")
     assert not tensor_meta.available(names) and tensor_meta.scan([torch.ones(2)]) is None
     tensors = [torch.ones(2, 3), torch.zeros(4, dtype=torch.int64)]
-    assert decoded(ops._scan(tensors, "x")) == python_scan(tensors)
+    assert decoded(arguments.scan_tensors(tensors, "x")) == python_scan(tensors)
     monkeypatch.setattr(tensor_meta, "_SCAN", None)
     monkeypatch.setenv("MLFABRIC_TORCH_META", "yes")
     with pytest.raises(MlfabricError, match="MLFABRIC_TORCH_META must be 0 or 1, got 'yes'"):
@@ -102,7 +102,7 @@ def test_a_reader_that_disagrees_with_torch_is_not_used(monkeypatch):
     # start, against torch's own reads; the Python path stays in charge
     import types
     from mlfabric import _C
-    names = [ops._dtype_name(c) for c in range(len(ops._DTYPES))]
+    names = [arguments.dtype_name(c) for c in range(len(arguments.DTYPES))]
 
     def shifted(handles):  # the right shapes, every dtype code off by one
         sig, ptrs = _C.torch_scan(handles)

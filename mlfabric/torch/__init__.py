@@ -24,10 +24,11 @@ torch.distributed backend (backend.py): importing mlfabric.torch registers "mlfa
 torch.distributed.init_process_group("mlfabric") and DistributedDataParallel run on mlfabric.
 
 This module owns the process-level calls (init, shutdown, the queries); ops.py the tensor
-collectives, grouped_ops.py grouped allgather / reducescatter, optimizer.py
-DistributedOptimizer, sync_batch_norm.py SyncBatchNorm, functions.py the whole-model helpers,
-compression.py the compressors, process_sets.py the process sets, sparse.py the sparse
-allreduce. Differences from Horovod:
+collectives (on arguments.py's checks, dispatch.py's queues, control.py's control round,
+fusion.py's fused buffers and streams.py's GPU streams), grouped_ops.py grouped allgather /
+reducescatter, optimizer.py DistributedOptimizer, sync_batch_norm.py SyncBatchNorm, functions.py
+the whole-model helpers, compression.py the compressors, process_sets.py the process sets,
+sparse.py the sparse allreduce. Differences from Horovod:
 collectives are matched by the order ranks issue them, not by name (names, when every rank
 gives one, are checked to agree); the timeline (timeline.py) is a file per rank; op Adasum
 (adasum.py) is for allreduce only; process sets are built from lists of ranks (not from
@@ -60,7 +61,7 @@ from .sparse import sparse_allreduce_async
 from .sync_batch_norm import SyncBatchNorm
 from . import backend as _backend  # noqa: F401  (registers the "mlfabric" process-group backend)
 from . import elastic  # noqa: F401  (hvd.elastic.run, hvd.elastic.TorchState)
-from . import ops as _ops
+from . import dispatch as _dispatch
 from . import timeline as _timeline
 
 
@@ -85,7 +86,7 @@ def init(comm=None, process_sets=None):
 
 def shutdown():
     """Finish queued calls and release mlfabric (collective). init() may be called again."""
-    _ops._drain()
+    _dispatch.drain()
     _timeline.stop()
     _mf.finalize()
 

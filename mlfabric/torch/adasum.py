@@ -26,9 +26,8 @@ import math
 
 import torch
 
-from . import ops
-
-Adasum = "adasum"
+from . import arguments, control, dispatch, ops
+from .arguments import Adasum  # noqa: F401  (op=Adasum)
 
 
 def combine(a, b):
@@ -51,32 +50,32 @@ def tree(vectors):
 
 def call(tensor, name, pre, post, inplace, async_, process_set=None):
     """allreduce(tensor, op=Adasum) in its blocking, async and in-place forms."""
-    what = ops._what("allreduce", name) + " (op Adasum)"
+    what = control.call_name("allreduce", name) + " (op Adasum)"
 
     def plan(st):
-        ops._check_name(name)
-        code = ops._check_tensor(tensor, what)
+        arguments.check_name(name)
+        code = arguments.check_tensor(tensor, what)
         if not tensor.dtype.is_floating_point:
             raise TypeError(f"{what}: needs a floating tensor, got {tensor.dtype}")
         if inplace:
-            ops._check_writable(tensor, what)
-        factors = (ops._factor(pre, what, "prescale_factor"),
-                   ops._factor(post, what, "postscale_factor"))
+            arguments.check_writable(tensor, what)
+        factors = (arguments.check_factor(pre, what, "prescale_factor"),
+                   arguments.check_factor(post, what, "postscale_factor"))
         shape = tuple(tensor.shape)
         # an allgather of one row per rank; the whole shape (and the op) must agree
-        desc = ops._desc(ops._ALLGATHER, code, shape=(1, math.prod(shape)), name=name,
-                         tensor=tensor)
-        desc[ops._ROW_HASH] = ops._hash(("adasum", shape))
+        desc = control.describe(control.ALLGATHER, code, shape=(1, math.prod(shape)), name=name,
+                                tensor=tensor)
+        desc[control.ROW_HASH] = control.stable_hash(("adasum", shape))
         return desc, factors
 
     def job(st, planned):
         desc, (pre_f, post_f) = planned
-        table = ops._agree(st, desc, what)
+        table = control.agree(st, desc, what)
         src = tensor.detach()
         mine = src.reshape(1, src.numel())
         if pre_f != 1.0:
             mine = mine * pre_f
-        out = tree(list(ops._gather(table, mine)[0].to(torch.float64)))
+        out = tree(list(ops.gather(table, mine)[0].to(torch.float64)))
         if post_f != 1.0:
             out = out * post_f
         out = out.view(src.shape).to(src.dtype)
@@ -85,8 +84,8 @@ def call(tensor, name, pre, post, inplace, async_, process_set=None):
             return tensor
         return out
 
-    return ops._issue(what, plan, job, async_, tensor if isinstance(tensor, torch.Tensor)
-                      else None, process_set=process_set)
+    return dispatch.issue(what, plan, job, async_, tensor if isinstance(tensor, torch.Tensor)
+                          else None, process_set=process_set)
 
 
 def optimizer_step(params, inner_step, compression, process_set):

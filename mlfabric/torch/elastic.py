@@ -292,11 +292,11 @@ def run(func):
     too), not a reset."""
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
-        from . import ops
+        from . import dispatch, ops
         if not all(callable(getattr(state, m, None)) for m in ("sync", "restore", "on_reset")):
             # The others are in sync()'s first collective: they hear of it there, at once,
             # instead of timing out and taking this live rank for a dead one (a reset).
-            ops._reject_call(None, "elastic.run", False)
+            dispatch.reject_call(None, "elastic.run", False)
             raise TypeError(f"elastic.run: state must be an elastic State (TorchState, "
                             f"ObjectState...), got {type(state).__name__}")
         while True:
@@ -317,7 +317,7 @@ def run(func):
                         # naming this rank) instead of timing out, taking this live rank for
                         # dead and waiting forever to shrink with it.
                         try:
-                            ops._reject_call(None, "elastic.run", False)
+                            dispatch.reject_call(None, "elastic.run", False)
                         except Exception:  # noqa: BLE001 - none to tell (not initialised...)
                             pass
                     raise
@@ -329,13 +329,13 @@ def run(func):
 
 def _peers_told(exc):
     """Whether every rank already knows of exc: an error of a call's control round over every
-    rank (ops._agree and ops._reject mark it with the state whose ranks took part: a process
+    rank (control.agree and control.reject mark it with the state whose ranks took part: a process
     set's leaves the others unaware), or another mismatch (the object helpers', over every
     rank)."""
-    from . import ops
+    from . import dispatch
     told = getattr(exc, "_mlf_peers_told", None)
     if told is not None:
-        return told is ops._state()
+        return told is dispatch.state()
     return isinstance(exc, MismatchError)
 
 
@@ -351,7 +351,7 @@ def _shrink_and_reinit(cause):
     """Revoke mlfabric's communicator and the user's, shrink the latter to the ranks alive,
     and initialise mlfabric on that. Collective over the survivors (each gets here when its own
     call fails: ULFM's shrink waits for all of them)."""
-    from . import init, ops, shutdown
+    from . import dispatch, init, shutdown
     exit_guard.peer_failed()  # Open MPI's finalize may now wait on the dead forever
     ctx = _context.get()
     user = ctx.user_comm
@@ -373,7 +373,7 @@ def _shrink_and_reinit(cause):
             "true ...") from cause
     # so their close frees nothing collectively: the dead would not join (process sets too)
     ctx.abandoned = True
-    for _, sub in ops._state().sets.values():
+    for _, sub in dispatch.state().sets.values():
         if sub is not None:
             sub.ctx.abandoned = True
     shutdown()

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..errors import MismatchError, MlfabricError
-from . import ops
+from . import arguments, dispatch, ops
 
 try:  # Horovod pickles with cloudpickle (lambdas, local classes); fall back to pickle
     import cloudpickle as _pickler
@@ -213,7 +213,7 @@ def _unpickled_everywhere(what, failed, process_set, serializer="pickle"):
         raise failed
     bad = flags.nonzero().flatten().tolist()
     if bad:
-        ranks = ops._state(process_set).ranks
+        ranks = dispatch.state(process_set).ranks
         raise MlfabricError(f"{what}: rank(s) {[ranks[i] for i in bad] if ranks else bad} could "
                             f"not {_verb(serializer, True)} the object (their own errors say "
                             "why)")
@@ -230,7 +230,7 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=None, serializer="
     (TypeError there, MlfabricError on the others). Every rank must pass the same serializer."""
     name = name or "broadcast_object"
     words, nbytes, error = None, 0, None
-    if ops._state().ctx.rank == root_rank:
+    if dispatch.state().ctx.rank == root_rank:
         try:
             words, nbytes = _to_words(obj, serializer, name)
         except Exception as exc:  # noqa: BLE001 - the others hear of it (size -1), then raise
@@ -246,7 +246,7 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=None, serializer="
     if words is None:
         words = torch.empty((nbytes + 7) // 8, dtype=torch.int64)
     ops.broadcast_(words, root_rank, f"{name}.data", process_set)
-    if ops._state().ctx.rank == root_rank:
+    if dispatch.state().ctx.rank == root_rank:
         loaded, error = obj, None
     else:
         loaded, error = _loads(words, nbytes, serializer)
@@ -320,7 +320,7 @@ def _compare_summaries(summary, root_rank, what, describe):
         root = -1 if isinstance(root_rank, bool) else operator.index(root_rank)
     except TypeError:
         root = -1
-    ctx = ops._state().ctx
+    ctx = dispatch.state().ctx
     # Each row names its rank: a rank inside join() contributes none, so rows are not ranks.
     got = ops.allgather(torch.tensor([[h, root, ctx.rank]], dtype=torch.int64),
                         f"{what}.summary_hash")
@@ -400,7 +400,7 @@ def broadcast_parameters(params, root_rank):
     _same_everywhere(summary, root_rank, what, _describe_params, error)
     # In place, fused into buffers per dtype. Tied weights (one tensor under two names) are
     # simply written twice with the same values.
-    ops._grouped_broadcast_call([t.detach() for _, t in named], root_rank, what)
+    ops.grouped_broadcast_call([t.detach() for _, t in named], root_rank, what)
 
 
 def broadcast_optimizer_state(optimizer, root_rank):
@@ -422,7 +422,7 @@ def broadcast_optimizer_state(optimizer, root_rank):
     # The state's structure and small values travel pickled; its tensors (Adam's moments: twice
     # the model) travel as tensors, fused per dtype, with no pickling copies (~7x faster for a
     # 4M-parameter model's Adam state, 2 ranks on the 2-core VM: BENCHMARKS.md).
-    root = ops._state().ctx.rank == root_rank
+    root = dispatch.state().ctx.rank == root_rank
     skeleton, tensors, error = None, [], None
     if root:
         try:
@@ -439,7 +439,7 @@ def broadcast_optimizer_state(optimizer, root_rank):
         tensors = [torch.empty_strided(slot.shape, slot.stride, dtype=slot.dtype)
                    for slot in _slots(skeleton)]
     if tensors:
-        ops._grouped_broadcast_call(tensors, root_rank, f"{what}.tensors")
+        ops.grouped_broadcast_call(tensors, root_rank, f"{what}.tensors")
     if not root:  # load_state_dict moves each state tensor to its parameter's device
         optimizer.load_state_dict(_put_tensors(skeleton, tensors))
 
@@ -464,7 +464,7 @@ def _sendable(t):
     pickled."""
     return (type(t) is torch.Tensor and t.layout == torch.strided and not t.is_nested
             and not t.is_quantized and not t.requires_grad and t.device.type == "cpu"
-            and t.dtype in ops._DTYPE_CODE and _dense(t))
+            and t.dtype in arguments.DTYPE_CODE and _dense(t))
 
 
 def _dense(t):

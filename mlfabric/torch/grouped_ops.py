@@ -3,7 +3,8 @@ tensors in one call, each tensor's result what the single-tensor call gives it, 
 collective per dtype (in order of first appearance), so a list of many small tensors costs a few
 collectives instead of one per tensor.
 
-Owns how a list travels fused; the control round, join, devices and dtypes are ops.py's:
+Owns how a list travels fused; the control round is control.py's, join, devices and dtypes
+ops.py's:
 - allgather: ranks may hold different numbers of rows of each tensor, so a first round gathers
   every rank's rows of every tensor (an int64 allgather of a (1, len(list)) tensor, described
   and checked like any allgather, with the whole list's dtypes and row shapes in its descriptor:
@@ -22,24 +23,25 @@ import torch
 from .. import _C
 from ..comm import collectives as _coll
 from . import tensor_meta as _meta
+from .arguments import (Average, CORE_OPS, DTYPES, DTYPE_CODE, ReducePlan, check_name, resolve_op,
+                        scan_tensors, wire_dtype)
 from .compression import Compression
-from .ops import (_ACTIVE, _ALLGATHER, _CORE_OPS, _DTYPE_CODE, _DTYPES, _REDUCESCATTER,
-                  _ROW_HASH, _STATE, Average, _agree, _check_differentiable, _check_name,
-                  _compression, _control, _desc, _disagreement, _gather, _groups, _issue,
-                  _LAYOUTS_KEPT, _clone_all, _layout, _mismatched, _recorded, _ReducePlan,
-                  _resolve_op,
-                  _scan, _state, _what, _wire)
-from .ops import _grouped_call as _grouped_allreduce_call
+from .control import (ACTIVE, ALLGATHER, REDUCESCATTER, ROW_HASH, STATE, agree, call_name,
+                      control_round, describe, disagreement, mismatched, rank_groups)
+from .dispatch import issue, state
+from .fusion import LAYOUTS_KEPT, clone_all, group_layout
+from .ops import (check_differentiable, checked_compression, gather, grouped_allreduce_call,
+                  recorded)
 
 
 def _check_list(tensors, what):
-    """(dtype codes, shapes with 0-d as (1,), data addresses as ops._scan gives them: a uint64
-    array, or None) of a grouped call's list, after checking it."""
+    """(dtype codes, shapes with 0-d as (1,), data addresses as arguments.scan_tensors gives
+    them: a uint64 array, or None) of a grouped call's list, after checking it."""
     if not isinstance(tensors, (list, tuple)):
         raise TypeError(f"{what}: tensors must be a list of tensors, got {type(tensors).__name__}")
     if not tensors:
         raise ValueError(f"{what}: needs at least one tensor")
-    sig, ptrs = _scan(tensors, what)
+    sig, ptrs = scan_tensors(tensors, what)
     codes, shapes = _meta.decode(sig)
     return codes, tuple(s or (1,) for s in shapes), ptrs
 
@@ -50,43 +52,43 @@ def _list_desc(kind, code, op, shape, name, codes, shapes, tensor, rows=True):
     The shape hash is what a rank that knows nothing of lists compares (a joined rank, or one
     making a single-tensor call): lists that differ must differ there too."""
     # Python's hash of a tuple of ints is the same in every process (and cheaper than
-    # ops._hash's crc32 of its repr, which a list of 100 shapes makes long)
+    # control.stable_hash's crc32 of its repr, which a list of 100 shapes makes long)
     sig = hash((codes, tuple(s[1:] if rows else s for s in shapes)))
-    desc = _desc(kind, code, op, shape=shape, name=name, layout=sig, tensor=tensor)
-    desc[_ROW_HASH] = sig
+    desc = describe(kind, code, op, shape=shape, name=name, layout=sig, tensor=tensor)
+    desc[ROW_HASH] = sig
     return desc
 
 
 def _agree_list(st, desc, what, rows=True):
-    """ops._agree, naming lists that differ (rather than the shape of a row of the first
+    """control.agree, naming lists that differ (rather than the shape of a row of the first
     round's tensor, which the user never passed). rows: as _list_desc's."""
-    table = _control(st, desc, what)
-    states = table[:, _STATE]
-    active = np.flatnonzero(states == _ACTIVE)
+    table = control_round(st, desc, what)
+    states = table[:, STATE]
+    active = np.flatnonzero(states == ACTIVE)
     if (states >= 0).all() and active.size and \
-            (table[active, _ROW_HASH] != table[active[0], _ROW_HASH]).any():
-        groups = _groups(table, active, lambda d: int(d[_ROW_HASH]))
-        raise _mismatched(st, what, (
+            (table[active, ROW_HASH] != table[active[0], ROW_HASH]).any():
+        groups = rank_groups(table, active, lambda d: int(d[ROW_HASH]))
+        raise mismatched(st, what, (
             f"{what}: the ranks' lists differ (their length, dtypes, or shapes"
             f"{' after the first dimension' if rows else ''}; ranks grouped by list: "
             f"{' | '.join(map(str, groups))})"))
-    msg = _disagreement(table, what)
+    msg = disagreement(table, what)
     if msg is not None:
-        raise _mismatched(st, what, msg)
+        raise mismatched(st, what, msg)
     return table
 
 
 # --- grouped allgather ----------------------------------------------------------------------------
 
 def _grouped_allgather_call(tensors, name, async_, with_rows=False, process_set=None):
-    what = _what("grouped_allgather", name)
+    what = call_name("grouped_allgather", name)
 
     def plan(st):
-        _check_name(name)
+        check_name(name)
         codes, shapes, ptrs = _check_list(tensors, what)
         # the rows travel through host memory whatever the device (tensor=None): no NCCL
         # launch and device sync for 8 bytes a tensor, and its waits stay bounded
-        return codes, shapes, ptrs, _list_desc(_ALLGATHER, _DTYPE_CODE[torch.int64], 0,
+        return codes, shapes, ptrs, _list_desc(ALLGATHER, DTYPE_CODE[torch.int64], 0,
                                                (1, len(tensors)), name, codes, shapes, None)
 
     def job(st, planned):
@@ -94,12 +96,12 @@ def _grouped_allgather_call(tensors, name, async_, with_rows=False, process_set=
         table = _agree_list(st, desc, what)
         mine = torch.tensor([[s[0] for s in shapes]], dtype=torch.int64)
         rows = np.zeros((st.ctx.size, len(tensors)), np.int64)  # each rank's rows of each
-        rows[table[:, _STATE] == _ACTIVE] = _gather(table, mine)[0].numpy()
+        rows[table[:, STATE] == ACTIVE] = gather(table, mine)[0].numpy()
         outs = [None] * len(tensors)
-        for g, group in enumerate(_layout(codes, shapes)):
+        for g, group in enumerate(group_layout(codes, shapes)):
             members = group.members or list(range(len(tensors)))
-            dtype = _DTYPES[group.code]
-            wire = _wire(dtype)
+            dtype = DTYPES[group.code]
+            wire = wire_dtype(dtype)
             lens = np.array([math.prod(shapes[i][1:]) for i in members], np.int64)
             direct = ptrs is not None and wire == dtype  # CPU, contiguous, not widened
             if direct:  # packed by C++ from the tensors' addresses: no torch op a tensor
@@ -107,13 +109,13 @@ def _grouped_allgather_call(tensors, name, async_, with_rows=False, process_set=
                 _C.gather(flat.data_ptr(), ptrs[members], group.nbytes)
             else:
                 flat = torch.cat([tensors[i].detach().reshape(-1).to(wire) for i in members])
-            gdesc = _desc(_ALLGATHER, group.code, shape=(flat.numel(),),
-                          name=None if name is None else f"{name}.{g}", tensor=tensors[0])
-            got = _gather(_agree(st, gdesc, what), flat.view(-1, 1))[0].view(-1)
+            gdesc = describe(ALLGATHER, group.code, shape=(flat.numel(),),
+                             name=None if name is None else f"{name}.{g}", tensor=tensors[0])
+            got = gather(agree(st, gdesc, what), flat.view(-1, 1))[0].view(-1)
             # got: each rank's members back to back, in rank order (a joined rank's are empty)
             elems = rows[:, members] * lens  # (rank, member): elements of each piece
             totals = rows[:, members].sum(0).tolist()
-            # each output its own tensor, not a view (see ops._own)
+            # each output its own tensor, not a view (see _own in ops.py)
             gathered = [got.new_empty((totals[j], *shapes[i][1:]))
                         for j, i in enumerate(members)]
             if direct:
@@ -126,7 +128,7 @@ def _grouped_allgather_call(tensors, name, async_, with_rows=False, process_set=
                 outs[i] = out if wire == dtype else out.to(dtype)
         return (outs, rows) if with_rows else outs
 
-    return _issue(what, plan, job, async_, _first(tensors), tensors, process_set)
+    return issue(what, plan, job, async_, _first(tensors), tensors, process_set)
 
 
 def _unpack(got, outs, elems, itemsize):
@@ -155,7 +157,7 @@ class _GroupedAllgatherFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, name, process_set, *tensors):
         outs, rows = _grouped_allgather_call(list(tensors), name, False, True, process_set)
-        me = _state(process_set).ctx.rank
+        me = state(process_set).ctx.rank
         ctx.offsets, ctx.rows = rows[:me].sum(0).tolist(), rows[me].tolist()
         ctx.shapes, ctx.process_set = [t.shape for t in tensors], process_set
         return tuple(outs)
@@ -167,9 +169,9 @@ class _GroupedAllgatherFn(torch.autograd.Function):
         floating = [i for i, g in enumerate(grads) if g.dtype.is_floating_point]
         back = [None] * len(grads)
         if floating:
-            reduced = _grouped_allreduce_call([grads[i].contiguous() for i in floating], Average,
-                                              None, None, 1.0, 1.0, False, False,
-                                              ctx.process_set)
+            reduced = grouped_allreduce_call([grads[i].contiguous() for i in floating], Average,
+                                             None, None, 1.0, 1.0, False, False,
+                                             ctx.process_set)
             for i, r in zip(floating, reduced):
                 back[i] = r.narrow(0, ctx.offsets[i], ctx.rows[i]).reshape(ctx.shapes[i])
         return (None, None, *back)
@@ -182,7 +184,7 @@ def grouped_allgather(tensors, name=None, process_set=None):
     if _first(tensors) is None or not all(isinstance(t, torch.Tensor) for t in tensors):
         # the error, on every rank
         return _grouped_allgather_call(tensors, name, False, process_set=process_set)
-    if _recorded(*tensors):
+    if recorded(*tensors):
         return list(_GroupedAllgatherFn.apply(name, process_set, *tensors))
     return _grouped_allgather_call(list(tensors), name, False, process_set=process_set)
 
@@ -195,38 +197,38 @@ def grouped_allgather_async(tensors, name=None, process_set=None):
 # --- grouped reducescatter ------------------------------------------------------------------------
 
 def _grouped_reducescatter_call(tensors, op, name, pre, post, async_, process_set=None):
-    what = _what("grouped_reducescatter", name)
+    what = call_name("grouped_reducescatter", name)
 
     def plan(st):
-        _check_name(name)
+        check_name(name)
         codes, shapes, ptrs = _check_list(tensors, what)
         for i, t in enumerate(tensors):
             if t.dim() == 0:
                 raise ValueError(f"{what}: tensors[{i}] has no dimension to split; each needs "
                                  "at least one")
-        resolved = _resolve_op(op, None)
+        resolved = resolve_op(op, None)
         # kept per list of dtypes and shapes (a training loop scatters the same list each step)
         key = (codes, shapes, tensors[0].device)
         known = st.grouped_layouts.get(key)
         if known is None:
-            if len(st.grouped_layouts) >= _LAYOUTS_KEPT:
+            if len(st.grouped_layouts) >= LAYOUTS_KEPT:
                 st.grouped_layouts.clear()
             known = st.grouped_layouts[key] = [
                 _ScatterGroup(group, shapes, st.ctx.size, st.ctx.rank, tensors[0].device)
-                for group in _layout(codes, shapes)]
+                for group in group_layout(codes, shapes)]
         return ptrs, [(group, p, _list_desc(
-            _REDUCESCATTER, group.code, _CORE_OPS.index(p.core), (st.ctx.size, group.width),
+            REDUCESCATTER, group.code, CORE_OPS.index(p.core), (st.ctx.size, group.width),
             None if name is None else f"{name}.{g}", codes, shapes, tensors[0], rows=False))
             for g, group in enumerate(known)
-            for p in [_ReducePlan(resolved, _DTYPES[group.code], pre, post, st.ctx.size, what)]]
+            for p in [ReducePlan(resolved, DTYPES[group.code], pre, post, st.ctx.size, what)]]
 
     def job(st, planned):
         ptrs, groups = planned
         outs = [None] * len(tensors)
         for group, p, desc in groups:
             _agree_list(st, desc, what, rows=False)
-            dtype = _DTYPES[group.code]
-            wire = _wire(dtype)
+            dtype = DTYPES[group.code]
+            wire = wire_dtype(dtype)
             direct = ptrs is not None and wire == dtype
             if direct:
                 # CPU, contiguous, not widened: C++ copies each rank's rows of each member (and
@@ -250,18 +252,18 @@ def _grouped_reducescatter_call(tensors, op, name, pre, post, async_, process_se
                 else buf[st.ctx.rank]
             if p.after != 1.0:
                 got.mul_(p.after)
-            if direct:  # each output its own tensor (see ops._own), filled by one C++ call
+            if direct:  # each output its own tensor (see _own in ops.py), filled by one C++ call
                 mine = [got.new_empty(shape) for shape in group.mine]
                 _C.scatter(got.data_ptr(), _addresses(mine), group.mine_bytes)
             else:
                 views = [piece.view(shape) for piece, shape in
                          zip(got[:sum(group.mine_lens)].split(group.mine_lens), group.mine)]
-                mine = _clone_all(views) if wire == dtype else [v.to(dtype) for v in views]
+                mine = clone_all(views) if wire == dtype else [v.to(dtype) for v in views]
             for i, out in zip(group.members, mine):
                 outs[i] = out
         return outs
 
-    return _issue(what, plan, job, async_, _first(tensors), tensors, process_set)
+    return issue(what, plan, job, async_, _first(tensors), tensors, process_set)
 
 
 class _ScatterGroup:
@@ -285,7 +287,7 @@ class _ScatterGroup:
         self.blocks = [[rs[r] * k for rs, k in zip(rows, lens)] for r in range(n)]  # elements
         self.width = max(sum(b) for b in self.blocks)
         self.starts = np.cumsum([0] + [shapes[i][0] * k for i, k in zip(self.members, lens)])
-        size = _DTYPES[group.code].itemsize
+        size = DTYPES[group.code].itemsize
         member, offset, nbytes, done = [], [], [], [0] * len(self.members)
         for b in self.blocks:
             for j, k in enumerate(b):
@@ -327,15 +329,15 @@ class _GroupedReducescatterFn(torch.autograd.Function):
     def forward(ctx, op, name, pre, post, process_set, *tensors):
         outs = _grouped_reducescatter_call(list(tensors), op, name, pre, post, False,
                                            process_set)
-        ctx.op, ctx.process_set = _resolve_op(op, None), process_set
-        ctx.scale = float(pre) * float(post) / (_state(process_set).ctx.size
+        ctx.op, ctx.process_set = resolve_op(op, None), process_set
+        ctx.scale = float(pre) * float(post) / (state(process_set).ctx.size
                                                 if ctx.op == Average else 1)
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads):
         # as reducescatter's: the allgather of the outputs' gradients, scaled as the forward
-        _check_differentiable(ctx.op, "grouped_reducescatter")
+        check_differentiable(ctx.op, "grouped_reducescatter")
         back = _grouped_allgather_call([g.contiguous() for g in grads], None, False,
                                        process_set=ctx.process_set)
         if ctx.scale != 1.0:
@@ -348,13 +350,13 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=A
     """reducescatter of each tensor of a list (a list back: this rank's block of rows of each
     reduction), fused into one reduce_scatter per dtype. Every rank passes the same list of
     dtypes and shapes. Differentiable (Average, Sum); factors and compression as reducescatter."""
-    what = _what("grouped_reducescatter", name)
-    compression = _compression(what, compression, process_set)
+    what = call_name("grouped_reducescatter", name)
+    compression = checked_compression(what, compression, process_set)
     if _first(tensors) is None or not all(isinstance(t, torch.Tensor) for t in tensors):
         return _grouped_reducescatter_call(tensors, op, name, 1.0, 1.0, False, process_set)
     pairs = [compression.compress(t) for t in tensors]
     sent = [c for c, _ in pairs]
-    if _recorded(*sent):
+    if recorded(*sent):
         outs = _GroupedReducescatterFn.apply(op, name, prescale_factor, postscale_factor,
                                              process_set, *sent)
     else:

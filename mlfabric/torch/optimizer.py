@@ -38,7 +38,7 @@ How it works:
   checkpoint's nested pass counting as part of its own), the next mlfabric.torch collective (a
   metric's allreduce, another optimizer's bucket, SyncBatchNorm's call in a later pass) and the
   next gradient of another optimizer first start the buckets before the last that the hooks did
-  not (ops._start_unstarted; missing gradients count as zeros, as at synchronize()). A gradient
+  not (dispatch.start_unstarted; missing gradients count as zeros, as at synchronize()). A gradient
   that comes for such a bucket afterwards (a further backward() for the same step) is an
   error. What still needs every rank to compute gradients for the same parameters (as DDP
   without find_unused_parameters): calls issued during the same backward pass (SyncBatchNorm's,
@@ -82,7 +82,7 @@ from ..comm import respawn as _respawn
 from ..comm import shared as _shared
 from ..errors import MismatchError, MlfabricError
 from . import adasum as _adasum
-from . import ops
+from . import arguments, dispatch, ops
 from . import sparse as _sparse
 from .compression import Compression, check as _check_compression
 
@@ -212,10 +212,11 @@ class _DistributedOptimizer:
         """(op, parameters to reduce, their names), or the error of a bad argument. local: ids
         of parameters that keep this rank's gradient (PartialDistributedOptimizer)."""
         _check_compression(compression)
-        op = ops._resolve_op(op, None)
+        op = arguments.resolve_op(op, None)
         if op not in (ops.Average, ops.Sum, ops.Adasum):
             raise ValueError(f"DistributedOptimizer supports op Average, Sum or Adasum, got {op}")
-        ops._factor(gradient_predivide_factor, "DistributedOptimizer", "gradient_predivide_factor")
+        arguments.check_factor(gradient_predivide_factor, "DistributedOptimizer",
+                               "gradient_predivide_factor")
         if gradient_predivide_factor != 1.0 and op != ops.Average:
             raise ValueError("gradient_predivide_factor needs op=Average")
         _check_passes(backward_passes_per_step)
@@ -227,7 +228,7 @@ class _DistributedOptimizer:
                     params.append(p)
         names = _names(named_parameters, params)
         for p in params:  # the buckets live on the parameters' device, in their dtypes
-            ops._check_tensor(p, "DistributedOptimizer", f"parameter {names[id(p)]}")
+            arguments.check_tensor(p, "DistributedOptimizer", f"parameter {names[id(p)]}")
             if p.device != params[0].device:
                 raise ValueError(f"DistributedOptimizer: parameter {names[id(p)]} is on "
                                  f"{p.device}, {names[id(params[0])]} on {params[0].device}; "
@@ -251,7 +252,7 @@ class _DistributedOptimizer:
         # runs no Python: functools.partial of setattr records the parameter in _mlf_seen, so
         # synchronize() knows whether (and which) gradients came since the last reduction.
         # With buckets before the last, every gradient runs the Python hook: which buckets
-        # the hooks started can differ between ranks, and ops._start_unstarted must know of
+        # the hooks started can differ between ranks, and dispatch.start_unstarted must know of
         # every backward pass that brought this rank a gradient (_mlf_enter).
         tail = self._mlf_buckets[-1] if self._mlf_buckets else None
         self._mlf_early = len(self._mlf_buckets) > 1
@@ -268,13 +269,13 @@ class _DistributedOptimizer:
         self._mlf_should_sync = True    # False inside skip_synchronize()
         self._mlf_ref = ref = weakref.ref(self)
         # With buckets before the last, once the step's backward passes are over, a call issued
-        # in this state first starts the buckets the hooks did not (ops._start_unstarted). The
+        # in this state first starts the buckets the hooks did not (dispatch.start_unstarted). The
         # passes are told apart by autograd's graph tasks (_mlf_enter):
         self._mlf_state = st  # (refreshed by _mlf_pend: an elastic reset makes another)
         self._mlf_open = set()    # tasks that brought a gradient and are still running
         self._mlf_newest = -1     # the newest such task since the reduction (ids only grow)
         self._mlf_passes_seen = 0  # backward passes that brought one, nested ones not counted
-        self._mlf_failed = None  # the error of a bucket ops._start_unstarted could not start
+        self._mlf_failed = None  # the error of a bucket dispatch.start_unstarted could not start
         # bucket index -> its first slot (the slots are in bucket order)
         self._mlf_first = np.cumsum([0] + [len(b.params) for b in self._mlf_buckets]).tolist()
         self._mlf_hooks = [p.register_post_accumulate_grad_hook(functools.partial(_hook, ref, i))
@@ -290,7 +291,7 @@ class _DistributedOptimizer:
         """After autograd accumulated a parameter's gradient: the hot path, once per parameter
         and backward pass, so it only counts (a fresh gradient is copied into the bucket when
         the bucket starts, all in one call)."""
-        if slot.delay < 0:  # its bucket was started by ops._start_unstarted
+        if slot.delay < 0:  # its bucket was started by dispatch.start_unstarted
             raise MlfabricError(
                 f"DistributedOptimizer: a gradient for {slot.bucket.name} came after its "
                 "bucket's reduction had started: once the step's backward_passes_per_step "
@@ -308,13 +309,13 @@ class _DistributedOptimizer:
         task = _graph_task()  # (~30 ns)
         if self._mlf_early and task not in self._mlf_open:
             self._mlf_enter(task)
-        pending = ops._UNSTARTED
+        pending = dispatch.UNSTARTED
         if pending and (len(pending) > 1 or pending[0] is not self._mlf_ref):
             # another optimizer's backward passes are over: its buckets start now, before any
             # of this pass's, on every rank (whether this pass's hooks start a bucket, or issue
             # any call before step(), can differ between ranks)
             try:
-                ops._start_unstarted(ops._state(self._mlf_process_set), task)
+                dispatch.start_unstarted(dispatch.state(self._mlf_process_set), task)
             except (TypeError, ValueError, MlfabricError):  # not initialised...: none to start
                 pass
         slot.delay -= 1
@@ -334,7 +335,7 @@ class _DistributedOptimizer:
         unless it runs inside one (a reentrant checkpoint's pass, nested in the backward pass
         that started it: task ids grow, so it is newer than a pass still open, or an enclosing
         pass seen after it is older). Once the step's passes are all there, a call issued after
-        them starts the buckets the hooks did not (ops._start_unstarted): counting passes, not
+        them starts the buckets the hooks did not (dispatch.start_unstarted): counting passes, not
         parameters through theirs, every rank gets there, whichever parameters its passes
         reached."""
         if not self._mlf_open and task > self._mlf_newest:
@@ -375,15 +376,15 @@ class _DistributedOptimizer:
 
     def _mlf_pend(self):
         """Have a call issued after backward start the buckets the hooks do not (see
-        ops._start_unstarted)."""
+        dispatch.start_unstarted)."""
         try:
-            self._mlf_state = ops._state(self._mlf_process_set)
+            self._mlf_state = dispatch.state(self._mlf_process_set)
         except Exception:  # noqa: BLE001 - not initialised: its calls will say so
             return
-        ops._UNSTARTED.append(self._mlf_ref)
+        dispatch.UNSTARTED.append(self._mlf_ref)
 
     def _mlf_start_unstarted(self):
-        """Start the buckets before the last that the hooks did not (ops._start_unstarted):
+        """Start the buckets before the last that the hooks did not (dispatch.start_unstarted):
         their parameters without a gradient contribute zeros, as at synchronize(). A gradient
         that comes for one of them later is an error (_mlf_grad_ready). A start that fails is
         raised by synchronize(): the call that got here is not this optimizer's."""
@@ -435,8 +436,8 @@ class _DistributedOptimizer:
             sent = flat
         else:
             sent, cctx = self._mlf_compression.compress(flat)
-        out = ops._allreduce_call(sent, self._mlf_op, None, b.name, 1.0, post, True, async_,
-                                  layout=layout, process_set=self._mlf_process_set)
+        out = ops.allreduce_call(sent, self._mlf_op, None, b.name, 1.0, post, True, async_,
+                                 layout=layout, process_set=self._mlf_process_set)
         return (out, None) if async_ else (None, out), sent, cctx, flat
 
     def synchronize(self):
@@ -447,14 +448,14 @@ class _DistributedOptimizer:
         if self._mlf_op == ops.Adasum or (self._mlf_synchronized and
                                           self._mlf_seen.param is None):
             return  # no gradient since (the hooks clear _mlf_synchronized; marks set seen)
-        if self._mlf_ref in ops._UNSTARTED:  # its own calls below start them, in order
-            ops._UNSTARTED.remove(self._mlf_ref)
+        if self._mlf_ref in dispatch.UNSTARTED:  # its own calls below start them, in order
+            dispatch.UNSTARTED.remove(self._mlf_ref)
         buckets, error = self._mlf_buckets, self._mlf_failed
         stopped, self._mlf_failed = error is not None, None
         # The buckets before the last that the hooks did not start (a parameter had no gradient
         # yet): started now, all before waiting for any. A start that fails does so on every
-        # rank at the same bucket (_issue's rejection round), so all stop there.
-        with ops._own_calls():
+        # rank at the same bucket (dispatch.issue's rejection round), so all stop there.
+        with dispatch.own_calls():
             while not stopped and self._mlf_next < len(buckets) - 1:
                 try:
                     self._mlf_launch(buckets[self._mlf_next], True)
@@ -544,8 +545,8 @@ class _DistributedOptimizer:
         self._mlf_open = set()
         self._mlf_newest = -1
         self._mlf_passes_seen = 0
-        if self._mlf_ref in ops._UNSTARTED:  # (zero_grad() after passes that started nothing)
-            ops._UNSTARTED.remove(self._mlf_ref)
+        if self._mlf_ref in dispatch.UNSTARTED:  # (zero_grad() after passes that started nothing)
+            dispatch.UNSTARTED.remove(self._mlf_ref)
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -681,7 +682,7 @@ def _construction_state(process_set):
     this rank is not in process_set), or None: not initialised, or a replacement rank built
     before its first sync (the others make no construction round, and its buckets stay
     private, as theirs)."""
-    st = ops._state(process_set) if _context.initialized() else None
+    st = dispatch.state(process_set) if _context.initialized() else None
     return None if _respawn.joining else st
 
 

@@ -8,7 +8,7 @@
 Owns ProcessSet, global_process_set, add_process_set / remove_process_set and the sets passed to
 init(process_sets=[...]). A registered set has, on each of its ranks, a context of its own
 (mlfabric.comm.context.Context on a communicator split from mlfabric's: its own shared-memory
-transport, queue, and NCCL communicator when GPU tensors move) and an ops._State running its
+transport, queue, and NCCL communicator when GPU tensors move) and an dispatch.State running its
 calls in it, so its collectives and control rounds stay among its ranks, in their own order:
 calls on different sets are independent, as in Horovod. Every collective of mlfabric.torch and
 DistributedOptimizer take process_set=; root_rank stays a global rank (Horovod's rule), and
@@ -23,7 +23,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..comm import context as _context
-from . import ops
+from . import control, dispatch
 
 
 class ProcessSet:
@@ -49,7 +49,7 @@ class ProcessSet:
         """The registered ranks, or None (not registered in this initialisation)."""
         if self.process_set_id is None or not _context.initialized():
             return None
-        st = ops._state()
+        st = dispatch.state()
         if self.process_set_id == 0:
             return list(range(st.ctx.size))
         entry = st.sets.get(self.process_set_id)
@@ -67,13 +67,13 @@ class ProcessSet:
         ranks = self._registered()
         if ranks is None:
             return None
-        me = ops._state().ctx.rank
+        me = dispatch.state().ctx.rank
         return ranks.index(me) if me in ranks else -1
 
     def included(self):
         """Whether this rank is in the set, or None while it is not registered."""
         ranks = self._registered()
-        return None if ranks is None else ops._state().ctx.rank in ranks
+        return None if ranks is None else dispatch.state().ctx.rank in ranks
 
     def __repr__(self):
         ranks = "all" if self.process_set_id == 0 else self.ranks
@@ -87,7 +87,7 @@ global_process_set.process_set_id = 0  # every rank; ranks filled in at init()
 def _on_init(process_sets):
     """init()'s part: the global set's ranks, then the sets passed to init (None, "dynamic" (as
     Horovod's flag: sets may be added later, always allowed here) or a list)."""
-    global_process_set.ranks = list(range(ops._state().ctx.size))
+    global_process_set.ranks = list(range(dispatch.state().ctx.size))
     if process_sets is None or process_sets == "dynamic":
         return
     if not isinstance(process_sets, (list, tuple)):
@@ -120,14 +120,14 @@ def add_process_set(process_set):
         return _set_desc(0, ps.ranks)
 
     def job(st, desc):
-        ops._agree(st, desc, what)
+        control.agree(st, desc, what)
         member = st.ctx.rank in ps.ranks
         sub = st.ctx.comm.Split(0 if member else MPI.UNDEFINED, key=st.ctx.rank)
         state = None
         if member:
             try:
-                state = ops._State(_context.sub_context(sub), parent=st,
-                                   ranks=tuple(ps.ranks))
+                state = dispatch.State(_context.sub_context(sub), parent=st,
+                                       ranks=tuple(ps.ranks))
             except BaseException:
                 sub.Free()
                 raise
@@ -136,7 +136,7 @@ def add_process_set(process_set):
         ps.process_set_id = set_id
         return ps
 
-    return ops._issue(what, plan, job, False)
+    return dispatch.issue(what, plan, job, False)
 
 
 def remove_process_set(process_set):
@@ -155,24 +155,24 @@ def remove_process_set(process_set):
         return _set_desc(1, process_set.ranks)
 
     def job(st, desc):
-        ops._agree(st, desc, what)
+        control.agree(st, desc, what)
         _, state = st.sets.pop(process_set.process_set_id)
         process_set.process_set_id = None
         if state is not None:
             state.close()
         return True
 
-    return ops._issue(what, plan, job, False)
+    return dispatch.issue(what, plan, job, False)
 
 
 def _set_desc(call, ranks):
     """The control-round descriptor of add (call 0) / remove (1) of the set of ranks: their
     hash to compare, the first of them (in place of a shape's dimensions) for messages."""
-    desc = ops._desc(ops._PROCESS_SET, op=call)
-    desc[ops._SHAPE_HASH] = ops._hash(tuple(ranks))
-    desc[ops._NDIM] = len(ranks)
-    k = min(len(ranks), ops._MAX_DIMS)
-    desc[ops._DIMS:ops._DIMS + k] = ranks[:k]
+    desc = control.describe(control.PROCESS_SET, op=call)
+    desc[control.SHAPE_HASH] = control.stable_hash(tuple(ranks))
+    desc[control.NDIM] = len(ranks)
+    k = min(len(ranks), control.MAX_DIMS)
+    desc[control.DIMS:control.DIMS + k] = ranks[:k]
     return desc
 
 
@@ -180,7 +180,7 @@ def process_set_by_id(process_set_id):
     """The registered set with this id (0: global_process_set)."""
     if process_set_id == 0:
         return global_process_set
-    entry = ops._state().sets.get(process_set_id)
+    entry = dispatch.state().sets.get(process_set_id)
     if entry is None:
         raise ValueError(f"no process set with id {process_set_id} is registered")
     ps = ProcessSet(entry[0])
@@ -190,7 +190,7 @@ def process_set_by_id(process_set_id):
 
 def process_sets():
     """Every registered set, global_process_set first."""
-    return [global_process_set] + [process_set_by_id(i) for i in sorted(ops._state().sets)]
+    return [global_process_set] + [process_set_by_id(i) for i in sorted(dispatch.state().sets)]
 
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set",

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ..errors import MismatchError
-from . import ops
+from . import arguments, control, dispatch, ops
 
 
 class _SparseCall:
@@ -66,17 +66,17 @@ def combine(indices, values, size, divide):
 
 
 def _check(tensor, name, op, what):
-    ops._check_name(name)
+    arguments.check_name(name)
     if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
         got = tensor.layout if isinstance(tensor, torch.Tensor) else type(tensor).__name__
         raise TypeError(f"{what}: needs a sparse COO tensor (layout torch.sparse_coo), got "
                         f"{got}; dense tensors go through allreduce")
     if tensor.sparse_dim() < 1:
         raise ValueError(f"{what}: the tensor has no sparse dimension")
-    op = ops._resolve_op(op, None)
+    op = arguments.resolve_op(op, None)
     if op not in (ops.Average, ops.Sum):
         raise ValueError(f"{what}: op must be Average or Sum, got {op}")
-    ops._check_tensor(tensor._values(), what, "the tensor's values")
+    arguments.check_tensor(tensor._values(), what, "the tensor's values")
     if op == ops.Average and not tensor.dtype.is_floating_point:
         raise TypeError(f"{what}: op Average needs a floating tensor, got {tensor.dtype}; use "
                         "op=Sum")
@@ -85,19 +85,19 @@ def _check(tensor, name, op, what):
 
 def start(tensor, name=None, op=ops.Average, process_set=None):
     """Issue the sparse allreduce of tensor: its _SparseCall (wait() gives the result)."""
-    what = ops._what("sparse_allreduce", name)
+    what = control.call_name("sparse_allreduce", name)
     try:
-        st = ops._state(process_set)
+        st = dispatch.state(process_set)
         op = _check(tensor, name, op, what)
     except Exception:
         for _ in range(2):  # the peers' two allgathers fail with a MismatchError naming this rank
-            ops._reject_call(process_set, what, True)
+            dispatch.reject_call(process_set, what, True)
         raise
     sparse_dim = tensor.sparse_dim()
     head = torch.tensor([tensor.shape[:sparse_dim]], dtype=torch.int64, device=tensor.device)
     indices = torch.cat([head, tensor._indices().t()])
-    calls = [ops._allgather_call(t, None if name is None else f"{name}.{part}", True,
-                                 with_rows=part == "indices", process_set=process_set)
+    calls = [ops.allgather_call(t, None if name is None else f"{name}.{part}", True,
+                                with_rows=part == "indices", process_set=process_set)
              for t, part in ((indices, "indices"), (tensor._values(), "values"))]
     return _SparseCall(*(st.handles.pop(h) for h in calls),
                        st.ctx.size if op == ops.Average else 1, what)
@@ -109,7 +109,7 @@ def sparse_allreduce_async(tensor, name=None, op=ops.Average, process_set=None):
     sum (op=Sum) or average (op=Average) over ranks as a coalesced sparse tensor. Ranks may
     hold different numbers of entries; the tensors' sizes and dtypes must agree."""
     call = start(tensor, name, op, process_set)
-    st = ops._state(process_set)
+    st = dispatch.state(process_set)
     hid = next(st.ids)
     st.handles[hid] = call
     return hid

@@ -61,7 +61,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 import mlfabric as _mf
 
 from ..errors import MismatchError, NotInitializedError, PeerTimeoutError
-from . import ops
+from . import control, dispatch, ops
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Names of the two allreduces: they must agree on every rank, so a rank that issues something
@@ -100,8 +100,8 @@ def _sum_over_ranks(t, name, what, layout):
     """In-place Sum allreduce of t; a MismatchError / PeerTimeoutError that says which layer and
     what most likely went wrong."""
     try:
-        return ops._allreduce_call(t, ops.Sum, None, name, 1.0, 1.0, True, False,
-                                   layout=layout)
+        return ops.allreduce_call(t, ops.Sum, None, name, 1.0, 1.0, True, False,
+                                  layout=layout)
     except MismatchError as exc:
         # (a rank that rejected its input has its own error; the advice is for the others)
         if "rejected their arguments" in str(exc):
@@ -242,7 +242,7 @@ class SyncBatchNorm(_BatchNorm):
         except (TypeError, ValueError):
             # This rank takes part in the statistics' round as 'rejected', so the others fail
             # at once with a MismatchError naming it instead of waiting for it.
-            ops._reject(ops._state(), ops._what("allreduce", _FWD), False)
+            control.reject(dispatch.state(), control.call_name("allreduce", _FWD), False)
             raise
         factor = 0.0
         tracked = self.track_running_stats and self.num_batches_tracked is not None

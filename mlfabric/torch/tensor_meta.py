@@ -5,9 +5,9 @@ more than the fused allreduce itself.
 
 The native reader uses PyTorch's stable C shim (aoti_torch_*), found at run time in the
 libtorch_cpu that torch loaded, and torch._C._aoti's handles to the tensors. Where either is
-missing (another torch), or MLFABRIC_TORCH_META=0, scan() returns None and ops._scan reads the
-tensors through Python, building the same signature with signature(): the results are the same
-(tested), so ranks taking either path agree.
+missing (another torch), or MLFABRIC_TORCH_META=0, scan() returns None and
+arguments.scan_tensors reads the tensors through Python, building the same signature with
+signature(): the results are the same (tested), so ranks taking either path agree.
 
 A signature is int64 words, [dtype code, ndim, dims...] per tensor: compared and hashed as bytes
 (cheaper than tuples of shapes), decoded back into (codes, shapes) only where needed."""

@@ -104,7 +104,8 @@ class _Timeline:
 
 
 def negotiating():
-    """(start time, the list this call's control rounds go in) or None: timed by ops._control."""
+    """(start time, the list this call's control rounds go in) or None: timed by
+    control.control_round."""
     tl = _ACTIVE
     if tl is None or tl.current is None:
         return None

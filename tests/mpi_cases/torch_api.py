@@ -159,8 +159,8 @@ def case_allreduce_defaults_scaling_noncontiguous():
 # --- tensor fusion of queued async allreduces ------------------------------------------------------
 
 def _rounds():
-    from mlfabric.torch import ops
-    return ops._state().rounds
+    from mlfabric.torch import dispatch
+    return dispatch.state().rounds
 
 
 def _slow_head():
@@ -320,15 +320,15 @@ def case_a_fused_run_that_fails_names_each_call_in_its_error():
     # its own call. The first rank it happens to tells the others, which may hear of it before
     # their own allreduce fails; every later call fails (the communicator is unusable after it)
     # until mlfabric is initialised again.
-    from mlfabric.torch import ops
-    real = ops._allreduce_flat
+    from mlfabric.torch import dispatch, fusion
+    real = fusion.allreduce_flat
 
     def failing(flat, plan):
         if 3 < flat.numel() < 100:  # a fused run of the calls below (each has 3 elements)
             raise hvd.PeerTimeoutError("allreduce: no answer within 1 s (injected)")
         return real(flat, plan)
-    ops._allreduce_flat = failing
-    ops._state().fusion_pause = 0  # (an earlier case's refused offers may have paused fusion)
+    fusion.allreduce_flat = failing
+    dispatch.state().fusion_pause = 0  # (an earlier case's refused offers may have paused fusion)
     try:
         head = _slow_head()
         hs = [hvd.allreduce_async(torch.ones(3), op=hvd.Sum, name=f"g{i}") for i in range(4)]
@@ -351,7 +351,7 @@ def case_a_fused_run_that_fails_names_each_call_in_its_error():
         with pytest.raises(hvd.PeerTimeoutError, match="unusable|gave up"):
             hvd.allreduce(torch.ones(2), op=hvd.Sum)
     finally:
-        ops._allreduce_flat = real
+        fusion.allreduce_flat = real
         hvd.shutdown()
         hvd.init()
     assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [hvd.size()] * 2
@@ -542,7 +542,7 @@ def case_grouped_allreduce_staging_and_outputs():
     cached), another list, dtypes widened on the wire, a 0-d, an empty and a non-contiguous
     tensor, scaling, a call larger than the staging buffer; results independent of each other
     and of later calls, and results of the differentiable form modifiable in place."""
-    from mlfabric.torch import ops
+    from mlfabric.torch import fusion
     n, r = hvd.size(), hvd.rank()
     shapes = [((2, 3), "float32"), ((), "float32"), ((0, 4), "float32"), ((4,), "int8"),
               ((3,), "bool"), ((5,), "bfloat16"), ((3, 2), "float32")]
@@ -572,10 +572,10 @@ def case_grouped_allreduce_staging_and_outputs():
     # a buffer of its own): prescale 0.5 and postscale 3 give 1.5 times the sum.
     floats = [x for x in make(30)[0] if x.dtype == torch.float32]
     sums = hvd.grouped_allreduce(floats, op=hvd.Sum)
-    staging_max = ops._STAGING_MAX
+    staging_max = fusion.STAGING_MAX
     try:
         for limit in (staging_max, 16):
-            ops._STAGING_MAX = limit
+            fusion.STAGING_MAX = limit
             for inplace in (False, True):
                 xs = [x.clone() for x in floats]
                 fn = hvd.grouped_allreduce_ if inplace else hvd.grouped_allreduce
@@ -585,7 +585,7 @@ def case_grouped_allreduce_staging_and_outputs():
                         g.double(), 1.5 * s.double(), rtol=1e-6, atol=1e-5,
                         msg=f"scaled grouped, in place {inplace}, staging limit {limit}")
     finally:
-        ops._STAGING_MAX = staging_max
+        fusion.STAGING_MAX = staging_max
     # The differentiable form's results may be modified in place (autograd allows it).
     a, b = (torch.ones(2, dtype=torch.float64, requires_grad=True) for _ in range(2))
     ga, gb = hvd.grouped_allreduce([a * 1.0, b * 2.0], op=hvd.Sum)

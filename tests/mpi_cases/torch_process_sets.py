@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import mlfabric.torch as hvd
-from mlfabric.torch import ops
+from mlfabric.torch import dispatch
 
 from .common import same_everywhere
 
@@ -372,5 +372,5 @@ def case_init_with_process_sets():
     if first.included():
         assert hvd.allreduce(torch.ones(1), op=hvd.Sum, process_set=first).item() == 1
     _remove(first, second)
-    assert ops._state().sets == {}
+    assert dispatch.state().sets == {}
     _still_works()
