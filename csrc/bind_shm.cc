@@ -25,8 +25,8 @@ void bind_shm(py::module_& m) {
              const std::optional<py::array>& in, std::optional<py::array>& out, size_t count,
              std::vector<size_t> chunks, std::vector<int64_t> header,
              std::vector<uintptr_t> peer_in, std::vector<uintptr_t> peer_out) {
-            // Arrays are C-contiguous views made by mlfabric._buffers; their addresses are read
-            // here, which is cheaper than asking numpy for them in Python.
+            // Arrays are C-contiguous views made by mlfabric._core.buffers; their addresses are
+            // read here, which is cheaper than asking numpy for them in Python.
             CallArgs a;
             a.kind = static_cast<Kind>(kind);
             a.dtype = static_cast<DType>(dtype);

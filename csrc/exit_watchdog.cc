@@ -1,7 +1,7 @@
 // exit_watchdog.cc — a native timer that ends this process if it is still alive some seconds
-// later (mlfabric/exit_guard.py arms it at interpreter exit once a peer has died). Native because
-// it must fire while the interpreter finalizes: MPI_Finalize runs from Py_AtExit, after every
-// Python thread has stopped for good.
+// later (mlfabric/_core/exit_guard.py arms it at interpreter exit once a peer has died). Native
+// because it must fire while the interpreter finalizes: MPI_Finalize runs from Py_AtExit, after
+// every Python thread has stopped for good.
 #include <pybind11/pybind11.h>
 #include <unistd.h>
 

@@ -9,7 +9,7 @@
 
 namespace mlf {
 
-// Codes shared with mlfabric/_dtypes.py; keep in step.
+// Codes shared with mlfabric/_core/dtypes.py; keep in step.
 enum class DType : int { f32 = 0, f64 = 1, f16 = 2, bf16 = 3, i32 = 4, i64 = 5 };
 enum class RedOp : int { sum = 0, prod = 1, min = 2, max = 3 };
 constexpr int kNumDTypes = 6;

@@ -21,9 +21,9 @@
 //                                             (aggregation.group_order, Alg. 3's random
 //                                             pre-assignment; seed an int with |seed| < 2**64)
 //   book_add(t, v, segments)               -> adds made, or -1 (nothing done: a segment starts
-//                                             before 0): mlfabric.sim.monitor.Book.add per
+//                                             before 0): mlfabric.sched.view.Book.add per
 //                                             segment, on the book's lists
-//   view_residual(bt, bv, k, r)            -> (t, v): monitor.SchedulerView._build's lists
+//   view_residual(bt, bv, k, r)            -> (t, v): view.SchedulerView._build's lists
 //   view_links(ids, caps, booked, cache, now, Profile) -> the Profiles of SchedulerView.network
 //   book_t_en([(bt, bv, r), ...], now, size, start) -> t_en over SchedulerView.residuals
 // (the simulator's scheduler view keeps its book of planned reservations as the same kind of
@@ -288,7 +288,7 @@ PyObject* py_subtract(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_NONE;
 }
 
-// --- the simulator's book of planned reservations (mlfabric/sim/monitor.py) --------------------
+// --- the simulator's book of planned reservations (mlfabric/sched/view.py) --------------------
 
 // Book.add(t0, t1, rate) on the lists t, v.
 void book_add_one(PyObject* t, PyObject* v, double t0, double t1, double rate) {
@@ -536,7 +536,7 @@ PyObject* py_view_links(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return out;
 }
 
-// monitor.SchedulerView.residuals(links, now) then network.t_en(those, size, start), without
+// view.SchedulerView.residuals(links, now) then network.t_en(those, size, start), without
 // building the residual lists in Python: per link (bt, bv, r) the residual is
 // t = [0.0] + bt[k+1:], v = [r - x if r > x else 0.0 for x in bv[k:]], k = bisect_right(bt, now)-1
 // (equal neighbours not merged, as residuals() leaves them), and the walk is t_en's.
@@ -787,18 +787,18 @@ PyMethodDef kMethods[] = {
     {"book_add", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_book_add)),
      METH_FASTCALL,
      "book_add(t, v, segments) -> adds made, or -1 with nothing done (a segment before time "
-     "0): mlfabric.sim.monitor.Book.add per segment on the lists t, v."},
+     "0): mlfabric.sched.view.Book.add per segment on the lists t, v."},
     {"view_residual", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_view_residual)),
      METH_FASTCALL,
-     "view_residual(bt, bv, k, r) -> (t, v): mlfabric.sim.monitor.SchedulerView._build's lists."},
+     "view_residual(bt, bv, k, r) -> (t, v): mlfabric.sched.view.SchedulerView._build's lists."},
     {"view_links", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_view_links)),
      METH_FASTCALL,
      "view_links(ids, caps, booked, cache, now, Profile) -> [Profile]: "
-     "mlfabric.sim.monitor.SchedulerView.network's per-link loop (cache check, rebuild)."},
+     "mlfabric.sched.view.SchedulerView.network's per-link loop (cache check, rebuild)."},
     {"book_t_en", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_book_t_en)),
      METH_FASTCALL,
      "book_t_en([(bt, bv, r), ...], now, size, start) -> (end, flat segments) or (inf, None): "
-     "network.t_en over mlfabric.sim.monitor.SchedulerView.residuals(...) of those books."},
+     "network.t_en over mlfabric.sched.view.SchedulerView.residuals(...) of those books."},
     {"shuffle_seeded", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_shuffle)),
      METH_FASTCALL,
      "shuffle_seeded(items, seed) -> list: random.Random(seed).shuffle's order of items, "
