@@ -87,6 +87,7 @@ from mlfabric._core import buffers as _buffers, config as _config
 from mlfabric.comm import context as _context
 from mlfabric.comm import header as _header
 from mlfabric.comm import nccl as _nccl
+from mlfabric.comm import wait as _wait
 from mlfabric.errors import MismatchError, MlfabricError
 
 from . import sparse as _sparse
@@ -240,7 +241,7 @@ class _P2PWork(dist.Work):
 
 class _P2PPoller:
     """One thread that finishes the p2p Works whose futures were asked for, as their requests
-    complete (polling, with a back-off to 1 ms while nothing completes). One still pending
+    complete (polling, paced by _paced() while nothing completes). One still pending
     MLFABRIC_TIMEOUT after it came is given up (its future gets the PeerTimeoutError), at once,
     blocking nothing; unless a thread of the user's waits on it, whose own bound ends it (the
     poller sees it done then)."""
@@ -261,12 +262,12 @@ class _P2PPoller:
 
     def _loop(self):
         from mpi4py import MPI  # (imported by then: a request exists)
-        nap = 20e-6
+        back = _paced()
         while True:
             with self._cv:
                 while not self._works:
                     self._cv.wait()
-                    nap = 20e-6
+                    back = _paced()
                 works = list(self._works)
             if MPI.Is_finalized():  # a receive left pending at exit: nothing can finish it
                 return
@@ -281,10 +282,16 @@ class _P2PPoller:
             if finished:
                 with self._cv:
                     self._works = [(w, d) for w, d in self._works if id(w) not in finished]
-                nap = 20e-6
+                back = _paced()
             else:
-                time.sleep(nap)
-                nap = min(nap * 2, 1e-3)
+                back.pause()
+
+
+def _paced():
+    """The poller's schedule between polls: comm.wait's back-off in its sleeping phase from the
+    start (FIRST_NAP_S doubling to MAX_SLEEP_S: a thread of its own need not spin or yield the
+    core), with no deadline of its own (each Work has its own, above)."""
+    return _wait.Backoff(math.inf, start=time.perf_counter() - _wait.YIELD_S)
 
 
 _P2P_POLLER = _P2PPoller()
