@@ -4,8 +4,6 @@ torch's own elementwise add (torch.add / torch.sum over stacked inputs), on one 
 
     python benchmarks/cuda_kernels.py [--mib 256] [--repeats 50] [--out FILE.json]
 """
-import argparse
-import json
 import platform
 import subprocess
 
@@ -13,7 +11,8 @@ import torch
 
 from mlfabric import _C
 from mlfabric._core import dtypes as _dtypes
-from mlfabric.bench.script import output_path, positive_int
+from mlfabric.bench import harness
+from mlfabric.bench.script import positive_int
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "float64": torch.float64}
@@ -31,12 +30,14 @@ def timed(fn, repeats):
     return start.elapsed_time(end) / 1e3 / repeats
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--mib", type=positive_int, default=256)
-    p.add_argument("--repeats", type=positive_int, default=50)
-    p.add_argument("--out", type=output_path)
-    a = p.parse_args()
+def options(p):
+    p.add_argument("--mib", type=positive_int, default=256, help="MiB per input buffer")
+    p.add_argument("--repeats", "--iters", dest="repeats", type=positive_int, default=50,
+                   help="timed calls per measurement")
+    harness.add_out(p)
+
+
+def run(comm, a):
     assert _C.cuda_built() and torch.cuda.is_available(), "needs a CUDA build and a GPU"
     rows = []
     print("%-9s %2s %10s %10s %10s %8s" % ("dtype", "k", "copy GB/s", "torch GB/s",
@@ -72,14 +73,15 @@ def main():
                                                            100 * row["ours_gbs"] / copy_gbs))
     gpu = torch.cuda.get_device_name(0)
     print("device:", gpu)
-    if a.out:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                                text=True).stdout.strip()
-        with open(a.out, "w") as f:
-            json.dump(dict(command="python benchmarks/cuda_kernels.py --mib %d --repeats %d"
-                           % (a.mib, a.repeats), device=gpu, host=platform.node(),
-                           commit=commit, rows=rows), f, indent=1)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    return dict(command="python benchmarks/cuda_kernels.py --mib %d --repeats %d"
+                % (a.mib, a.repeats), device=gpu, host=platform.node(), commit=commit,
+                rows=rows)
 
+
+ENTRY = harness.Entry("cuda_kernels", __doc__, options, run,
+                      prog="python benchmarks/cuda_kernels.py")
 
 if __name__ == "__main__":
-    main()
+    harness.main(ENTRY)

@@ -6,13 +6,14 @@ update; the time per step is the median over rounds of each round's mean.
 
     mpirun -n 2 python benchmarks/ddp_backends.py [--hidden 1024 --layers 4 --batch 32
                                                    --steps 10 --rounds 7 --dtype float32]
+                                                  [--out FILE.json]
 
 Rank 0 prints one line per backend (median ms per step), a "local" line (the same steps without
 DDP: compute only), and the ratio gloo / mlfabric of the step times and of the time DDP adds
 over local (above 1: mlfabric is faster). The two DDP trainings should end at the same weights
-(max abs difference printed).
+(max abs difference printed). The JSON ("results": per backend the median and per-round ms per
+step, the parameters and the weight difference) is written by rank 0 with --out.
 """
-import argparse
 import statistics
 import time
 import warnings
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import mlfabric.torch.backend  # noqa: F401 - registers the "mlfabric" backend
+from mlfabric.bench import harness
 from mlfabric.bench.script import positive_int
 
 
@@ -42,16 +44,18 @@ def run_steps(ddp, opt, batches):
         opt.step()
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def options(p):
     p.add_argument("--inputs", type=positive_int, default=256)
     p.add_argument("--hidden", type=positive_int, default=1024)
     p.add_argument("--layers", type=positive_int, default=4)
     p.add_argument("--batch", type=positive_int, default=32)
     p.add_argument("--steps", type=positive_int, default=10, help="steps per round")
-    p.add_argument("--rounds", type=positive_int, default=7)
+    harness.add_rounds(p, 7)
     p.add_argument("--dtype", default="float32", choices=("float32", "float64"))
-    args = p.parse_args()
+    harness.add_out(p)
+
+
+def run(comm, args):
     warnings.simplefilter("ignore", FutureWarning)
 
     dist.init_process_group("mlfabric")  # under mpirun: MPI gives ranks, nothing to set
@@ -85,6 +89,7 @@ def main():
     diff = max((a - b).abs().max().item() for a, b in
                zip(runs["gloo"][0].parameters(), runs["mlfabric"][0].parameters()))
     med = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    records = None
     if rank == 0:
         mb = params * torch.finfo(dtype).bits / 8 / 1e6
         print(f"# {size} ranks; MLP {args.inputs}-{'x'.join([str(args.hidden)] * args.layers)}-1 "
@@ -97,8 +102,18 @@ def main():
         print(f"gloo / mlfabric: {med['gloo'] / med['mlfabric']:.2f} per step, "
               f"{(med['gloo'] - med['local']) / max(med['mlfabric'] - med['local'], 1e-9):.2f} "
               f"on the time DDP adds (max |weight difference| gloo vs mlfabric: {diff:.2e})")
+        records = {"meta": {"ranks": size, "parameters": params, "dtype": args.dtype,
+                            "batch": args.batch, "steps": args.steps, "rounds": args.rounds},
+                   "results": {name: {"median_ms": med[name],
+                                      "per_round_ms": [t * 1e3 for t in times[name]]}
+                               for name in ("local", "gloo", "mlfabric")},
+                   "ratios": {"gloo / mlfabric": med["gloo"] / med["mlfabric"]},
+                   "max_abs_weight_diff": diff}
     dist.destroy_process_group()
+    return records
 
+
+ENTRY = harness.Entry("ddp_backends", __doc__, options, run)
 
 if __name__ == "__main__":
-    main()
+    harness.main(ENTRY)

@@ -12,8 +12,6 @@ With fewer GPUs than ranks on the host, every rank claims a host of its own for 
 GPU through NCCL's socket transport: then the numbers measure the two libraries' overheads over
 the same transport, not what a GPU interconnect would carry.
 """
-import argparse
-import json
 import os
 import socket
 import statistics
@@ -25,26 +23,30 @@ from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mlfabric.bench.script import byte_size, output_path, positive_int  # noqa: E402
+from mlfabric.bench import harness  # noqa: E402
+from mlfabric.bench.script import byte_size, positive_int  # noqa: E402
 
 
 BUS_FACTOR = {"allreduce": lambda n: 2 * (n - 1) / n, "allgather": lambda n: (n - 1) / n,
               "broadcast": lambda n: 1.0}
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def options(p):
     p.add_argument("--colls", default="allreduce,allgather,broadcast")
     p.add_argument("--min-bytes", type=byte_size, default="1K")
     p.add_argument("--max-bytes", type=byte_size, default="256M")
     p.add_argument("--factor", type=positive_int, default=4, help="size factor (>= 2)")
-    p.add_argument("--iters", type=positive_int, default=20, help="timed calls per round")
-    p.add_argument("--rounds", type=positive_int, default=5)
-    p.add_argument("--out", type=output_path)
-    args = p.parse_args()
+    harness.add_iters(p, 20, "timed calls per round")
+    harness.add_rounds(p, 5)
+    harness.add_out(p)
+
+
+def check(p, args):
     if args.factor < 2 or args.min_bytes > args.max_bytes:
         p.error("need --factor >= 2 and --min-bytes <= --max-bytes")
-    world = MPI.COMM_WORLD
+
+
+def run(world, args):
     rank, size = world.rank, world.size
 
     import torch
@@ -135,17 +137,19 @@ def main():
                       f"{row['torch-nccl']['us']:10.1f} us busbw "
                       f"{row['torch-nccl']['busbw_GBs']:7.2f} GB/s | torch/mlfabric "
                       f"{row['torch_over_mlfabric']:5.2f} | wrong {wrong}", flush=True)
-    if rank == 0 and args.out:
+    doc = None
+    if rank == 0:
         doc = {"command": "mpirun -n %d python %s" % (size, " ".join(sys.argv)),
                "gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__,
                "nccl": ".".join(map(str, torch.cuda.nccl.version())),
                "mlfabric_nccl": nccl.version(), "ranks_share_one_gpu": shared,
                "rows": rows}
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
     dist.destroy_process_group()
     mf.finalize()
+    return doc
 
+
+ENTRY = harness.Entry("gpu_collectives", __doc__, options, run, check)
 
 if __name__ == "__main__":
-    main()
+    harness.main(ENTRY)

@@ -20,7 +20,6 @@ With fewer GPUs than ranks on the host the ranks share one GPU (NCCL_HOSTID per 
 MLFABRIC_NCCL_SHARE_GPU=1; NCCL's socket transport between them): then their kernels also take
 turns on that GPU, and the numbers compare the two libraries under the same constraint.
 """
-import argparse
 import json
 import os
 import socket
@@ -32,32 +31,30 @@ from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mlfabric.bench.script import output_path  # noqa: E402
+from mlfabric.bench import harness  # noqa: E402
 
 VARIANTS = ("alone", "hvd", "ddp-nccl")
 
 
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def options(p):
     p.add_argument("--inputs", type=int, default=2048)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--batch", type=int, default=4096, help="per-rank batch")
     p.add_argument("--steps", type=int, default=5, help="steps per variant per round")
-    p.add_argument("--rounds", type=int, default=5)
+    harness.add_rounds(p, 5, "rounds (alternating variant order)", type=int)
     p.add_argument("--lr", type=float, default=1e-4, help="SGD learning rate (the tests raise "
                    "it, so that an unreduced gradient would move the weights measurably)")
-    p.add_argument("--out", type=output_path)
-    args = p.parse_args()
+    harness.add_out(p)
+
+
+def check(p, args):
     for name in ("inputs", "hidden", "layers", "batch", "steps", "rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1")
-    return args
 
 
-def main():
-    args = parse_args()
-    world = MPI.COMM_WORLD
+def run(world, args):
     rank, size = world.rank, world.size
     import torch
     import torch.distributed as dist
@@ -116,11 +113,10 @@ def main():
     scale = weights["ddp-nccl"].abs().max().item()
     all_times, all_splits = comm.gather(times, root=0), comm.gather(splits, root=0)
     all_diff = comm.gather(diff, root=0)
-    status = 0
+    status, out = 0, None
     if rank == 0:
         n_steps = args.rounds * args.steps
-        out = {"meta": {"command": "mpirun -n %d python benchmarks/gpu_optimizer.py %s"
-                        % (size, " ".join(sys.argv[1:])), "ranks": size,
+        out = {"meta": {"command": harness.command_line(), "ranks": size,
                         "gpu": torch.cuda.get_device_name(dev),
                         "gpus": torch.cuda.device_count(), "torch": torch.__version__,
                         "parameters": sum(p.numel() for p in runs["alone"][0].parameters())},
@@ -151,15 +147,14 @@ def main():
                   + " ".join(f"{r['split_ms'][k]:9.2f}" for k in PHASES))
         print("ratios:", json.dumps({k: round(x, 3) for k, x in out["ratios"].items()}),
               f"max |w_hvd - w_ddp| {out['max_abs_weight_diff']:.2e}")
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(out, f, indent=1)
     status = comm.bcast(status, root=0)
     comm.Free()
     dist.destroy_process_group()
     hvd.shutdown()
-    return status
+    return out, status
 
+
+ENTRY = harness.Entry("gpu_optimizer", __doc__, options, run, check)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    harness.main(ENTRY)

@@ -45,14 +45,9 @@ for a bad command line; an exception on any rank aborts the whole job.
 """
 import argparse
 import datetime
-import hashlib
-import json
-import math
 import os
-import platform
 import socket
 import statistics
-import subprocess
 import sys
 import time
 
@@ -60,14 +55,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from mlfabric._core import dtypes as _dtypes  # noqa: E402
-from mlfabric.bench.kernels import cpu_name  # noqa: E402
+from mlfabric.bench import harness  # noqa: E402
 from mlfabric.bench.report import host_info  # noqa: E402
-from mlfabric.bench.script import int_list, output_path, parser, run_main  # noqa: E402
+from mlfabric.bench.script import int_list  # noqa: E402
 from mlfabric.comm import algorithms  # noqa: E402
 from mlfabric.pipeline import schedules as sch  # noqa: E402
 from mlfabric.pipeline.validate import Timeline, simulate  # noqa: E402
@@ -293,11 +287,8 @@ def start_gaps(tl):
 
 
 def summary(xs):
-    xs = sorted(float(x) for x in xs)
-    if not xs:
-        return None
-    return {"n": len(xs), "mean": statistics.fmean(xs), "median": statistics.median(xs),
-            "p90": xs[min(len(xs) - 1, int(math.ceil(0.9 * len(xs))) - 1)], "max": xs[-1]}
+    """n, mean, median, p90, max of a sample (None for an empty one)."""
+    return harness.stats(xs, with_min=False)
 
 
 # --- bubbles (targets 1 and 2) -------------------------------------------------------------------
@@ -1128,13 +1119,11 @@ def name_list(known):
     return parse
 
 
-def parse_args(argv):
-    p = parser("benchmarks/pipeline.py", __doc__)
+def options(p):
     sub = p.add_subparsers(dest="experiment", required=True)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--out", metavar="FILE.json", type=output_path,
-                        help="write the JSON here (bubbles: and "
-                        "the Gantt PNGs beside it)")
+    harness.add_out(common, "write the JSON here (bubbles: and the Gantt PNGs beside it)",
+                    metavar="FILE.json")
     common.add_argument("--seed", type=int, default=0)
     common.add_argument("--quiet", "-q", action="store_true", help="no progress lines")
 
@@ -1158,7 +1147,7 @@ def parse_args(argv):
     q.add_argument("--hidden", type=int, default=1024, help="width of the FC head")
     q.add_argument("--inputs", type=int, default=24, help="microbatches per pipeline run")
     q.add_argument("--iterations", type=int, default=6, help="data-parallel iterations per run")
-    q.add_argument("--warmup", type=int, default=1, help="untimed data-parallel iterations")
+    harness.add_warmup(q, 1, "untimed data-parallel iterations", type=int)
     q.add_argument("--rounds", type=int, default=2, help="alternating rounds of both configs")
     q.add_argument("--profile-repeats", type=int, default=5)
     q.add_argument("--lr", type=float, default=0.01)
@@ -1191,7 +1180,8 @@ def parse_args(argv):
     o.add_argument("--lr", type=float, default=0.01)
     o.add_argument("--threads", type=int, default=1, help="torch threads")
 
-    args = p.parse_args(argv)
+
+def check(p, args):
     if getattr(args, "t_b_ms", 0) is None:
         args.t_b_ms = 2 * args.t_f_ms
     size = MPI.COMM_WORLD.size
@@ -1220,33 +1210,6 @@ def parse_args(argv):
             p.error("need >= 2 ranks and --m >= the ranks (%d), positive sizes" % size)
         if args.t_f_ms <= 0 or args.t_b_ms <= 0 or args.image % 4:
             p.error("need --t-f-ms, --t-b-ms > 0 and --image a multiple of 4")
-    return args
-
-
-def git_state():
-    try:
-        run = lambda *cmd: subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True,  # noqa
-                                          timeout=10).stdout
-        diff = run("diff", "HEAD")
-        # the tree may hold uncommitted work: its hash tells two runs' code apart
-        return {"commit": run("rev-parse", "HEAD").decode().strip() or None,
-                "modified": [ln[3:] for ln in run("status", "--porcelain",
-                                                  "--untracked-files=no").decode().splitlines()],
-                "diff_sha1": hashlib.sha1(diff).hexdigest() if diff else None}
-    except Exception:  # noqa: BLE001 - not a git checkout: say so in the JSON
-        return None
-
-
-def jsonable(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return "inf" if x > 0 else ("-inf" if x < 0 else "nan")
-    if isinstance(x, dict):
-        return {str(k): jsonable(v) for k, v in x.items() if not str(k).startswith("_")}
-    if isinstance(x, (list, tuple)):
-        return [jsonable(v) for v in x]
-    if isinstance(x, np.generic):
-        return jsonable(x.item())
-    return x
 
 
 EXPERIMENTS = {"bubbles": exp_bubbles, "partition": exp_partition, "torch": exp_torch,
@@ -1260,17 +1223,14 @@ COMPUTE = {"bubbles": "sleep-based: a rank computes by sleeping, so it needs no 
            "overhead": "real, %d rank"}
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    comm = MPI.COMM_WORLD
-    args = parse_args(argv)
+def run(comm, args):
     host = host_info(comm)
     load_before = os.getloadavg()
     t0 = time.monotonic()
     runs = []
     results = EXPERIMENTS[args.experiment](comm, args, runs)
     if comm.rank != 0:
-        return 0
+        return None
     pngs = []
     if args.out and args.experiment == "bubbles":
         pngs = write_gantts(args, runs, os.path.splitext(args.out)[0])
@@ -1281,19 +1241,18 @@ def main(argv=None):
         val = v["value"]
         print("  %-40s %-8s %s" % (k, met, ("%.4g" % val) if isinstance(val, float) else val))
     if args.out:
-        meta = {"command": "mpirun -n %d python benchmarks/pipeline.py %s"
-                           % (comm.size, " ".join(argv)),
+        meta = {"command": harness.command_line(),
                 "experiment": args.experiment, "ranks": comm.size,
                 "parameters": {k: v for k, v in vars(args).items() if k not in ("out", "quiet")},
                 "compute": COMPUTE[args.experiment] % comm.size,
                 "clock": "time.perf_counter (CLOCK_MONOTONIC), one clock per host",
-                "git": git_state(), "cpu": cpu_name(), "machine": platform.machine(),
                 "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
                 "total_wall_s": time.monotonic() - t0, "pngs": pngs, **host}
-        with open(args.out, "w") as f:
-            json.dump(jsonable({"meta": meta, "runs": runs, "results": results}), f, indent=1)
-    return 0
+        return {"meta": meta, "runs": runs, "results": results}
+    return None
 
+
+ENTRY = harness.Entry("pipeline", __doc__, options, run, check, prog="benchmarks/pipeline.py")
 
 if __name__ == "__main__":
-    run_main(main)
+    harness.main(ENTRY)

@@ -18,28 +18,24 @@ record: mode, settings, accounting, timings], "results": {the experiment's summa
 0 when every job's accounting balanced (pushed = applied + dropped, id by id), 1 otherwise, 2 for a
 bad command line (reported once, by rank 0). An exception in a job aborts the whole MPI job.
 """
-import hashlib
-import json
 import math
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
 import numpy as np
 from mpi4py import MPI
 
-from mlfabric.bench.kernels import cpu_name
+from mlfabric.bench import harness
+from mlfabric.bench.harness import stats
 from mlfabric.bench.report import host_info
-from mlfabric.bench.script import output_path, parser, positive_int, run_main
+from mlfabric.bench.script import positive_int
 from mlfabric.emulate import Emulation
 from mlfabric.ps.driver import default_update, run_job
 from mlfabric.runtime.core import PS_MODES
 from mlfabric.runtime.roles import Roles
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DTYPE = np.float32
 
 # Defaults per experiment. The time scale is the paper's: base_rate 50 MB/s stands for 10 Gbps and
@@ -101,8 +97,7 @@ def split_mode(mode):
     return mode, {}
 
 
-def parse_args(argv):
-    p = parser("benchmarks/ps_modes.py", __doc__)
+def options(p):
     p.add_argument("experiment", choices=sorted(DEFAULTS))
     p.add_argument("--preset", help="compute-network emulation preset, e.g. C2-N1")
     p.add_argument("--base-rate", type=float, default=50e6,
@@ -120,11 +115,11 @@ def parse_args(argv):
                    "typical update norm ('inf' allowed)")
     p.add_argument("--batch-interval", type=float, default=0.1, help="scheduler batch period s")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", metavar="FILE.json", type=output_path,
-                   help="write the JSON here (replica: and a PNG "
-                   "beside it)")
+    harness.add_out(p, "write the JSON here (replica: and a PNG beside it)", metavar="FILE.json")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress lines")
-    args = p.parse_args(argv)
+
+
+def check(p, args):
     d = DEFAULTS[args.experiment]
     for k, v in d.items():
         if getattr(args, k, None) is None:
@@ -165,20 +160,9 @@ def parse_args(argv):
     args.workers = len(roles.worker_ranks)
     if args.tau_max is None:
         args.tau_max = float(args.workers)
-    return args
 
 
 # --- one job -------------------------------------------------------------------------------------
-
-def stats(xs):
-    xs = [float(x) for x in xs]
-    if not xs:
-        return None
-    xs.sort()
-    return {"n": len(xs), "mean": statistics.fmean(xs), "median": statistics.median(xs),
-            "p90": xs[min(len(xs) - 1, int(math.ceil(0.9 * len(xs))) - 1)], "max": xs[-1],
-            "min": xs[0]}
-
 
 def summary_record(s):
     return {"pushed": s.pushed, "applied": s.applied, "aggregated": s.aggregated,
@@ -577,38 +561,9 @@ def job_count(args):
     return len(args.modes) * args.rounds
 
 
-def git_state():
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=ROOT, capture_output=True, text=True, timeout=10).stdout
-        diff = subprocess.run(["git", "diff", "HEAD"], cwd=ROOT, capture_output=True,
-                              timeout=10).stdout
-        # the tree may hold uncommitted work: its hash tells two runs' code apart
-        return {"commit": head or None,
-                "modified": [ln[3:] for ln in dirty.splitlines() if ln.strip()],
-                "diff_sha1": hashlib.sha1(diff).hexdigest() if diff else None}
-    except Exception:
-        return None
-
-
-def jsonable(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return "inf" if x > 0 else ("-inf" if x < 0 else "nan")
-    if isinstance(x, dict):
-        return {str(k): jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [jsonable(v) for v in x]
-    if isinstance(x, np.generic):
-        return jsonable(x.item())
-    return x
-
-
-def meta_of(comm, args, argv, host, t0):
+def meta_of(comm, args, host, t0):
     nbytes = args.size * np.dtype(DTYPE).itemsize
-    return {"command": "mpirun -n %d python benchmarks/ps_modes.py %s" % (comm.size,
-                                                                          " ".join(argv)),
+    return {"command": harness.command_line(),
             "experiment": args.experiment, "ranks": comm.size, "workers": args.workers,
             "servers": args.servers, "preset": args.preset, "base_rate": args.base_rate,
             "model_elements": args.size, "model_bytes": nbytes, "dtype": np.dtype(DTYPE).name,
@@ -616,23 +571,18 @@ def meta_of(comm, args, argv, host, t0):
             "compute_ms": args.compute_ms, "iterations": args.iterations,
             "rounds": args.rounds, "modes": args.modes, "tau_max": args.tau_max,
             "batch_interval": args.batch_interval, "seed": args.seed,
-            "regime": REGIME[args.experiment], "git": git_state(),
-            "cpu": cpu_name(), "machine": platform.machine(),
+            "regime": REGIME[args.experiment],
             "total_wall_s": time.monotonic() - t0, **host}
 
 
-def write_json(path, meta, records, results, error=None):
+def document(meta, records, results, error=None):
     doc = {"meta": meta, "jobs": records, "results": results}
     if error is not None:
         doc["error"] = error
-    with open(path, "w") as f:
-        json.dump(jsonable(doc), f, indent=1)
+    return doc
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    comm = MPI.COMM_WORLD
-    args = parse_args(argv)
+def run(comm, args):
     host = host_info(comm)
     jobs = Jobs(comm, args, job_count(args))
     t0 = time.monotonic()
@@ -641,22 +591,22 @@ def main(argv=None):
     except Exception as e:
         # a job failed (its ranks all raise): keep what the finished jobs measured
         if comm.rank == 0 and args.out:
-            write_json(args.out, meta_of(comm, args, argv, host, t0), jobs.records, None,
-                       error="job %d failed: %s: %s" % (len(jobs.records) + 1,
-                                                        type(e).__name__, e))
+            error = "job %d failed: %s: %s" % (len(jobs.records) + 1, type(e).__name__, e)
+            harness.write_json(args.out, document(meta_of(comm, args, host, t0), jobs.records,
+                                                  None, error=error))
         raise
     ok = comm.bcast(all(x["summary"]["balanced"] for x in jobs.records) if comm.rank == 0
                     else None, root=0)
     if comm.rank != 0:
-        return 0 if ok else 1
+        return None, 0 if ok else 1
     if not ok:
         print("UNBALANCED accounting in: %s" % ", ".join(
             "%s %s" % (x["label"], x["mode"]) for x in jobs.records
             if not x["summary"]["balanced"]))
-    if args.out:
-        write_json(args.out, meta_of(comm, args, argv, host, t0), jobs.records, results)
-    return 0 if ok else 1
+    return document(meta_of(comm, args, host, t0), jobs.records, results), 0 if ok else 1
 
+
+ENTRY = harness.Entry("ps_modes", __doc__, options, run, check, prog="benchmarks/ps_modes.py")
 
 if __name__ == "__main__":
-    run_main(main)
+    harness.main(ENTRY)

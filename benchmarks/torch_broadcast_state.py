@@ -3,7 +3,7 @@ side by side in one MPI job, variants alternating round by round:
   mlfabric  hvd.broadcast_optimizer_state: the state's tensors broadcast as tensors (fused per
             dtype), only its structure and plain values pickled
   pickled   hvd.broadcast_object(optimizer.state_dict()) + load_state_dict: the whole state
-            pickled (what broadcast_optimizer_state did before 2026-11-28)
+            pickled
   gloo      torch.distributed.broadcast_object_list([state_dict]) on a gloo group, then
             load_state_dict: what a torch.distributed script writes
 The state is Adam's after one step on an MLP of --layers square layers per --hidden width (two
@@ -29,7 +29,8 @@ from mpi4py import MPI
 
 import mlfabric.torch as hvd
 import mlfabric.torch.backend  # noqa: F401 - registers the "mlfabric" backend
-from mlfabric.bench.script import int_list, output_path, parser, positive_int, run_main
+from mlfabric.bench import harness
+from mlfabric.bench.script import int_list, positive_int
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torch_optimizer import finish_run, start_run  # noqa: E402
@@ -37,18 +38,17 @@ from torch_optimizer import finish_run, start_run  # noqa: E402
 VARIANTS = ("mlfabric", "pickled", "gloo")
 
 
-def parse_args(argv):
-    p = parser("mpirun -n N python benchmarks/torch_broadcast_state.py", __doc__)
+def options(p):
     p.add_argument("--hidden", type=int_list, default=[512, 1024, 2048],
                    help="MLP widths, comma-separated")
     p.add_argument("--layers", type=positive_int, default=4, help="square layers")
-    p.add_argument("--rounds", type=positive_int, default=5,
-                   help="rounds (alternating variant order)")
-    p.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank")
-    p.add_argument("--out", type=output_path, help="JSON file to write (rank 0)")
-    args = p.parse_args(argv)
+    harness.add_rounds(p, 5)
+    harness.add_threads(p)
+    harness.add_out(p)
+
+
+def check(p, args):
     args.iters = 1  # (for finish_run's record)
-    return args
 
 
 def adam(hidden, layers, rank):
@@ -68,8 +68,8 @@ def digest(opt):
     return [float(t.double().sum()) for s in opt.state.values() for t in s.values()]
 
 
-def main(argv):
-    args, comm, host, started, load_before = start_run(argv, parse_args)
+def run(world, args):
+    comm, host, started, load_before = start_run(args)
     warnings.simplefilter("ignore", FutureWarning)
     dist.init_process_group("mlfabric")  # the world; gloo is a group beside it
     gloo = dist.new_group(backend="gloo")
@@ -118,9 +118,10 @@ def main(argv):
                       f"{max(times[v]) * 1e3:.1f}){flag}")
             print("  " + ", ".join(f"{k}: {x:.2f}" for k, x in results[-1]["ratios"].items()))
     dist.destroy_process_group()
-    return finish_run(comm, "benchmarks/torch_broadcast_state.py", argv, args, results,
-                      wrong_total, started, load_before, host)
+    return finish_run(comm, args, results, wrong_total, started, load_before, host)
 
+
+ENTRY = harness.Entry("torch_broadcast_state", __doc__, options, run, check)
 
 if __name__ == "__main__":
-    run_main(lambda: main(sys.argv[1:]))
+    harness.main(ENTRY)

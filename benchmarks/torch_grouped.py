@@ -24,32 +24,32 @@ import sys
 import torch
 
 import mlfabric.torch as hvd
+from mlfabric.bench import harness
+from mlfabric.bench.harness import median_rounds, time_rounds
+from mlfabric.bench.script import int_list, positive_int
 from mlfabric.comm.collectives import split_rows
-from mlfabric.bench.script import int_list, output_path, parser, positive_int
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torch_optimizer import (finish_run, median_rounds, start_run,  # noqa: E402
-                             time_rounds)
+from torch_optimizer import finish_run, start_run  # noqa: E402
 
 VARIANTS = ("one", "grouped", "unfused")
 ROW = 4  # elements per row
 TOL = 1e-5  # float32 holds the inputs (r + 1 + i / count) to ~5e-7
 
 
-def parse_args(argv):
-    p = parser("mpirun -n N python benchmarks/torch_grouped.py", __doc__)
+def options(p):
     p.add_argument("--count", type=positive_int, default=100, help="tensors per group")
     p.add_argument("--small", type=int_list, default=[256, 4096],
                    help="elements per tensor (float32, a multiple of 4), comma-separated")
-    p.add_argument("--iters", type=positive_int, default=20, help="calls per variant per round")
-    p.add_argument("--rounds", type=positive_int, default=7,
-                   help="rounds (alternating variant order)")
-    p.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank")
-    p.add_argument("--out", type=output_path, help="JSON file to write (rank 0)")
-    args = p.parse_args(argv)
+    harness.add_iters(p, 20, "calls per variant per round")
+    harness.add_rounds(p, 7)
+    harness.add_threads(p)
+    harness.add_out(p)
+
+
+def check(p, args):
     if any(s % ROW for s in args.small):
         p.error(f"--small: each size must be a multiple of {ROW}")
-    return args
 
 
 def work(op, comm, count, small):
@@ -127,9 +127,8 @@ def measure(comm, args, op, small):
     return out
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    args, comm, host, t_start, load_before = start_run(argv, parse_args)
+def run(world, args):
+    comm, host, t_start, load_before = start_run(args)
     results = []
     for op in ("allgather", "reducescatter"):
         for small in args.small:
@@ -143,9 +142,10 @@ def main(argv=None):
                       f"{res['ratios']['unfused / grouped']:.2f}  "
                       f"wrong {sum(res['wrong'].values())}", flush=True)
     wrong = comm.rank == 0 and any(any(r["wrong"].values()) for r in results)
-    return finish_run(comm, "benchmarks/torch_grouped.py", argv, args, results, wrong, t_start, load_before,
-                      host)
+    return finish_run(comm, args, results, wrong, t_start, load_before, host)
 
+
+ENTRY = harness.Entry("torch_grouped", __doc__, options, run, check)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    harness.main(ENTRY)

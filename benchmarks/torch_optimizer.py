@@ -46,13 +46,9 @@ per size; "targets": the three targets' ratios and verdicts}). Exit status 0, 1 
 was wrong (a reduction or the hvd/DDP weights), 2 for a bad command line.
 """
 import contextlib
-import hashlib
 import json
 import os
-import platform
 import statistics
-import subprocess
-import sys
 import time
 import warnings
 
@@ -62,12 +58,12 @@ from mpi4py import MPI
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import mlfabric.torch as hvd
-from mlfabric.bench.kernels import cpu_name
+from mlfabric.bench import harness
+from mlfabric.bench.harness import alternating, median_rounds, sleep_barrier, time_rounds
 from mlfabric.bench.report import host_info
-from mlfabric.bench.script import int_list, output_path, parser  # noqa: E402
+from mlfabric.bench.script import int_list
 from mlfabric.torch import ops as hvd_ops
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEP_VARIANTS = ("alone", "local", "hvd", "ddp-gloo", "ddp-mlfabric")
 FUSION_VARIANTS = ("one", "grouped", "cat+one", "unfused", "unfused-async", "opt-N", "local-N",
                    "opt-1", "local-1", "local-N+one")
@@ -77,8 +73,7 @@ FUSION_MAX = 2.0    # 100 small tensors fused / one tensor of the same size
 GLOO_MIN = 1.5      # DDP-on-gloo step / hvd step
 
 
-def parse_args(argv):
-    p = parser("benchmarks/torch_optimizer.py", __doc__)
+def options(p):
     p.add_argument("--experiments", default="step,fusion",
                    help="comma-separated: step, fusion (default both)")
     p.add_argument("--inputs", type=int, default=1024, help="MLP input width")
@@ -92,16 +87,17 @@ def parse_args(argv):
     p.add_argument("--count", type=int, default=100, help="fusion: number of small tensors")
     p.add_argument("--small", type=int_list, default=[256, 4096, 32768],
                    help="fusion: elements per small tensor (float32), comma-separated")
-    p.add_argument("--iters", type=int, default=20, help="fusion: iterations per variant per "
-                   "round")
+    harness.add_iters(p, 20, "fusion: iterations per variant per round", type=int)
     p.add_argument("--bucket-mib", type=int_list, default=[],
                    help="step: extra hvd variants (hvd@NMiB) whose DistributedOptimizer fuses "
                         "gradients into buckets of at most N MiB (MLFABRIC_FUSION_THRESHOLD at "
                         "construction), to see how far smaller buckets overlap backward")
     p.add_argument("--threads", type=int, help="torch threads per rank (default: the host's "
                    "cores / its ranks)")
-    p.add_argument("--out", metavar="FILE.json", type=output_path, help="write the JSON here")
-    args = p.parse_args(argv)
+    harness.add_out(p, "write the JSON here", metavar="FILE.json")
+
+
+def check(p, args):
     args.experiments = [e.strip() for e in args.experiments.split(",") if e.strip()]
     bad = [e for e in args.experiments if e not in ("step", "fusion")]
     if bad or not args.experiments:
@@ -111,95 +107,38 @@ def parse_args(argv):
             p.error(f"--{name} must be at least 1")
     if args.threads is not None and args.threads < 1:
         p.error("--threads must be at least 1")
-    return args
 
 
 # --- helpers --------------------------------------------------------------------------------------
 
-def git_state():
-    def run(*cmd):
-        return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, timeout=10).stdout
-
-    try:
-        diff = run("diff", "HEAD")
-        # the tree may hold uncommitted work: its hash tells two runs' code apart
-        return {"commit": run("rev-parse", "HEAD").decode().strip() or None,
-                "modified": [ln[3:] for ln in run("status", "--porcelain",
-                                                  "--untracked-files=no").decode().splitlines()
-                             if ln.strip()],
-                "diff_sha1": hashlib.sha1(diff).hexdigest() if diff else None}
-    except Exception:
-        return None
-
-
-def start_run(argv, parse_args):
-    """The start of a side-by-side script's job (torch_grouped.py, torch_sparse.py): (args,
-    comm: a Dup of COMM_WORLD for the script's own barriers and gathers, host info, the start
-    time, the load average before). A bad command line exits with status 2 on every rank."""
-    args = parse_args(argv)
+def start_run(args):
+    """The start of a side-by-side script's run (torch_grouped.py, torch_sparse.py,
+    torch_broadcast_state.py): (comm: a Dup of COMM_WORLD for the script's own barriers and
+    gathers, host info, the start time, the load average before)."""
     torch.set_num_threads(args.threads)
     started, load_before = time.monotonic(), os.getloadavg()
     hvd.init()
     comm = MPI.COMM_WORLD.Dup()
-    return args, comm, host_info(comm), started, load_before
+    return comm, host_info(comm), started, load_before
 
 
-def finish_run(comm, script, argv, args, results, wrong, started, load_before, host):
-    """The end of a side-by-side script's job: rank 0 writes the JSON ({"meta": command, host,
-    git state, parameters, load; "results"}) to args.out; every rank returns the exit status
-    (1 when a result was wrong) and shuts mlfabric down."""
-    status = 0
+def finish_run(comm, args, results, wrong, started, load_before, host):
+    """The end of a side-by-side script's run: (the records, on rank 0: {"meta": parameters,
+    load, host; "results"; "wrong"}, the exit status on every rank: 1 when a result was
+    wrong); shuts mlfabric down. The harness adds the common envelope (command, git state,
+    machine) and writes the JSON."""
+    status, records = 0, None
     if comm.rank == 0:
         status = 1 if wrong else 0
-        meta = {"command": " ".join(["mpirun", "-n", str(comm.size), "python", script, *argv]),
-                "ranks": comm.size, "threads_per_rank": args.threads, "iters": args.iters,
-                "rounds": args.rounds, "loadavg_before": load_before,
-                "loadavg_after": os.getloadavg(), "git": git_state(), "cpu": cpu_name(),
-                "machine": platform.machine(), "total_wall_s": time.monotonic() - started,
-                **host}
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"meta": meta, "results": results, "wrong": wrong}, f, indent=1)
+        meta = {"command": harness.command_line(), "ranks": comm.size,
+                "threads_per_rank": args.threads, "iters": args.iters, "rounds": args.rounds,
+                "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+                "total_wall_s": time.monotonic() - started, **host}
+        records = {"meta": meta, "results": results, "wrong": wrong}
     status = comm.bcast(status, root=0)
     comm.Free()
     hvd.shutdown()
-    return status
-
-
-def sleep_barrier(comm):
-    """A barrier that sleeps instead of spinning: ranks waiting here leave their core to the
-    ranks still working (Open MPI's Barrier busy-polls)."""
-    req = comm.Ibarrier()
-    while not req.Test():
-        time.sleep(0.0005)
-
-
-def median_rounds(per_rank):
-    """per_rank: each rank's list of per-round times -> (per-round slowest rank, median)."""
-    rounds = [max(ts) for ts in zip(*per_rank)]
-    return rounds, statistics.median(rounds)
-
-
-def alternating(names, rounds):
-    for r in range(rounds):
-        yield list(names) if r % 2 == 0 else list(reversed(names))
-
-
-def time_rounds(comm, work, names, rounds, iters):
-    """{name: seconds per call of work[name]() in each round}: one warm-up call each, then
-    rounds of iters calls per variant, the order alternating, a barrier before each."""
-    for fn in work.values():  # warm-up
-        comm.Barrier()
-        fn()
-    times = {name: [] for name in names}
-    for order in alternating(names, rounds):
-        for name in order:
-            comm.Barrier()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                work[name]()
-            times[name].append((time.perf_counter() - t0) / iters)
-    return times
+    return records, status
 
 
 # --- step experiment ------------------------------------------------------------------------------
@@ -493,13 +432,7 @@ def verdicts(step, fusion, size):
     return out
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    world = MPI.COMM_WORLD
-    try:
-        args = parse_args(argv)
-    except SystemExit as exc:
-        return exc.code
+def run(world, args):
     warnings.simplefilter("ignore", FutureWarning)
     rank, size = world.rank, world.size
     host_comm = world.Split_type(MPI.COMM_TYPE_SHARED)  # the ranks on this host
@@ -531,7 +464,7 @@ def main(argv=None):
                 fusion.append(res)
                 print_fusion(res)
 
-    status = 0
+    status, records = 0, None
     if rank == 0:
         targets = verdicts(step, fusion, size)
         print("\n# targets")
@@ -542,8 +475,7 @@ def main(argv=None):
         threshold = os.environ.get("MLFABRIC_FUSION_THRESHOLD")
         meta = {"command": " ".join(
                     ([f"MLFABRIC_FUSION_THRESHOLD={threshold}"] if threshold else [])
-                    + ["mpirun", "-n", str(size), "python", "benchmarks/torch_optimizer.py",
-                       *argv]),
+                    + [harness.command_line()]),
                 "ranks": size, "threads_per_rank": threads,
                 "fusion_threshold_bytes": hvd_ops.fusion_threshold(),
                 "model": {"inputs": args.inputs, "hidden": args.hidden, "layers": args.layers,
@@ -551,18 +483,18 @@ def main(argv=None):
                           "dtype": "float32"},
                 "steps": args.steps, "rounds": args.rounds, "iters": args.iters,
                 "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
-                "git": git_state(), "cpu": cpu_name(), "machine": platform.machine(),
                 "total_wall_s": time.monotonic() - t_start, **host}
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"meta": meta, "step": step, "fusion": fusion, "targets": targets,
-                           "wrong": wrong}, f, indent=1)
+        records = {"meta": meta, "step": step, "fusion": fusion, "targets": targets,
+                   "wrong": wrong}
     status = comm.bcast(status, root=0)
     comm.Free()
     dist.destroy_process_group()
     hvd.shutdown()
-    return status
+    return records, status
 
+
+ENTRY = harness.Entry("torch_optimizer", __doc__, options, run, check,
+                      prog="benchmarks/torch_optimizer.py")
 
 if __name__ == "__main__":
-    sys.exit(main())
+    harness.main(ENTRY)

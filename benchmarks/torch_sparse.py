@@ -26,33 +26,33 @@ import sys
 import torch
 
 import mlfabric.torch as hvd
-from mlfabric.bench.script import int_list, output_path, parser, positive_int
+from mlfabric.bench import harness
+from mlfabric.bench.harness import median_rounds, time_rounds
+from mlfabric.bench.script import int_list, positive_int
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torch_optimizer import (finish_run, median_rounds, start_run,  # noqa: E402
-                             time_rounds)
+from torch_optimizer import finish_run, start_run  # noqa: E402
 
 VARIANTS = ("local", "sparse", "dense")
 TOL = 1e-5
 BAG = 8  # indices per bag: a step's --rows indices form rows / BAG samples
 
 
-def parse_args(argv):
-    p = parser("mpirun -n N python benchmarks/torch_sparse.py", __doc__)
+def options(p):
     p.add_argument("--vocab", type=int_list, default=[10000, 100000],
                    help="embedding rows, comma-separated")
     p.add_argument("--dim", type=positive_int, default=64, help="embedding width")
     p.add_argument("--rows", type=positive_int, default=1024,
                    help=f"indices looked up per rank per step (a multiple of {BAG})")
-    p.add_argument("--iters", type=positive_int, default=10, help="steps per variant per round")
-    p.add_argument("--rounds", type=positive_int, default=5,
-                   help="rounds (alternating variant order)")
-    p.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank")
-    p.add_argument("--out", type=output_path, help="JSON file to write (rank 0)")
-    args = p.parse_args(argv)
+    harness.add_iters(p, 10, "steps per variant per round")
+    harness.add_rounds(p, 5)
+    harness.add_threads(p)
+    harness.add_out(p)
+
+
+def check(p, args):
     if args.rows % BAG or args.rows <= 0:
         p.error(f"--rows must be a positive multiple of {BAG}")
-    return args
 
 
 class Model(torch.nn.Module):
@@ -109,9 +109,8 @@ def measure(comm, args, vocab):
     return out
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    args, comm, host, t_start, load_before = start_run(argv, parse_args)
+def run(world, args):
+    comm, host, t_start, load_before = start_run(args)
     results = []
     for vocab in args.vocab:
         res = measure(comm, args, vocab)
@@ -124,9 +123,10 @@ def main(argv=None):
                   f"{res['ratios']['dense / sparse']:.2f}  weights differ by "
                   f"{res['max_weight_diff_sparse_vs_dense']:.1e}", flush=True)
     wrong = comm.rank == 0 and any(r["wrong"] for r in results)
-    return finish_run(comm, "benchmarks/torch_sparse.py", argv, args, results, wrong, t_start, load_before,
-                      host)
+    return finish_run(comm, args, results, wrong, t_start, load_before, host)
 
+
+ENTRY = harness.Entry("torch_sparse", __doc__, options, run, check)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    harness.main(ENTRY)

@@ -13,9 +13,23 @@ class Parser(argparse.ArgumentParser):
     """argparse, printing on rank 0 only; every rank exits alike (status 2 on errors)."""
 
     def _print_message(self, message, file=None):
-        from mpi4py import MPI
-        if MPI.COMM_WORLD.rank == 0:
+        if world_rank() == 0:
             super()._print_message(message, file)
+
+
+RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
+
+
+def world_rank():
+    """This process's rank in the MPI job: COMM_WORLD's where mpi4py has started MPI, else the
+    launcher's variable (so that a parser used without MPI, as in a test, starts none), else 0."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        return mpi.COMM_WORLD.rank
+    for name in RANK_VARIABLES:
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
 
 
 def parser(prog, doc):
