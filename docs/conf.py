@@ -1,5 +1,5 @@
 """Sphinx configuration of mlfabric's documentation: Markdown pages (myst-parser) and API pages
-generated from the docstrings (autodoc). Build: sphinx-build -b html -W --keep-going docs OUT."""
+generated from the docstrings (autodoc). Build: sphinx-build -b html -W --keep-going docs build/docs (build/ is ignored by git)."""
 import os
 import sys
 
