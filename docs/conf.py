@@ -1,5 +1,8 @@
 """Sphinx configuration of mlfabric's documentation: Markdown pages (myst-parser) and API pages
-generated from the docstrings (autodoc). Build: sphinx-build -b html -W --keep-going docs build/docs (build/ is ignored by git)."""
+generated from the docstrings (autodoc). Build (build/ is ignored by git):
+
+    sphinx-build -b html -W --keep-going docs build/docs
+"""
 import os
 import sys
 
