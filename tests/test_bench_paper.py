@@ -326,7 +326,7 @@ FIXTURES = {
                                           direction_vs_rr_ideal="as the paper",
                                           rr_ideal_iteration_s=0.7)}},
     # a repeat of the 30-worker command: reported beside it, with the median
-    "table2-30-run2": {"meta": meta("table2.py", target=0.76, workers=30),
+    "table2-30-repeat2": {"meta": meta("table2.py", target=0.76, workers=30),
                        "cells": {"C1-N1": cell(1.74, 0.8, "opposite", 12.0, 9.6),
                                  "C2-N1": cell(2.96, None, "undetermined", None, 9.0,
                                                bound="<= 0.5")}},
@@ -408,7 +408,7 @@ def test_reproduce_builds_the_report_from_fixtures(tmp_path):
     assert "| 1000 | 1460 | 8.000 | 15486.0 | 182x | yes |" in text
     # every section names its JSON and command
     for name, doc in FIXTURES.items():
-        if name.endswith("-run2"):    # cited as a repeat, by its file
+        if name.endswith("-repeat2"):    # cited as a repeat, by its file
             continue
         assert "`%s`" % doc["meta"]["command"] in text
         # cited as the repo sees it (relative to the checkout, wherever that is)
@@ -447,7 +447,7 @@ def test_push_side_numbers_of_table2_profile():
 
 
 def test_lda_runs_lists_each_mode_per_run(tmp_path):
-    """Fig. 7's repeats (X-run2.json beside X.json): one row per mode, one column per run, the
+    """Fig. 7's repeats (X-repeat2.json beside X.json): one row per mode, one column per run, the
     iterations to the target and the time against RR-Sync's, or 'not reached', and vanilla
     async's first commit where the runs recorded their jobs; no repeats, no table."""
     rep = load_reproduce()
@@ -457,7 +457,7 @@ def test_lda_runs_lists_each_mode_per_run(tmp_path):
                 "mlfabric-A-60": {"reached": iterations is not None, "iterations": iterations,
                                   "time_vs_rr": vs_rr}}
     path = tmp_path / "fig7_lda.json"
-    (tmp_path / "fig7_lda-run2.json").write_text(json.dumps({"rows": rows(None, None)}))
+    (tmp_path / "fig7_lda-repeat2.json").write_text(json.dumps({"rows": rows(None, None)}))
     text = "\n".join(rep.lda_runs({"rows": rows(35, 0.88)}, str(path)))
     assert "| rr-sync | 29 (1.00) | 29 (1.00) |" in text
     assert "| mlfabric-A-60 | 35 (0.88) | not reached |" in text
@@ -549,3 +549,89 @@ def test_meta_records_the_git_state_the_run_began_with(monkeypatch):
     assert common.base_meta("table2.py", [], 4)["git"]["commit"] == "start"
     monkeypatch.setattr(common, "_GIT_AT_START", [])
     assert common.base_meta("sched_cost.py", [], None)["git"]["commit"] == "now"
+
+
+# --- the committed results and the documents that cite them ---------------------------------------
+
+RESULT_PATH = re.compile(r"benchmarks/results/[A-Za-z0-9_./{},-]*")
+SKIP_DIRS = {".git", ".venv", "build", "node_modules", "__pycache__", "_build"}
+
+
+def expand_braces(path):
+    """`a{,-x,-y}.json` -> a.json, a-x.json, a-y.json (the documents cite repeats that way)."""
+    m = re.search(r"\{([^{}]*)\}", path)
+    if not m:
+        return [path]
+    return [p for alt in m.group(1).split(",")
+            for p in expand_braces(path[:m.start()] + alt + path[m.end():])]
+
+
+def cited_result_paths(text):
+    return {p for m in RESULT_PATH.findall(text) for p in expand_braces(m.rstrip(".,"))}
+
+
+def test_every_result_path_in_the_docs_and_code_exists():
+    """A `benchmarks/results/...` path named in any Markdown or Python file of the repository is a
+    file or folder that exists: renaming or removing a result updates its citations."""
+    dangling = []
+    for top, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if d not in SKIP_DIRS]
+        for name in files:
+            if not name.endswith((".md", ".py")):
+                continue
+            path = os.path.join(top, name)
+            with open(path, errors="replace") as f:
+                text = f.read()
+            dangling += ["%s: %s" % (os.path.relpath(path, ROOT), p)
+                         for p in sorted(cited_result_paths(text))
+                         if not os.path.exists(os.path.join(ROOT, p))]
+    assert not dangling, dangling
+
+
+def test_every_committed_result_is_cited():
+    """benchmarks/results/ holds only what BENCHMARKS.md and REPRODUCTION.md cite."""
+    text = ""
+    for doc in ("BENCHMARKS.md", "REPRODUCTION.md"):
+        with open(os.path.join(ROOT, doc)) as f:
+            text += f.read()
+    cited = cited_result_paths(text)
+    results = os.path.join(ROOT, "benchmarks", "results")
+    kept = {os.path.relpath(os.path.join(top, name), ROOT)
+            for top, _, files in os.walk(results) for name in files}
+    assert not kept - cited, sorted(kept - cited)
+
+
+def test_report_notes_come_from_the_template():
+    """The prose that is no number lives in REPRODUCTION.template.md: the header and the notes
+    placed under a section by file name."""
+    rep = load_reproduce()
+    header, notes = rep.template()
+    assert header.startswith("# ") and "{results}" in header and "**Scale-down**" in header
+    assert {"table2-30-lr.json", "table2-30.json", "table2-30-dilated-lr.json",
+            "fig7-first-commit"} <= set(notes)
+    assert all(note and "\n" not in note for note in notes.values())
+
+
+def test_wrap_fills_paragraphs_and_keeps_tables_and_code_spans():
+    rep = load_reproduce()
+    row = "| " + " | ".join(["cell"] * 40) + " |"
+    long_span = "`mpirun -n 32 python benchmarks/paper/table2.py " + "--x 1 " * 10 + "`"
+    text = rep.wrap("# " + "heading " * 20 + "\n\n" + "word " * 60 + long_span + " end\n\n" + row)
+    lines = text.split("\n")
+    assert lines[0].startswith("# ") and row in lines
+    assert long_span in text                          # a code span is never split
+    assert all(len(x) <= rep.WIDTH or x.startswith(("|", "#")) or long_span in x for x in lines)
+
+
+def test_committed_reproduction_is_what_the_generator_writes(tmp_path):
+    """REPRODUCTION.md is generated: running reproduce.py on the committed results writes it
+    byte for byte (no timestamp of its own; every line of prose filled)."""
+    out = tmp_path / "R.md"
+    proc = subprocess.run([sys.executable, "benchmarks/paper/reproduce.py", "--out", str(out)],
+                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout
+    with open(os.path.join(ROOT, "REPRODUCTION.md")) as f:
+        committed = f.read()
+    assert out.read_text() == committed
+    assert max(len(line) for line in committed.split("\n")) <= 200

@@ -12,9 +12,9 @@ OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 in the environment), each bounded by --timeout.
 JSON is missing is reported as not run. Exit status: 0, or 1 when a run failed.
 """
 import argparse
-import datetime
 import functools
 import math
+import re
 import os
 import shutil
 import subprocess
@@ -159,9 +159,10 @@ def section_table2(doc, path):
            "ring's 2(N-1) steps at its slowest link's rate): the measured RR-Sync's time beyond "
            "it is CPU overhead, so a direction that holds against the ideal too does not rest "
            "on that overhead.", "",
-           "| setting | paper | ours | vs RR-Sync ideal | same direction? | t mlfabric-A (s) | "
-           "t RR-Sync (s) | t RR-Sync ideal (s) | RR-Sync s/it (wait) | mlfabric-A s/it (wait) "
-           "| applied/s A vs RR | dropped (A) | updates to target A vs RR |",
+           "Columns: A = mlfabric-A, RR = RR-Sync.", "",
+           "| setting | paper | ours | vs RR ideal | same direction? | t A (s) | t RR (s) | "
+           "t RR ideal (s) | RR s/it (wait) | A s/it (wait) | applied/s A vs RR | dropped (A) "
+           "| updates to target A vs RR |",
            "|---|--:|--:|--:|:-:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for cell, c in cells.items():
         ours = f2(c["speedup"]) if c["speedup"] is not None else c.get("bound", "not reached")
@@ -196,152 +197,42 @@ def section_table2(doc, path):
                                " (%s)" % ", ".join(ideal) if 0 < len(ideal) < len(cells) else ""))
     out += [""] + table2_profile(doc) + [""] + table2_ceiling(doc) + ["", source(doc, path),
                                                                        ""] + table2_runs(doc, path)
-    # the levers were tried on these commands' settings (LEVERS_TRIED)
-    out += ["", LEVERS_TRIED[os.path.basename(path)], ""] \
-        if os.path.basename(path) in LEVERS_TRIED else []
+    # what the defaults of these commands' settings rest on (the template's notes)
+    extra = note(os.path.basename(path))
+    out += ["", extra, ""] if extra else []
     return out
 
 
-# Levers tried on the 30-worker runs, with what they measured (by hand: the A/B runs' JSONs are
-# not kept in the repository), under the section of the command they were tried on.
-LEVERS_TRIED_30_LR = (
-    "Levers tried at 30 workers, learning rate 0.04, kept as defaults. Session 31: the "
-    "scheduler's slow-link drop (sched.scheduler: an update slower than the batch's fastest "
-    "sent a batch later is dropped at its worker; batches apply in order, so it held every "
-    "later commit: in C1-N3 the server's link sat idle in 0.8 s gaps for 42 s of 45) and the "
-    "pull gate not waiting for a send paced by a slow receiver (runtime/server.py gating). The "
-    "rule's first form, against an update sent a batch later over the server's link alone, "
-    "took the updates in flight at a plan in C1-N3 from a median 16 to 1, but dropped half-rate "
-    "senders behind a queue and would starve workers all slower than the server's NIC; the form "
-    "kept, against the batch's fastest, left 7-9 under N3 (gaps over 0.3 s still 38-46 s of "
-    "45-53), since a batch there often holds slow senders alone. Against one run of the 9 cells "
-    "without either (the runtime before session 31; `--slow-drop off` alone keeps the new "
-    "gate): mlfabric-A's update rate under N2 25.0-27.3/s, 28.4-31.1/s over 3 runs with both; "
-    "under N3 7.7-8.9/s, 7.6-9.6/s (no gain); under N1 within the runs' spread. The gate alone "
-    "(slow-link drop off; C1-N2, C1-N3, C2-N3): 25.5, 7.5 (target not reached) and 7.9/s, no "
-    "better than neither. Session 32, both kept: (1) the slow-link drop's reference widened "
-    "to the workers that pushed within the last 3 batches (`peers`: a batch of slow senders "
-    "alone is dropped whole when such a worker, sent a batch later, would be in first). Over 3 "
-    "runs of the 9 cells with it alone against session 31's 3: mlfabric-A's update rate "
-    "8.8-10.1/s (was 7.6-9.1) in C1-N3, 8.3-10.2 (8.8-8.9) in C2-N3, 7.4-9.7 (7.7-9.6) in "
-    "C3-N3, elsewhere within the spread; median speedups moved by no more than runs differ. "
-    "(2) The pull pipeline's chain ordered fastest receiver first, then fastest sender "
-    "(sched.distribution chain_order; every hop runs at the pace of the one before): down the "
-    "plain order a worker with a full-rate downlink fetched in a median 0.87-0.92 s under N3, "
-    "a hop behind someone's tenth-rate uplink, where the model alone takes 80 ms; ordered, "
-    "0.29-0.36 s (C1-N3 and C3-N3, one run: mlfabric-A 13.1 and 12.0 updates/s, against "
-    "8.8-10.1 and 7.4-9.7 with (1) alone). Tried and not kept: serving the requesters whose "
-    "uplink alone is slow straight from the server, off the chain (each such send holds the "
-    "server's next pull batch: fetches at full-rate links 0.55 s), and pull trees minimising "
-    "the mean delivery (`--pull-objective mean`, with (1) alone: 9.2 and 8.7/s). With both, "
-    "the 3 runs above against session 31's: every cell's median speedup up, by 0.06-0.32 "
-    "(C1-N3 0.59 -> 0.82, C3-N3 0.60 -> 0.92, C1-N1 0.73 -> 0.87); mlfabric-A's update rate "
-    "(median of the runs) up 4-10% under N1, 7-17% under N2 and 35-42% under N3; a fetch's "
-    "median 0.24-0.25 -> 0.20-0.21 s under N1, 0.41-0.42 -> 0.34-0.35 under N2, 1.22-1.36 -> "
-    "0.90-0.93 under N3. Session 33, kept as defaults, from a log of every pull batch's plan "
-    "in C1-N3: under N3 the server's next pull batch waited a mean 0.26 s (p90 0.73) for the "
-    "sends of the one before, where one send takes 80 ms, because (a) the batch's makespan, "
-    "the tree objective, is a slow receiver's 0.8 s whatever the tree, so a two-level case "
-    "with five to seven 80 ms server sends in a row won by a hair over the chain, and every "
-    "send held the next batch, (b) a lone request was sent straight from the server and held "
-    "the next batch for its whole send, 0.8 s to a slow receiver, and (c) on the scheduler's "
-    "view the relays' egress is often booked by pushes, so the chain waited on a booked hop. "
-    "Changes: (1) pull trees scored by the last delivery to the requesters with neither link "
-    "slow, then the makespan (`fast-first`, the runtime's default for its asynchronous "
-    "modes); (2) a greedy cut-through tree (each requester from whichever holder delivers "
-    "earliest; slow senders, whose updates the scheduler drops, fed by slow senders) kept where "
-    "it scores strictly better; (3) a lone request planned by the scheduler too, and the pull "
-    "gate told which receivers' downlinks pace the sends (before: a send under half the "
-    "batch's fastest, always held when alone). 3 runs against session 32's 3 (median of the "
-    "runs): mlfabric-A's update rate +17-21% under N3 (12.0-12.6 -> 14.5-14.8/s, RR-Sync "
-    "15.9-16.4), -2 to +9% under N2, -5 to 0% under N1; the server's pull wait under N3 "
-    "0.26-0.28 -> 0.11-0.12 s mean (p90 0.73-0.78 -> 0.22-0.23), a fetch's median 0.91-0.94 -> "
-    "0.37-0.39 s; under N1 a fetch's median 0.20-0.22 -> 0.23-0.24 s (a lone request now waits "
-    "for a plan, ~5 ms). Stale drops under N3 rose (120-158 -> 372-434 of ~1700 pushes): "
-    "workers fetching faster push more, within tau_max less often. Tried on the way and not "
-    "kept (one run of C1-N3 and C3-N3 each, with (3)'s first form): the greedy tree feeding "
-    "slow senders from any holder (their fetches 0.33 s instead of 0.56-0.87, but full-rate "
-    "relays' egress spent on updates that are dropped: 10.5 and 9.8 updates/s), and the "
-    "slow-link drop off (9.5 and 9.8/s). "
-    "Session 34 profiled where an applied update's time goes in C1-N1 (one run, every plan, "
-    "every commit and every fetch logged): from the snapshot of its model to its commit 0.57 s "
-    "against 0.32 s with every step at its ideal - the fetch after the snapshot 0.15 s (one "
-    "transfer: 0.08), the compute 0.115, the wait for the next batch 0.047, and plan to applied "
-    "0.256 s mean (0.23 median) for an 80 ms transfer; the updates in flight at a plan are a "
-    "mean 8 of the 30-update budget. The plan itself has the commit arrive 0.147 s after it (the "
-    "previous commit still on the server's link: 0.042 s, in 61% of batches; worker links "
-    "booked by pull trees: 0.025 s), and the commit arrives 0.063-0.088 s (mean) later than "
-    "planned, more for longer chains (2-5 updates: 0.03-0.05 s median; 10 or more: 0.14 s). "
-    "Time dilated 3x (runs 2 and 3 of its section record the new profile) cuts the lateness "
-    "to a median 0.030-0.039 s in paper seconds (0.086 undilated: about half of it is this "
-    "machine's CPU) but leaves plan to applied at 0.19-0.21 s median (0.23-0.25) and a fetch "
-    "at 0.231 s (0.227): the plan's own 0.147 s is not the CPU's. Tried, one run each, none "
-    "kept: deferring by one batch an update whose worker's link the view has booked (its "
-    "transfer alone over 1.5x its link's time): the plan's commit 0.147 -> 0.134 s after it, "
-    "plan to applied 0.245 s, the deferred ones' wait for a batch longer, 40.5 updates/s "
-    "(instrumented baselines 40.1-41.4); pushes and sums sent without the plan's rate cap, so "
-    "that a late hop can catch up: long chains' lateness 0.075-0.094 -> 0.061 s median, plan "
-    "to applied 0.236 s, 42.3/s, within noise; the data plane's wake-up while sends are in "
-    "flight 5 -> 2 ms: no change. Every job's summary now records each applied update's plan "
-    "to applied and its lateness against the plan (`commit_latency`, `commit_late`). "
-    "Session 35, kept as the default: mlfabric-A's pull admission (runtime/pulls.py _admit; "
-    "`--pull-admission off` for the paper's whole batches). Session 34's log showed convoys: a "
-    "pull batch answered 1-29 requesters with one version, they pushed together, and once "
-    "tau_max of theirs and their predecessors' were planned the rest were dropped stale and asked "
-    "again together (216 of ~1100 updates planned at a lag of exactly tau_max, whole batches of "
-    "one version dropped). A cap on a pull batch's requesters, one run of C1-N1 and C3-N1 each "
-    "(updates/s; 41.2-43.5 over the 3 runs before): 4 -> 42.3 and 43.4 (nothing dropped, but "
-    "workers starved: a get 0.52 s), 6 -> 50.4 and 54.5 (13% dropped), 10 -> 44.9 and 47.2 "
-    "(40%). The rule kept has no constant: a model goes out only while the update computed "
-    "from it can still meet tau_max (tau_max minus those planned not applied, reported not "
-    "planned, and being computed from models handed out before). One run each: C1-N1 53.0, "
-    "C3-N1 53.5/s, 6% dropped; but under N3 13.7 and 12.6/s with every requester counted, where "
-    "the admission off gave 14.1 and 16.3 at the same commit (workers behind a tenth-rate link "
-    "held positions for a 0.8 s fetch, or for updates the slow-link drop takes); with requesters "
-    "whose uplink or downlink is slow served at once and not counted, 15.1 and 17.0/s (3 runs "
-    "with it: 4 of 9, 3 ties, C1-N3 0.95 and C3-N3 0.90 the other way). "
-    "Session 36, kept as the default: the admission parks the gets of workers whose uplink is "
-    "slow while one with a fast uplink pushes (runtime/pulls.py _admit; they ask again after "
-    "t_lag; served once no fast worker pushes, or after a quarter of MLFABRIC_TIMEOUT). Under "
-    "N3 half of all pushes were dropped for a slow link: a worker behind a tenth-rate uplink "
-    "was handed the model (taking the server's and relays' egress from the others), computed, "
-    "and its update was dropped at its batch. A/B in back-to-back runs of C1-N3 and C3-N3: "
-    "speedup 1.10 and 1.11 parked against 0.85 and 1.04 not, mlfabric-A 15.0 and 15.9 "
-    "updates/s against 11.8 and 14.9, a fetch's median 0.25 s against 0.65-0.76, 31% of the "
-    "pushes dropped against 57-62%. The 3 runs above are with it (N1 cells barely change: "
-    "under N1 no uplink is under half the rate; the rounding fix that came after changes "
-    "nothing at this base rate, whose levels are exact).")
-LEVERS_TRIED_30 = (
-    "Levers tried at 30 workers, A/B in back-to-back runs of `--cells C1-N1,C1-N3`, not kept as "
-    "defaults: (1) the server's pull gate opening when its own link is idle instead of when "
-    "every send of the last pull batch is done: C1-N3's fetch median 1.56 -> 1.16 s, but 58% of "
-    "pushes dropped stale (was ~50%) and the time to target no better (0.61x). (2) Pull trees "
-    "minimising the requesters' mean delivery instead of the last one's "
-    "(`--pull-objective mean`): a fetch's median 0.257 s (makespan run: 0.266) in C1-N1 and "
-    "1.57 s (1.64) in C1-N3, 3-4% shorter, no more than runs differ; speedups 1.38 in C1-N3 "
-    "(makespan run: 0.78) and undetermined (<= 0.60; makespan run: 0.67) in C1-N1, the spread "
-    "the repeats above show between identical runs. The tree's objective is not what keeps a "
-    "fetch at 3x (N1) to 20x (N3) its transfer.")
-LEVERS_TRIED_30_DILATED_LR = (
-    "The 3 runs above are session 37's, at session 36's code (the pull admission, slow uplinks "
-    "parked, slow-link tests that forgive float rounding; runs 2 and 3 also carry a fix on a "
-    "failure path that these runs never take): 8, 8 and 9 of 9 cells the paper's way, the "
-    "medians 8 of 9 with C3-N3 0.89 the other way (0.89, 0.86, 1.12 run by run). Session 34's 3 "
-    "runs at its code, before the admission, had 3 of 9. One run at session 36's code "
-    "(`benchmarks/results/paper/table2-30-dilated-lr-s36.json`) had 7 of 9, C1-N1 0.97 and "
-    "C3-N1 0.88 the other way. A run before the rounding fix had the same code take N1's "
-    "half-rate links (5 of 10 Gbps, at 12.5e6/3 a rounding error under half the server's rate) "
-    "for slow: parked and outside the admission's budget, C1-N1 dropped 17% of its pushes (7% "
-    "after) and came out 0.90.")
-LEVERS_TRIED = {"table2-30.json": LEVERS_TRIED_30, "table2-30-lr.json": LEVERS_TRIED_30_LR,
-                "table2-30-dilated-lr.json": LEVERS_TRIED_30_DILATED_LR}
+TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "REPRODUCTION.template.md")
+NOTE = re.compile(r"^<!-- note: (\S+) -->$", re.M)
+
+
+@functools.lru_cache(maxsize=None)
+def template():
+    """(the report's header, {name: note}) from REPRODUCTION.template.md: the header is the text
+    before the first `<!-- notes` marker; each `<!-- note: NAME -->` paragraph goes under the
+    section NAME (a JSON's file name, or a name the code asks for)."""
+    with open(TEMPLATE) as f:
+        text = f.read()
+    header, _, rest = text.partition("<!-- notes")
+    parts = NOTE.split(rest)
+    notes = {parts[k]: " ".join(parts[k + 1].split()) for k in range(1, len(parts), 2)}
+    return header.rstrip("\n"), notes
+
+
+def note(name):
+    """The template's note for `name`, as one paragraph, or None."""
+    return template()[1].get(name)
 
 
 def repeats(path):
-    """The repeats of the command (Table 2's, Fig. 7's) that wrote `path`: X-run2.json, ...
-    beside X.json."""
+    """The repeats of the command (Table 2's, Fig. 7's) that wrote `path`: X-repeat2.json, ...
+    beside X.json, in order."""
     import glob
-    return sorted(glob.glob(os.path.splitext(path)[0] + "-run*.json"))
+    stem = os.path.splitext(path)[0] + "-repeat"
+    found = glob.glob(glob.escape(stem) + "*.json")
+    return sorted((p for p in found if p[len(stem):-5].isdigit()),
+                  key=lambda p: int(p[len(stem):-5]))
 
 
 def median_speedup(cells):
@@ -787,7 +678,7 @@ def section_lda(doc, path):
 
 
 def lda_runs(doc, path):
-    """Repeats of the Fig. 7 command (X-run2.json, ... beside X.json): each mode's iterations to
+    """Repeats of the Fig. 7 command (X-repeat2.json, ... beside X.json): each mode's iterations to
     the target and its time against RR-Sync's, per run. Asynchronous LDA's progress depends on
     the order updates arrive in, so one run says little where the modes are close."""
     others = repeats(path)
@@ -811,16 +702,7 @@ def lda_runs(doc, path):
               for run in runs]
     if any(f is not None for f in firsts):
         out.append("| async's first commit, s | %s |" % " | ".join(f2(f, "%.3f") for f in firsts))
-        out += ["", "Vanilla Async's first commit comes at ~0.31 s when the server's first model "
-                "send goes to one worker alone (56 ms) and at ~0.36 s when two gets reach it "
-                "together and share its link (112 ms): a start-up race between the processes, "
-                "and the rounds that follow keep that first order. Runs that started alone "
-                "reached the target in 29-32 iterations; those that started shared took 31-64. "
-                "Across the runs here the race went one way with the admission and mostly the "
-                "other without, yet no job leaves a communicator or a thread behind, and "
-                "in scratch runs of the same job sequence in one mpirun "
-                "async after mlfabric-A with the admission started alone and after one without "
-                "it started shared."]
+        out += ["", note("fig7-first-commit")]
     return out + [""]
 
 
@@ -956,37 +838,7 @@ SECTIONS = [("lr-grid", section_lr_grid), ("table2-30-lr", section_table2),
 
 def build_report(results):
     """The markdown of REPRODUCTION.md from the JSONs in `results` (missing ones: not run)."""
-    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    lines = ["# The MLfabric paper's evaluation (§7), reproduced at this machine's scale", "",
-             "Generated by `python benchmarks/paper/reproduce.py` (%s) from the JSON files in "
-             "`%s`; every section names its JSON and the exact command that produced it. The "
-             "paper's numbers are from its §7 (Table 2, Fig. 7, §7.2, Fig. 9, §7.4)." % (
-                 now, common.relpath(results)), "",
-             "**Scale-down** (as in BENCHMARKS.md, \"Parameter-server training on the "
-             "runtime\"): 8 MPI ranks on this machine - rank 0 schedules, rank 1 serves, 6 "
-             "workers - stand for the paper's 30 workers on 15 machines; NIC pacing at 50 MB/s "
-             "stands for 10 Gbps, and payloads are sized so that one transfer takes as long as "
-             "the paper's (ResNet-50's 100 MB -> 4 MB = 80 ms), so emulated seconds are paper "
-             "seconds. Stragglers and NIC rates are the paper's presets C1-C3, N1-N3 "
-             "(`mlfabric.emulate`), seeded, the same for every mode of a comparison. The "
-             "learning workloads are small (an MLP classifier for ResNet-50, LDA on a "
-             "synthetic corpus for NYTimes); their parameters travel at the head of a "
-             "zero-padded payload of the paper's size. Six workers are not thirty: a single "
-             "server's links carry 6 workers' pushes and pulls instead of 30, which is what "
-             "made the paper's vanilla Async slow, and a ring of 6 has fewer links to be slow "
-             "than a ring of 30. Table 2, whose direction turns on exactly that, is also run at "
-             "the paper's 30 workers (32 ranks; 1 MB payloads at 12.5 MB/s, still 80 ms a "
-             "transfer, so that 32 processes copy a quarter of the bytes), and once more with "
-             "every time of the setting 3x the paper's (`--dilate 3`), so that the CPU's own "
-             "costs weigh a third as much.", "",
-             "**Read the numbers with care**: one run each (Table 2: repeats, and their "
-             "median), on a 2-core machine shared with "
-             "other work (8 processes on 2 cores, 32 for the 30-worker Table 2); BENCHMARKS.md "
-             "saw single rows move by up to 2x between runs minutes apart. Each Table 2 "
-             "section says its learning rate: the grid (lr_grid.py) shows where both modes "
-             "are at their best; above it both overshoot and oscillate near the target, so "
-             "that the updates a run needs to reach it, and with them a cell's direction, "
-             "change between identical runs (the repeats tables).", ""]
+    lines = [template()[0].format(results=common.relpath(results)), ""]
     for name, section in SECTIONS:
         path = os.path.join(results, name + ".json")
         if section is None:         # the 6- vs 30-worker comparison reads both Table 2 JSONs
@@ -998,6 +850,26 @@ def build_report(results):
                       "benchmarks/paper/reproduce.py --run %s`)." % (common.relpath(path), name),
                       ""]
     return "\n".join(lines)
+
+
+WIDTH = 100
+
+
+def wrap(text, width=WIDTH):
+    """The report with its paragraphs filled to `width` columns; headings, table rows and
+    blank lines as they are, a `code span` never split (a long command stays on one line)."""
+    import textwrap
+    out = []
+    for line in text.split("\n"):
+        if len(line) <= width or line.startswith(("|", "#")):
+            out.append(line)
+            continue
+        # spaces inside code spans become NUL for the filling, so no span breaks
+        parts = line.split("`")
+        glued = "`".join(p.replace(" ", "\0") if k % 2 else p for k, p in enumerate(parts))
+        filled = textwrap.fill(glued, width, break_long_words=False, break_on_hyphens=False)
+        out.append(filled.replace("\0", " "))
+    return "\n".join(out)
 
 
 def main(argv=None):
@@ -1026,7 +898,7 @@ def main(argv=None):
     if names:
         print("reproduce: ran %s in %.0f s in all" % (", ".join(names), sum(walls.values())),
               file=sys.stderr)
-    text = build_report(args.results)
+    text = wrap(build_report(args.results))
     with open(args.out, "w") as f:
         f.write(text + "\n")
     print("wrote %s" % common.relpath(args.out))
