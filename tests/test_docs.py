@@ -30,6 +30,16 @@ def relative(target):
     return target.split("#", 1)[0] or None
 
 
+def slugs(path):
+    """GitHub's anchors of a Markdown page's headings: lower case, punctuation dropped, spaces
+    to hyphens."""
+    text = _FENCE.sub("", path.read_text(encoding="utf-8"))
+    out = set()
+    for title in re.findall(r"^#{1,6}\s+(.+?)\s*#*$", text, re.M):
+        out.add(re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-"))
+    return out
+
+
 def test_readme_is_short():
     lines = README.read_text(encoding="utf-8").splitlines()
     assert len(lines) <= 200, f"README.md has {len(lines)} lines; move detail into docs/"
@@ -40,6 +50,19 @@ def test_relative_links_resolve(page):
     broken = [t for t in links(page) if relative(t) is not None
               and not (page.parent / relative(t)).exists()]
     assert not broken, f"{page.relative_to(ROOT)}: links to missing files: {broken}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_anchors_resolve(page):
+    broken = []
+    for t in links(page):
+        if "#" not in t or re.match(r"^[a-z][a-z0-9+.-]*:", t, re.I):
+            continue
+        file, anchor = t.split("#", 1)
+        target = page if not file else page.parent / file
+        if target.suffix == ".md" and target.exists() and anchor not in slugs(target):
+            broken.append(t)
+    assert not broken, f"{page.relative_to(ROOT)}: links to missing headings: {broken}"
 
 
 def test_link_finder_sees_links():
