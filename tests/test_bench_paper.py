@@ -543,8 +543,8 @@ def test_meta_records_the_git_state_the_run_began_with(monkeypatch):
     not the tree's when the JSON is written minutes later (someone may be editing it); a script
     that never called begin() reads it when it writes."""
     common = load_common()
-    import benchmarks.ps_modes as ps_modes
-    monkeypatch.setattr(ps_modes, "git_state", lambda: {"commit": "now", "modified": []})
+    import mlfabric.bench.harness as harness
+    monkeypatch.setattr(harness, "git_state", lambda: {"commit": "now", "modified": []})
     monkeypatch.setattr(common, "_GIT_AT_START", [{"commit": "start", "modified": []}])
     assert common.base_meta("table2.py", [], 4)["git"]["commit"] == "start"
     monkeypatch.setattr(common, "_GIT_AT_START", [])

@@ -84,10 +84,10 @@ _GIT_AT_START = []   # the git state as the run began (begin(); a run takes minu
 
 def base_meta(script, argv, ranks=None, **params):
     """command, git state, CPU and the run's parameters. The git state comes from
-    benchmarks/ps_modes.py (which imports MPI: only MPI scripts and sched_cost call this), as
-    begin() read it when the run started - the code that ran, not what the tree held by the
-    time the JSON is written - or now for scripts that do not call begin()."""
-    from benchmarks.ps_modes import git_state
+    mlfabric.bench.harness (the benchmarks' shared driver), as begin() read it when the run
+    started - the code that ran, not what the tree held by the time the JSON is written - or
+    now for scripts that do not call begin()."""
+    from mlfabric.bench.harness import git_state
     from mlfabric.bench.kernels import cpu_name
     git = _GIT_AT_START[0] if _GIT_AT_START else git_state()
     return {"command": command_line(script, argv, ranks), "script": "benchmarks/paper/" + script,
@@ -101,7 +101,7 @@ def base_meta(script, argv, ranks=None, **params):
 def write_json(path, doc):
     import json
 
-    from benchmarks.ps_modes import jsonable
+    from mlfabric.bench.harness import jsonable
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(jsonable(doc), f, indent=1)
@@ -574,7 +574,7 @@ def begin(parse_args, argv):
     comm = MPI.COMM_WORLD
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if comm.rank == 0:   # (rank 0 writes the JSON)
-        from benchmarks.ps_modes import git_state
+        from mlfabric.bench.harness import git_state
         _GIT_AT_START[:] = [git_state()]
     return comm, args, len(Roles(comm.size).worker_ranks), host(comm), time.monotonic()
 
