@@ -37,11 +37,12 @@ def parse_args(argv):
 
 def main(argv=None):
     from benchmarks import ps_modes
+    from mlfabric.bench import harness
     comm, args, _, host, t_start = common.begin(parse_args, argv)
     pargv = ["replica", "--div-max", args.div_max, "--size", str(args.size), "--compute-ms",
              str(args.compute_ms), "--iterations", str(args.iterations), "--seed",
              str(args.seed), "--out", args.out, "--quiet"]
-    pa = ps_modes.parse_args(pargv)
+    pa = harness.parse(ps_modes.ENTRY, pargv)
     jobs = ps_modes.Jobs(comm, pa, ps_modes.job_count(pa))
     res = ps_modes.exp_replica(jobs, pa)   # also plots the PNG beside --out
     if comm.rank != 0:

@@ -66,10 +66,11 @@ def mean_compute(emulation, workers, compute_s, iterations):
 
 def main(argv=None):
     from benchmarks import ps_modes
+    from mlfabric.bench import harness
     comm, args, _, host, t_start = common.begin(parse_args, argv)
     presets = {}
     for preset in args.presets:
-        pa = ps_modes.parse_args(ps_argv(args, preset))
+        pa = harness.parse(ps_modes.ENTRY, ps_argv(args, preset))
         jobs = ps_modes.Jobs(comm, pa, ps_modes.job_count(pa))
         common.log(comm, "sync_iteration: %s, %d jobs" % (preset, jobs.total))
         res = ps_modes.exp_sync(jobs, pa)
