@@ -524,12 +524,23 @@ TREE_MAX_BYTES = 16 * 1024
 RHD_MAX_BYTES = 4 << 20
 
 
+def tree_fits(nbytes, n):
+    """Whether the tree is the pick for nbytes per rank on n ranks (see the measurements above)."""
+    return n <= 1 or nbytes <= (TREE_MAX_BYTES_2 if n == 2 else TREE_MAX_BYTES)
+
+
+def rhd_fits(nbytes, n):
+    """Whether Rabenseifner is the pick where the tree is not: up to RHD_MAX_BYTES on a power-of-
+    two number of ranks."""
+    return nbytes <= RHD_MAX_BYTES and n & (n - 1) == 0
+
+
 def choose_allreduce(nbytes, n):
     """The algorithm allreduce(..., "auto") uses for nbytes per rank on n ranks: "tree", "rhd"
-    or "ring" (see the measurements above)."""
-    if n <= 1 or nbytes <= (TREE_MAX_BYTES_2 if n == 2 else TREE_MAX_BYTES):
+    or "ring" (see the measurements above), the first that fits in that order."""
+    if tree_fits(nbytes, n):
         return "tree"
-    if nbytes <= RHD_MAX_BYTES and n & (n - 1) == 0:
+    if rhd_fits(nbytes, n):
         return "rhd"
     return "ring"
 

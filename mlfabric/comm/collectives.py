@@ -15,8 +15,10 @@ place and returns x. Inputs may be numpy arrays or CPU torch tensors; non-contig
 Handle whose wait() gives the result (buffers must be left alone until then).
 """
 import contextlib
+import logging
 import threading
 import time
+from typing import Callable, NamedTuple
 
 import numpy as np
 from mpi4py import MPI
@@ -29,19 +31,6 @@ from .call import (alltoall_splits as _alltoall_splits, check_root as _check_roo
                    run as _run, split_rows)
 from .executor import Handle
 from ..errors import MismatchError, MlfabricError, PeerTimeoutError
-
-ALGORITHMS = ("auto", "shm", "ring", "rhd", "tree")
-
-
-def _resolve_algorithm(ctx, algorithm, nbytes):
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {', '.join(ALGORITHMS)}")
-    if algorithm == "auto":
-        return "shm" if ctx.shm is not None else algorithms.choose_allreduce(nbytes, ctx.size)
-    if algorithm == "shm" and ctx.shm is None:
-        raise MlfabricError("algorithm='shm' needs every rank on one host and MLFABRIC_SHM=1")
-    return algorithm
-
 
 def _output(xb, out, what, count=None, shape=None):
     """(out object, its Buf): a new array shaped like `shape`, or the user's out, checked."""
@@ -84,37 +73,147 @@ def _finish(obj, buf):
 
 # --- allreduce / reduce -------------------------------------------------------------------------
 
+class UnknownBackendError(MlfabricError, ValueError):
+    """algorithm= names no backend (a ValueError too: it is a bad argument)."""
+
+
+class AllreduceCall(NamedTuple):
+    """What the choice of an allreduce backend looks at, and what the chosen one runs with."""
+    ctx: object       # the context (ctx.shm: the shared-memory engine, or None; ctx.size)
+    xb: object        # x, wrapped (_core.buffers or, for a GPU array, _core.device)
+    opc: int          # the kernel op code
+    avg: bool         # the result is scaled by 1 / size
+    out: object       # the caller's out=, or None
+    gpu: tuple        # a GPU array's (xb, result, out view, ready event), made on the caller's
+    #                   thread (gpu_collectives.allreduce_now); None for a host array
+
+
+class Backend(NamedTuple):
+    """One way to run an allreduce (Horovod's operation manager, Enabled()): algorithm='auto'
+    runs the first entry of BACKENDS whose enabled(call) is true. A backend named with
+    algorithm= runs unless refusal(call) gives the error that says why it cannot take this call
+    (the MPI algorithms take any host call, whatever its size). run(call, name) -> (header,
+    body), as call.run's prepare returns them."""
+    name: str
+    enabled: Callable[[AllreduceCall], bool]
+    run: Callable
+    refusal: Callable[[AllreduceCall], Exception]
+
+
+def _nccl_run(call, name):
+    return gpu_collectives.allreduce_plan(call.ctx, call.gpu, call.opc, call.avg)
+
+
+def _shm_run(call, name):
+    what, ctx, xb = "allreduce", call.ctx, call.xb
+    res, ob = _output(xb, call.out, what)
+    scale = 1.0 / ctx.size if call.avg else 1.0
+    zc_in, peer_in = ctx.shm.zero_copy_info(xb)
+    zc_out, peer_out = ctx.shm.zero_copy_info(ob)
+    hdr = header.make(what, xb.code, call.opc, call.avg, 0, xb.shape, name, zc_in, zc_out)
+
+    def body(hdr):
+        ctx.shm.run(what, what, hdr, xb.code, call.opc, scale, 0, xb, ob, xb.count,
+                    peer_in=peer_in, peer_out=peer_out)
+        return _finish(res, ob)
+    return hdr, body
+
+
+def _mpi_run(call, name):
+    """An MPI point-to-point algorithm (comm/algorithms.py): ring, rhd or tree."""
+    what, ctx, xb, avg = "allreduce", call.ctx, call.xb, call.avg
+    res, ob = _output(xb, call.out, what)
+    scale = 1.0 / ctx.size if avg else 1.0
+    hdr = header.make(what, xb.code, call.opc, avg, 0, xb.shape, name)
+
+    def body(hdr):
+        _exchange_headers(ctx, what, hdr)
+        _copy(ob, xb)
+        algorithms.allreduce(ctx.comm, ob.arr, xb.code, call.opc, name)
+        if avg and ob.count:
+            _C.scale(ob.ptr, ob.count, ob.code, scale)
+        return _finish(res, ob)
+    return hdr, body
+
+
+def _host_only(call, name):
+    if call.gpu is not None:
+        return ValueError(f"GPU arrays move over NCCL, which picks its own algorithm: pass "
+                          f"algorithm='auto', not {name!r}")
+    return None
+
+
+def _shm_refusal(call):
+    if call.gpu is None and call.ctx.shm is None:
+        return MlfabricError("algorithm='shm' needs every rank on one host and MLFABRIC_SHM=1")
+    return _host_only(call, "shm")
+
+
+def _nccl_refusal(call):
+    if call.gpu is None:
+        return ValueError("algorithm='nccl' moves GPU arrays (CUDA torch tensors, CuPy arrays); "
+                          "x is a host array")
+    return None
+
+
+# In order: the first enabled one runs. GPU arrays only go over NCCL; host arrays take the
+# shared-memory engine when every rank is on one host, else an MPI algorithm by size (see
+# algorithms.choose_allreduce: the tree for small calls, rhd up to its limit on a power-of-two
+# number of ranks, the ring otherwise).
+BACKENDS = (
+    Backend("nccl", lambda c: c.gpu is not None, _nccl_run, _nccl_refusal),
+    Backend("shm", lambda c: c.gpu is None and c.ctx.shm is not None, _shm_run, _shm_refusal),
+    Backend("tree", lambda c: c.gpu is None and algorithms.tree_fits(c.xb.nbytes, c.ctx.size),
+            _mpi_run, lambda c: _host_only(c, "tree")),
+    Backend("rhd", lambda c: c.gpu is None and algorithms.rhd_fits(c.xb.nbytes, c.ctx.size),
+            _mpi_run, lambda c: _host_only(c, "rhd")),
+    Backend("ring", lambda c: c.gpu is None, _mpi_run, lambda c: _host_only(c, "ring")),
+)
+_BACKEND = {b.name: b for b in BACKENDS}
+ALGORITHMS = ("auto",) + tuple(_BACKEND)
+_log = logging.getLogger("mlfabric")
+
+
+def _choose(call, algorithm):
+    """The Backend that runs `call` for algorithm= (see Backend), or the error that refuses it."""
+    if algorithm == "auto":
+        backend = next(b for b in BACKENDS if b.enabled(call))  # ring: every host call
+    else:
+        backend = _BACKEND.get(algorithm) if isinstance(algorithm, str) else None
+        if backend is None:
+            raise UnknownBackendError(f"unknown algorithm {algorithm!r}; expected one of "
+                                      f"{', '.join(ALGORITHMS)}")
+        error = backend.refusal(call)
+        if error is not None:
+            raise error
+    _log.debug("allreduce of %d x %s on %d ranks, algorithm=%s: %s", call.xb.count,
+               _dtypes.DTYPE_NAMES[call.xb.code], call.ctx.size, algorithm, backend.name)
+    return backend
+
+
+def chosen_backend(x, algorithm="auto"):
+    """The backend (a name in ALGORITHMS) that allreduce(x, algorithm=algorithm) takes on this
+    rank, or the error it raises for an algorithm that cannot take x. The choice is also logged
+    at each call (logger 'mlfabric', level DEBUG), but for allreduce's direct path, which is
+    the 'shm' backend's."""
+    device = _device.is_device(x)
+    xb = _device.wrap(x) if device else _buffers.wrap(x)
+    return _choose(AllreduceCall(context.get(), xb, 0, False, None, () if device else None),
+                   algorithm).name
+
+
 def _allreduce(x, op, out, algorithm, async_):
     what = "allreduce"
-    if _device.is_device(x):
-        return gpu_collectives.allreduce(x, op, out, algorithm, async_)
+    # a GPU array is wrapped, and its stream marked, on the caller's thread (see gpu_collectives)
+    early = gpu_collectives.allreduce_now(x, out) if _device.is_device(x) else None
 
     def prepare(ctx):
-        xb = _buffers.wrap(x)
+        gpu = None if early is None else early()
+        xb = _buffers.wrap(x) if gpu is None else gpu[0]
         opc, avg = _dtypes.op_code(op, xb.code)
-        algo = _resolve_algorithm(ctx, algorithm, xb.nbytes)
-        res, ob = _output(xb, out, what)
-        scale = 1.0 / ctx.size if avg else 1.0
-        if algo == "shm":
-            zc_in, peer_in = ctx.shm.zero_copy_info(xb)
-            zc_out, peer_out = ctx.shm.zero_copy_info(ob)
-            hdr = header.make(what, xb.code, opc, avg, 0, xb.shape, algo, zc_in, zc_out)
-
-            def body(hdr):
-                ctx.shm.run(what, what, hdr, xb.code, opc, scale, 0, xb, ob, xb.count,
-                            peer_in=peer_in, peer_out=peer_out)
-                return _finish(res, ob)
-        else:
-            hdr = header.make(what, xb.code, opc, avg, 0, xb.shape, algo)
-
-            def body(hdr):
-                _exchange_headers(ctx, what, hdr)
-                _copy(ob, xb)
-                algorithms.allreduce(ctx.comm, ob.arr, xb.code, opc, algo)
-                if avg and ob.count:
-                    _C.scale(ob.ptr, ob.count, ob.code, scale)
-                return _finish(res, ob)
-        return hdr, body
+        call = AllreduceCall(ctx, xb, opc, avg, out, gpu)
+        backend = _choose(call, algorithm)
+        return backend.run(call, backend.name)
 
     return _run(what, prepare, async_)
 

@@ -57,37 +57,30 @@ def _output(xb, out, what, count, shape):
     return out, _device.check_out(xb, out, what, count)
 
 
-def _auto_only(algorithm):
-    if algorithm != "auto":
-        raise ValueError(f"GPU arrays move over NCCL, which picks its own algorithm: pass "
-                         f"algorithm='auto', not {algorithm!r}")
-
-
-def allreduce(x, op, out, algorithm, async_):
-    what = "allreduce"
-
+def allreduce_now(x, out):
+    """The caller's-thread part of an allreduce of GPU array x (see _now): a function that gives
+    (xb, result, out view, ready event) for allreduce_plan, or raises the error found."""
     def now():
         xb = _device.wrap(x)
-        res, ob = _output(xb, out, what, xb.count, xb.shape)
+        res, ob = _output(xb, out, "allreduce", xb.count, xb.shape)
         return xb, res, ob, _device.ready_event(xb)
-    early = _now(now)
+    return _now(now)
 
-    def prepare(ctx):
-        xb, res, ob, ready = early()
-        opc, avg = _dtypes.op_code(op, xb.code)
-        _auto_only(algorithm)
-        _check_gpu(ctx, xb, what)
 
-        def body(hdr):
-            call.exchange_headers(ctx, what, hdr)
-            comm = _communicator(ctx, xb)
-            if xb.count:
-                comm.allreduce(what, xb.devices, ready, xb.ptr, ob.ptr, xb.count, xb.code, opc,
-                               avg)
-            return res
-        return header.make(what, xb.code, opc, avg, 0, xb.shape, "nccl"), body
+def allreduce_plan(ctx, early, opc, avg):
+    """(header, body) of an allreduce over NCCL (collectives.py checked the op and chose NCCL);
+    early: what the function allreduce_now returned gave."""
+    what = "allreduce"
+    xb, res, ob, ready = early
+    _check_gpu(ctx, xb, what)
 
-    return call.run(what, prepare, async_)
+    def body(hdr):
+        call.exchange_headers(ctx, what, hdr)
+        comm = _communicator(ctx, xb)
+        if xb.count:
+            comm.allreduce(what, xb.devices, ready, xb.ptr, ob.ptr, xb.count, xb.code, opc, avg)
+        return res
+    return header.make(what, xb.code, opc, avg, 0, xb.shape, "nccl"), body
 
 
 def reduce(x, root, op, out):
