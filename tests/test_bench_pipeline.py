@@ -8,6 +8,8 @@ import os
 
 import pytest
 
+from mlfabric.bench.harness import ENVELOPE_KEYS
+
 from .mpi_util import run_script_json
 
 TIMEOUT = 90
@@ -21,6 +23,7 @@ def bench(n, args, tmp_path):
                                   TIMEOUT)
     meta = doc["meta"]
     assert META <= set(meta), META - set(meta)
+    assert set(ENVELOPE_KEYS) <= set(meta), set(ENVELOPE_KEYS) - set(meta)
     assert meta["ranks"] == n and meta["experiment"] == args[0]
     assert meta["command"].startswith("mpirun -n %d python benchmarks/pipeline.py %s"
                                       % (n, args[0]))

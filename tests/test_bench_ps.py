@@ -6,6 +6,8 @@ import os
 
 import pytest
 
+from mlfabric.bench.harness import ENVELOPE_KEYS
+
 from .mpi_util import run_mpi, run_script_json
 
 TIMEOUT = 120
@@ -23,6 +25,7 @@ def bench(n, args, tmp_path):
 def check_common(doc, n, experiment, jobs):
     meta = doc["meta"]
     assert HOST_FIELDS <= set(meta), HOST_FIELDS - set(meta)
+    assert set(ENVELOPE_KEYS) <= set(meta), set(ENVELOPE_KEYS) - set(meta)
     assert meta["experiment"] == experiment and meta["ranks"] == n
     assert meta["command"].startswith("mpirun -n %d python benchmarks/ps_modes.py %s"
                                       % (n, experiment))

@@ -66,9 +66,8 @@ def add_out(parser, help="JSON file to write (rank 0)", metavar=None):
     parser.add_argument("--out", "--json", dest="out", type=script.output_path, help=help, **kw)
 
 
-def add_iters(parser, default, help="timed calls per variant per round", *aliases, type=None):
-    parser.add_argument("--iters", *aliases, dest="iters", type=type or script.positive_int,
-                        default=default, help=help)
+def add_iters(parser, default, help="timed calls per variant per round", type=None):
+    parser.add_argument("--iters", type=type or script.positive_int, default=default, help=help)
 
 
 def add_rounds(parser, default, help="rounds (alternating variant order)", type=None):

@@ -19,6 +19,7 @@ import numpy as np
 from .. import _C
 from .._core import dtypes as _dtypes
 from .. import kernels as K
+from .harness import cpu_model
 from .script import byte_size, nonnegative_int, output_path, positive_int
 
 COLUMNS = ("isa", "dtype", "size", "copy", "np.copyto", "reduce k=2", "% copy", "reduce k=4",
@@ -81,15 +82,7 @@ def bench_one(code, nbytes, repeats, warmup):
             "reduce4_gbps": r4, "reduce4_pct_copy": 100 * r4 / copy}
 
 
-def cpu_name():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+cpu_name = cpu_model  # the CPU's model name (one reader of /proc/cpuinfo, in harness.py)
 
 
 def print_table(rows, out=sys.stdout):
