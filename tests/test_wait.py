@@ -206,9 +206,16 @@ def test_check_runs_every_interval_not_every_poll(clock):
     assert 5 <= asked.calls <= 11 < polls.calls
 
 
-def test_poll_answers_without_error():
-    assert wait.poll(counter(5), timeout=5)
-    assert not wait.poll(lambda: False, timeout=0.02)
+def test_poll_answers_without_error(clock):
+    assert wait.poll(counter(5), timeout=5) is None
+    stop = wait.poll(lambda: False, timeout=0.02)
+    assert stop.reason is None and stop.timeout == 0.02
+    assert str(stop.error("op", [1, 2], "B")).startswith(
+        "op: no progress from rank(s) [1, 2] within 0.02 s (B)")
+    wait.watch(lambda: "gone")
+    stop = wait.poll(lambda: False, timeout=100)
+    assert stop.reason == "gone" and "stopped waiting: gone" in str(stop.error("op", [1]))
+    assert wait.poll(lambda: False, timeout=0.02, check=None).reason is None
 
 
 def test_describe_formats_lazily():

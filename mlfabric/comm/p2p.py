@@ -2,9 +2,11 @@
 
 Owns: the tag those algorithms use, the cut of a byte range into messages (segments), posting
 non-blocking sends/receives on byte views of the caller's arrays, and the one wait they all go
-through. That wait polls until a deadline of MLFABRIC_TIMEOUT seconds (_core.config.timeout_s())
-and then raises PeerTimeoutError naming the operation and the ranks it was still waiting on, so a
-dead or diverged peer becomes an error instead of a hang.
+through: comm/wait.py's bounded wait on MPI requests, which polls until a deadline of
+MLFABRIC_TIMEOUT seconds (_core.config.timeout_s()) and then raises PeerTimeoutError naming the
+operation and the ranks it was still waiting on, so a dead or diverged peer becomes an error
+instead of a hang. Here: what giving up on MPI requests means (cancel, park) and which ranks
+are late.
 
 Contract: posting is non-blocking and copies nothing: the caller owns the buffers and must not touch
 one until the wait on its request has returned. After a timeout, unfinished receives are cancelled
@@ -17,15 +19,13 @@ fails as soon as a peer's notice comes rather than at its own deadline. One coll
 per communicator: all algorithm traffic shares TAG and relies on MPI's non-overtaking order
 between two ranks.
 """
-import os
-import threading
-import time
+import functools
 
 import numpy as np
 from mpi4py import MPI
 
-from .._core import config as _config
-from ..errors import MlfabricError, PeerTimeoutError
+from ..errors import MlfabricError
+from .wait import Stopped, describe, poll, watch  # noqa: F401 (watch, describe: p2p's API)
 
 # The tag of all algorithm traffic, so it never matches a user's send/recv on the same
 # communicator (users must leave this tag alone). Below 32767, the smallest MPI_TAG_UB the
@@ -38,20 +38,6 @@ TAG = 0x6D66  # "mf"
 # algorithms' scratch memory. Read at call time (tests shrink it); a multiple of 8.
 SEGMENT_BYTES = 256 * 1024
 
-# Polling schedule of wait(). Spin on Testall for SPIN_S: a small message on shared memory or a
-# fast network completes in microseconds, and giving up the core would cost more than that. Then
-# keep testing but yield the core after each test until YIELD_S: oversubscribed ranks need the
-# CPU, and MPI moves large messages only while someone calls into it. Then sleep with a doubling
-# back-off capped at MAX_SLEEP_S: a peer still busy computing should not cost us a core.
-SPIN_S = 50e-6
-YIELD_S = 20e-3
-MAX_SLEEP_S = 1e-3
-# How often a wait past its spin asks its watch (see watch()) whether a peer gave up: an
-# MPI_Iprobe each time, so not on every test of the requests.
-WATCH_S = 2e-3
-
-_watch = threading.local()  # .check: the callable set by watch() on this thread, or absent
-
 _abandoned = []  # requests parked by a timeout (they keep their buffers alive)
 
 
@@ -59,16 +45,6 @@ def abandoned():
     """Number of requests parked by timeouts so far (nonzero: a peer may be gone)."""
     return len(_abandoned)
 timeouts = 0     # how many timeouts this process has seen
-
-
-def watch(check):
-    """Make this thread's waits ask check() every WATCH_S whether the communicator they wait on
-    became unusable (a peer gave up on it: check() returns why, else None); a reason ends the
-    wait with PeerTimeoutError at once. None stops watching. Returns the previous check, to put
-    back when the call that set it ends."""
-    previous = getattr(_watch, "check", None)
-    _watch.check = check
-    return previous
 
 
 def others(comm):
@@ -133,12 +109,6 @@ class Batch:
             self.reqs, self.peers, self.recv = [], [], []
 
 
-def describe(what):
-    """what is a string, or a tuple (format, *args) formatted only when an error needs it (the
-    fast path of a small collective cannot afford formatting a message it never shows)."""
-    return what if isinstance(what, str) else what[0].format(*what[1:])
-
-
 def wait(reqs, peers, what, is_recv=None, timeout=None, bound="MLFABRIC_TIMEOUT", since=None):
     """Wait until every request in reqs has completed, for at most timeout_s() seconds (or
     `timeout`, named `bound` in the error: torch's Work.wait(timeout)), counted from `since` (a
@@ -155,67 +125,12 @@ def wait(reqs, peers, what, is_recv=None, timeout=None, bound="MLFABRIC_TIMEOUT"
     try:
         if MPI.Request.Testall(reqs):
             return
-        _poll(reqs, peers, what, is_recv, timeout, bound, since)
+        stop = poll(functools.partial(MPI.Request.Testall, reqs), timeout, since)
+        if stop is not None:
+            _stopped(stop, reqs, peers, is_recv, what, bound)
     except MPI.Exception as e:
         raise MlfabricError(f"{describe(what)}: MPI error talking to rank(s) {sorted(set(peers))}: "
                             f"{e.Get_error_string()}") from e
-
-
-def _poll(reqs, peers, what, is_recv, timeout=None, bound="MLFABRIC_TIMEOUT", since=None):
-    testall = MPI.Request.Testall
-    perf = time.perf_counter
-    start = now = perf()
-    spin_end = start + SPIN_S
-    while now < spin_end:
-        if testall(reqs):
-            return
-        now = perf()
-    if timeout is None:
-        timeout = _config.timeout_s()
-    deadline = (start if since is None else since) + timeout
-    yield_end = min(start + YIELD_S, deadline)
-    sched_yield = os.sched_yield
-    check = getattr(_watch, "check", None)
-    next_check = now + WATCH_S if check is not None else float("inf")
-    while now < yield_end:
-        if testall(reqs):
-            return
-        sched_yield()
-        now = perf()
-        if now >= next_check:
-            _ask(check, reqs, peers, is_recv, what)
-            next_check = now + WATCH_S
-    nap = 20e-6
-    while now < deadline:
-        if testall(reqs):
-            return
-        time.sleep(min(nap, deadline - now))
-        nap = min(nap * 2, MAX_SLEEP_S)
-        now = perf()
-        if now >= next_check:
-            _ask(check, reqs, peers, is_recv, what)
-            next_check = now + WATCH_S
-    if testall(reqs):
-        return
-    _give_up(reqs, peers, is_recv, what, timeout, bound)
-
-
-def _ask(check, reqs, peers, is_recv, what):
-    """End the wait (park, PeerTimeoutError) if check() says the communicator is unusable."""
-    why = check()
-    if why is None or _done(reqs):
-        return
-    park(reqs, is_recv if is_recv is not None else [False] * len(reqs))
-    raise PeerTimeoutError(f"{describe(what)}: stopped waiting: {why}. The communicator is "
-                           "unusable now.")
-
-
-def _done(reqs):
-    """Whether every request is complete (an MPI error counts as complete: wait() reports it)."""
-    try:
-        return MPI.Request.Testall(reqs)
-    except MPI.Exception:
-        return True
 
 
 def park(reqs, is_recv):
@@ -248,19 +163,17 @@ def give_up(reqs, peers, is_recv, what, timeout):
     """End a wait on reqs that ran `timeout` seconds elsewhere (a poller's): as wait() does at
     its deadline, park what is unfinished and raise PeerTimeoutError (nothing if all are done)."""
     if any(req != MPI.REQUEST_NULL for req in reqs):
-        _give_up(reqs, peers, is_recv, what, timeout)
+        _stopped(Stopped(None, timeout), reqs, peers, is_recv, what)
 
 
-def _give_up(reqs, peers, is_recv, what, timeout, bound="MLFABRIC_TIMEOUT"):
+def _stopped(stop, reqs, peers, is_recv, what, bound="MLFABRIC_TIMEOUT"):
+    """End a wait that stopped (a wait.Stopped): park what is unfinished and raise its
+    PeerTimeoutError, naming the ranks of the unfinished requests (for a collective's requests:
+    one or more of peers). A deadline counts in `timeouts`, a peer's notice does not."""
     global timeouts
-    timeouts += 1
-    one_each = len(peers) == len(reqs)
-    late = []
-    for i in park(reqs, is_recv if is_recv is not None else [False] * len(reqs)):
-        late.extend([peers[i]] if one_each else peers)
-    late = sorted(set(late))
-    who = f"rank(s) {late}" if one_each else f"one or more of rank(s) {late}"
-    raise PeerTimeoutError(
-        f"{describe(what)}: no progress from {who} within {timeout:g} s "
-        f"({bound}); a peer died, hangs, or is running a different collective. "
-        "The communicator is unusable now.")
+    if stop.reason is None:
+        timeouts += 1
+    unfinished = park(reqs, is_recv if is_recv is not None else [False] * len(reqs))
+    if len(peers) == len(reqs):
+        raise stop.error(what, [peers[i] for i in unfinished], bound)
+    raise stop.error(what, peers, bound, exact=False)

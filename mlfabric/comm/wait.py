@@ -13,11 +13,14 @@ Contract:
     None), or raises PeerTimeoutError at the deadline or when the check reports a reason; an
     on_timeout hook runs first (to cancel and park what the wait held) and may raise its own
     error instead. Whatever done(), the check or the hook raise propagates unchanged.
-  poll(done, ...) is the same loop without an error: True when done() held, False at the deadline.
+  poll(done, ...) is the same wait without an error: None when done() held, else a Stopped
+    (why it stopped, the bound) whose error() is the PeerTimeoutError wait_until would raise,
+    for callers that give up in their own way (comm/p2p.py: cancel and park MPI requests).
   Backoff paces a loop that does its own work between polls (the schedule only, no error).
-All of it runs on the calling thread; nothing is shared between threads except that watch()
-is set per thread. done() is called first without any pause, so a condition that already holds
-costs one call.
+All of it runs on the calling thread, and watch() is per thread (a check set on one thread
+never applies to another's waits). done() is called first without any pause, so a condition
+that already holds costs one call; the spin allocates nothing (the hot path of a small
+collective's wait).
 """
 import os
 import threading
@@ -41,9 +44,14 @@ WATCH_S = 2e-3
 
 BOUND = "MLFABRIC_TIMEOUT"  # the name of the default bound, as errors print it
 
-_watch = threading.local()  # .check: the callable set by watch() on this thread, or absent
-_WATCHED = object()         # wait_until's default check: the one watch() set on this thread
-_DEADLINE = object()        # _run's result when the deadline passed
+
+
+class _Watch(threading.local):
+    check = None  # the callable set by watch() on this thread (a class default: no AttributeError)
+
+
+_watch = _Watch()
+WATCHED = object()  # as a check: the one watch() set on this thread (at the time of the wait)
 
 
 def watch(check):
@@ -51,14 +59,14 @@ def watch(check):
     unusable (a peer gave up on it: check() returns why, else None); a reason ends the wait
     with PeerTimeoutError at once. None stops watching. Returns the previous check, to put back
     when the call that set it ends."""
-    previous = getattr(_watch, "check", None)
+    previous = _watch.check
     _watch.check = check
     return previous
 
 
 def watched():
     """The check watch() set on this thread, or None."""
-    return getattr(_watch, "check", None)
+    return _watch.check
 
 
 def describe(what):
@@ -130,63 +138,78 @@ class Backoff:
         return time.perf_counter() >= self.deadline
 
 
-def _run(done, timeout, since, check, every):
-    """Poll done() on the schedule: None once it holds, else _DEADLINE or the reason check()
-    gave; the Backoff used (None if done() held within the spin)."""
+class Stopped:
+    """Why poll() stopped before done() held: `reason`, None when the deadline passed, else the
+    reason the check gave; `timeout`, the bound in seconds."""
+
+    __slots__ = ("reason", "timeout")
+
+    def __init__(self, reason, timeout):
+        self.reason, self.timeout = reason, timeout
+
+    def __repr__(self):
+        return f"Stopped({self.reason!r}, {self.timeout!r})"
+
+    def error(self, what, late, bound=BOUND, exact=True):
+        """The PeerTimeoutError to raise: abort_error for a reason, else late_error (see there
+        for late, bound and exact)."""
+        if self.reason is not None:
+            return abort_error(what, self.reason)
+        return late_error(what, late, self.timeout, bound, exact)
+
+
+def poll(done, timeout=None, since=None, check=WATCHED, every=WATCH_S):
+    """Poll done() on the schedule until it returns true (then None), for at most `timeout`
+    seconds (None: MLFABRIC_TIMEOUT) counted from `since` (a time.perf_counter() reading;
+    default now): a wait in phases shares one bound. check: called every `every` seconds once
+    the spin is over; it returns None to go on, a reason (a peer gave up) to stop, or raises
+    its own error; by default (WATCHED) the check watch() set on this thread; None: no check.
+    Stopping (the deadline passed, or the check gave a reason, and done() still false) returns
+    a Stopped; nothing is raised but what done() or check() raise. For callers that give up in
+    their own way; the rest use wait_until()."""
+    # The spin is the hot path (a small collective's wait): locals only, no allocation; the
+    # rest, slow by design, is out of line.
     perf = time.perf_counter
     start = now = perf()
     spin_end = start + SPIN_S
-    # The spin is the hot path (a small collective's wait): locals only, no allocation.
     while now < spin_end:
         if done():
-            return None, None
+            return None
         now = perf()
-    back = Backoff(timeout, since, start)
-    next_check = now + every if check is not None else float("inf")
+    return _poll_on(done, Backoff(timeout, since, start),
+                    _watch.check if check is WATCHED else check, every)
+
+
+def _poll_on(done, back, check, every):
+    """Past the spin: poll done() paced by back, asking check() every `every` seconds."""
+    next_check = back.now + every if check is not None else float("inf")
     while back.pause():
         if done():
-            return None, back
+            return None
         if back.now >= next_check:
             why = check()
             if why is not None and not done():
-                return why, back
+                return Stopped(why, back.timeout)
             next_check = back.now + every
-    if done():
-        return None, back
-    return _DEADLINE, back
-
-
-def poll(done, timeout=None, since=None):
-    """Poll done() on the schedule until it returns true (True) or `timeout` seconds (None:
-    MLFABRIC_TIMEOUT) from `since` (a time.perf_counter() reading; default now) have passed
-    (False). No error, no watch: for a wait whose end by deadline is an answer."""
-    return _run(done, timeout, since, None, 0.0)[0] is None
+    return None if done() else Stopped(None, back.timeout)
 
 
 def wait_until(done, what, peers=(), timeout=None, bound=BOUND, since=None, on_timeout=None,
-               check=_WATCHED, every=WATCH_S):
-    """Block until done() returns true, for at most `timeout` seconds (None: MLFABRIC_TIMEOUT),
-    counted from `since` (a time.perf_counter() reading; default now): a wait in phases shares
-    one bound. Returns None.
+               check=WATCHED, every=WATCH_S):
+    """Block until done() returns true (then None), as poll() does (timeout, since, check,
+    every), raising PeerTimeoutError where poll()
+    would stop. what: the operation (a string or a lazy tuple, see describe()); peers: the ranks
+    waited on.
 
-    what: the operation, for the error (a string or a lazy tuple, see describe()). peers: the
-    ranks waited on. check: called every `every` seconds once the spin is over; it returns None
-    to go on, a reason (a peer gave up) to stop, or raises its own error. By default the check
-    watch() set on this thread; None: no check.
-
-    Giving up (the deadline passed, or the check gave a reason, and done() still false): first
-    on_timeout(why) runs (why: the reason, None at the deadline): it releases what the wait
-    held and returns the ranks still late (None: unknown) or raises its own error. Then
-    PeerTimeoutError: abort_error(what, why) for a reason; at the deadline late_error naming
-    the ranks on_timeout returned (exactly those), else one or more of `peers`, and `bound`."""
-    if check is _WATCHED:
-        check = getattr(_watch, "check", None)
-    why, back = _run(done, timeout, since, check, every)
-    if why is None:
+    Giving up, first on_timeout(why) runs (why: the check's reason, None at the deadline): it
+    releases what the wait held and returns the ranks still late (None: unknown) or raises its
+    own error. Then PeerTimeoutError: abort_error(what, why) for a reason; at the deadline
+    late_error naming the ranks on_timeout returned (exactly those), else one or more of
+    `peers` (the ranks of a collective request), and `bound`."""
+    stop = poll(done, timeout, since, check, every)
+    if stop is None:
         return
-    late = on_timeout(None if why is _DEADLINE else why) if on_timeout is not None else None
-    if why is not _DEADLINE:
-        raise abort_error(what, why)
-    if late is not None:
-        raise late_error(what, late, back.timeout, bound)
-    raise late_error(what, peers, back.timeout, bound, exact=len(set(peers)) <= 1)
+    late = on_timeout(stop.reason) if on_timeout is not None else None
+    if late is None:
+        raise stop.error(what, peers, bound, exact=len(set(peers)) <= 1)
+    raise stop.error(what, late, bound)
