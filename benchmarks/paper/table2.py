@@ -192,10 +192,12 @@ def main(argv=None):
                 jobs.append(job)
                 got[mode] = job
                 tt = job["target"]
-                common.log(comm, "[%d/%d] %s %-10s %5.1f s  target %s  best %.3f  %s" % (
+                # a job that ended before its first evaluation point has no best yet
+                best = "-" if tt["best"] is None else "%.3f" % tt["best"]
+                common.log(comm, "[%d/%d] %s %-10s %5.1f s  target %s  best %s  %s" % (
                     len(jobs), 2 * len(args.cells), cell, mode, time.monotonic() - t0,
                     "at %.2f s (it %d)" % (tt["t"], tt["iteration"]) if tt["reached"]
-                    else "NOT reached", tt["best"], job["summary"]["dropped"] or ""))
+                    else "NOT reached", best, job["summary"]["dropped"] or ""))
         if comm.rank == 0:
             cells[cell] = cell_result(cell, got["mlfabric-A"], got["rr-sync"], ideal, args.target,
                                       window)
