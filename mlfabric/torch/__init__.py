@@ -55,7 +55,7 @@ from .grouped_ops import (grouped_allgather, grouped_allgather_async, grouped_re
 from .optimizer import DistributedOptimizer, PartialDistributedOptimizer
 from .process_sets import (ProcessSet, add_process_set, global_process_set,
                            remove_process_set)
-from .process_sets import _on_init as _init_process_sets
+from .process_sets import on_init as _init_process_sets
 from .ps_optimizer import PSOptimizer, ps_init, serve_model
 from .sparse import sparse_allreduce_async
 from .sync_batch_norm import SyncBatchNorm

@@ -185,7 +185,7 @@ def control_round(st, desc, what=None):
                                f"{exc}{after}") from exc
     finally:
         if timing is not None:  # a round that failed (a dead peer) is the one to see
-            timing[1].append((timing[0], _timeline._now_us()))
+            timing[1].append((timing[0], _timeline.now_us()))
     st.rounds += 1
     st.mismatch = None  # the ranks' calls line up again (the caller records a new mismatch)
     return table

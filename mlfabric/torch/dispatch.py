@@ -168,7 +168,7 @@ def issue(what, plan, job, async_, tensor=None, group=None, process_set=None, ta
         reject(st, what, async_)
         raise exc
     job = _guarded(what, job)
-    recording = _timeline._ACTIVE  # once: stop_timeline() may run on another thread
+    recording = _timeline.ACTIVE  # once: stop_timeline() may run on another thread
     if recording is not None:
         job = recording.wrap(what, job)
     gpu = tensor is not None and tensor.is_cuda

@@ -84,7 +84,7 @@ global_process_set = ProcessSet([])
 global_process_set.process_set_id = 0  # every rank; ranks filled in at init()
 
 
-def _on_init(process_sets):
+def on_init(process_sets):
     """init()'s part: the global set's ranks, then the sets passed to init (None, "dynamic" (as
     Horovod's flag: sets may be added later, always allowed here) or a list)."""
     global_process_set.ranks = list(range(dispatch.state().ctx.size))

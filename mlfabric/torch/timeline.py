@@ -27,12 +27,12 @@ import os
 import threading
 import time
 
-_ACTIVE = None  # the _Timeline being written, or None: the one check a call pays when off
+ACTIVE = None  # the _Timeline being written, or None: the one check a call pays when off
 _LOCK = threading.Lock()
 _FLUSH_EVERY = 1.0  # seconds
 
 
-def _now_us():
+def now_us():
     return time.time() * 1e6  # wall clock: rank files from one job line up when merged
 
 
@@ -76,18 +76,18 @@ class _Timeline:
 
     def wrap(self, what, job):
         """job, recording the call when it runs (its queue wait counted from now)."""
-        issued = _now_us()
+        issued = now_us()
         kind = what.partition(" ")[0]
 
         def timed(*args):
-            start = _now_us()
+            start = now_us()
             # written now: a call that never returns (a hung peer) still shows it began
             self.span("QUEUE", kind, issued, start, tid=1, args={"call": what})
             self.current = rounds = []
             try:
                 return job(*args)
             finally:
-                end = _now_us()
+                end = now_us()
                 self.current = None
                 self.span(what, kind, start, end)
                 for t0, t1 in rounds:
@@ -106,10 +106,10 @@ class _Timeline:
 def negotiating():
     """(start time, the list this call's control rounds go in) or None: timed by
     control.control_round."""
-    tl = _ACTIVE
+    tl = ACTIVE
     if tl is None or tl.current is None:
         return None
-    return _now_us(), tl.current
+    return now_us(), tl.current
 
 
 def rank_path(path, rank, size):
@@ -125,21 +125,21 @@ def rank_path(path, rank, size):
 
 def start(path, rank, size):
     """Start writing this rank's timeline (a running one is closed first); returns its file."""
-    global _ACTIVE
+    global ACTIVE
     target = rank_path(path, rank, size)
     parent = os.path.dirname(os.path.abspath(target))
     if not os.path.isdir(parent):
         raise FileNotFoundError(f"start_timeline: no directory {parent} for {target}")
     with _LOCK:
         stop()
-        _ACTIVE = _Timeline(target, rank)
+        ACTIVE = _Timeline(target, rank)
     return target
 
 
 def stop():
     """Close the timeline, if one is being written (its file then complete JSON)."""
-    global _ACTIVE
-    tl, _ACTIVE = _ACTIVE, None
+    global ACTIVE
+    tl, ACTIVE = ACTIVE, None
     if tl is not None:
         tl.close()
 
