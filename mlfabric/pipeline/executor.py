@@ -27,8 +27,8 @@ up front, a common complaint). Tensors are CPU tensors of any dtype.
 
 Sends are non-blocking (MPI Isend, completed later), so a rank never sits in a send while its
 peer waits for another message: the schedules interleave F and B across ranks in orders that a
-blocking send could deadlock. Every wait is bounded by MLFABRIC_TIMEOUT seconds and raises
-PipelineTimeoutError naming the peer and the action.
+blocking send could deadlock. Every wait is comm/wait.py's, bounded by MLFABRIC_TIMEOUT seconds,
+and raises PipelineTimeoutError naming the peer and the action.
 
 Weight versions (the policies of schedules.py; version n = this rank's weights after n steps of
 the current run, n = 0 at the start of each run()). The module's own parameters are the master
@@ -65,9 +65,8 @@ Construction compares, in one small bounded allgather of digests, the schedule a
 caller adds (PipelineModel: the layer count, the cuts, each layer's class and parameter shapes);
 ranks that differ raise MismatchError on every rank, naming what differs and who passed what.
 """
+import functools
 import json
-import os
-import time
 import zlib
 
 import numpy as np
@@ -76,7 +75,7 @@ from mpi4py import MPI
 from torch.func import functional_call
 
 from .._core import config as _config, dtypes as _dtypes
-from ..comm import algorithms, p2p
+from ..comm import algorithms, p2p, wait as bounded
 from ..errors import MismatchError, MlfabricError, PeerTimeoutError
 from .validate import grid, lockstep, validate, weight_versions
 from .schedules import Schedule
@@ -95,8 +94,6 @@ _ABORT_TAG = 0                  # a failing rank's message to the others
 _ABORT_BYTES = 1 << 16
 _TAG_LIMIT = 1 << 30            # data tags stay below this (MPI_TAG_UB is at least 32767)
 
-# Polling of a bounded wait (as in comm.p2p): spin briefly, then yield, then sleep with back-off.
-_SPIN_S, _YIELD_S, _MAX_SLEEP_S = 50e-6, 20e-3, 1e-3
 _CHECK_S = 20e-3  # a collective's wait asks MPI for dead peers this often
 
 _SCALE_BY_M = {"flush": True, "2bw": True, "stash": False, "vertical": False}
@@ -672,40 +669,45 @@ class PipelineExecutor:
                                                  sorted(set(peers))))
             self._sends = []
 
-    def _wait(self, reqs, is_recv, peers, what):
-        """Wait for reqs, at most MLFABRIC_TIMEOUT seconds, while watching for a peer's failure
-        report (raises _PeerAborted). If the wait ends in an error, its receives are cancelled
-        and its requests parked with their buffers (MPI may still touch them), then
-        PipelineTimeoutError (naming `what` and the late peers) or _PeerAborted is raised."""
+    def _wait(self, reqs, is_recv, peers, what, collective=False):
+        """Wait for reqs, at most MLFABRIC_TIMEOUT seconds (comm/wait.py). A point-to-point wait
+        watches for a peer's failure report (raises _PeerAborted). A collective one (reqs: a
+        request over the pipeline's communicator, peers: all its ranks) watches for a peer's
+        death instead and ends at once with StageDiedError: a collective with a dead member may
+        not fail until much later (seconds), so the any-source receive of failure reports is
+        tested alongside, which ULFM fails as soon as a death is known; a report that arrives
+        is kept for _check_abort (the outcome is being agreed on). If the wait ends in an
+        error, its receives are cancelled and its requests parked with their buffers (MPI may
+        still touch them), then PipelineTimeoutError (point-to-point: naming `what` and the
+        late peers), comm.p2p's PeerTimeoutError (collective), StageDiedError or _PeerAborted
+        is raised."""
         testall = MPI.Request.Testall
-        perf = time.perf_counter
-        start = now = perf()
         timeout = _config.timeout_s()
-        deadline = start + timeout
-        nap = 0.0
+        if collective:
+            def check():
+                dead = self._dead_ranks(settle_s=1.0) if self._failure_reported() else []
+                if dead:
+                    self._park(reqs, is_recv)
+                    raise self._died(what, dead, "MPI reported the process failed")
+            every = _CHECK_S
+        else:
+            check, every = self._check_abort, bounded.WATCH_S
         try:
             if testall(reqs):
                 return
-            while now < deadline:
-                if testall(reqs):
-                    return
-                self._check_abort()
-                if now - start < _SPIN_S:
-                    pass
-                elif now - start < _YIELD_S:
-                    os.sched_yield()
-                else:
-                    nap = min(max(nap * 2, 20e-6), _MAX_SLEEP_S, deadline - now)
-                    time.sleep(nap)
-                now = perf()
-            if testall(reqs):
-                return
+            stop = bounded.poll(functools.partial(testall, reqs), timeout, check=check,
+                                every=every)
         except _PeerAborted:
             self._park(reqs, is_recv)
             raise
         except MPI.Exception as e:  # a request failed; under ULFM: a peer died
             self._park(reqs, is_recv)
             raise self._mpi_failure(e, what, peers) from e
+        if stop is None:
+            return
+        if collective:  # the error (and the parking) of every other bounded collective
+            p2p.give_up(reqs, p2p.others(self._comm), is_recv, what, timeout)
+            return  # done in the meantime
         dead = self._dead_ranks()
         if dead:
             self._park(reqs, is_recv)
@@ -739,19 +741,23 @@ class PipelineExecutor:
         """The ranks of the pipeline's communicator that MPI knows to have died (ULFM's
         MPI_Comm_get_failed; [] without ULFM). settle_s: after an MPI error that says a process
         failed, how long to let the local failure list catch up before giving up on it."""
-        deadline = time.perf_counter() + settle_s
-        while True:
-            try:
-                g = self._comm.Get_failed()
-                n = g.Get_size()
-                dead = [] if n == 0 else MPI.Group.Translate_ranks(g, list(range(n)),
-                                                                   self._comm.Get_group())
-                dead = sorted(r for r in dead if r != MPI.UNDEFINED and r >= 0)
-            except (AttributeError, NotImplementedError, MPI.Exception):
-                return []
-            if dead or time.perf_counter() >= deadline:
-                return dead
-            time.sleep(_MAX_SLEEP_S)
+        dead = self._listed_dead()
+        if dead == [] and settle_s > 0:
+            back = bounded.Backoff(settle_s)
+            while dead == [] and back.pause():
+                dead = self._listed_dead()
+        return dead or []
+
+    def _listed_dead(self):
+        """The dead ranks MPI lists now; None without ULFM."""
+        try:
+            g = self._comm.Get_failed()
+            n = g.Get_size()
+            dead = [] if n == 0 else MPI.Group.Translate_ranks(g, list(range(n)),
+                                                               self._comm.Get_group())
+            return sorted(r for r in dead if r != MPI.UNDEFINED and r >= 0)
+        except (AttributeError, NotImplementedError, MPI.Exception):
+            return None
 
     def _died(self, what, dead, how, cause=None):
         """StageDiedError: `what` (this rank's action, or what it waited for) and who died."""
@@ -763,42 +769,6 @@ class PipelineExecutor:
                               "(from a checkpoint)" % (what, text,
                                                        "it" if len(dead) == 1 else "them"),
                               dead=dead, rank=self.rank)
-
-    def _wait_collective(self, req, what):
-        """Wait for a collective request over the pipeline's communicator, at most
-        MLFABRIC_TIMEOUT seconds (then comm.p2p's PeerTimeoutError). A peer's death ends the
-        wait at once with StageDiedError: a collective with a dead member may not fail until
-        much later (seconds), so the any-source receive of failure reports is tested alongside,
-        which ULFM fails as soon as a death is known."""
-        size = self._comm.Get_size()
-        perf = time.perf_counter
-        start = now = perf()
-        deadline = start + _config.timeout_s()
-        next_check, nap = start + _CHECK_S, 0.0
-        try:
-            while not req.Test():  # polled as _wait polls
-                if now >= deadline:
-                    break
-                if now >= next_check:
-                    dead = self._dead_ranks(settle_s=1.0) if self._failure_reported() else []
-                    if dead:
-                        self._parked.append(req)
-                        raise self._died(what, dead, "MPI reported the process failed")
-                    next_check = now + _CHECK_S
-                if now - start < _SPIN_S:
-                    pass
-                elif now - start < _YIELD_S:
-                    os.sched_yield()
-                else:
-                    nap = min(max(nap * 2, 20e-6), _MAX_SLEEP_S, deadline - now)
-                    time.sleep(nap)
-                now = perf()
-            else:
-                return
-        except MPI.Exception as e:
-            self._parked.append(req)
-            raise self._mpi_failure(e, what, list(range(size))) from e
-        p2p.wait([req], p2p.others(self._comm), what, since=start)  # the timeout error; parks req
 
     def _mpi_failure(self, e, what, peers):
         """The error for an MPI error `e` in a wait on `peers`: StageDiedError if MPI knows a
@@ -819,20 +789,22 @@ class PipelineExecutor:
         reports then) or already lists one. A failure report that arrives is kept for
         _check_abort."""
         try:
-            if self._abort is None and self._abort_req.Test(self._abort_status):
-                n = self._abort_status.Get_count(MPI.BYTE)
-                self._abort = (self._abort_status.Get_source(),
-                               bytes(self._abort_buf[:n]).decode("utf-8", "replace"))
+            self._report_in()
         except MPI.Exception:
             return True
         return bool(self._dead_ranks())
 
-    def _check_abort(self):
+    def _report_in(self):
+        """Whether a peer's failure report has come (kept in self._abort)."""
         if self._abort is None and self._abort_req.Test(self._abort_status):
             n = self._abort_status.Get_count(MPI.BYTE)
             self._abort = (self._abort_status.Get_source(),
                            bytes(self._abort_buf[:n]).decode("utf-8", "replace"))
-        if self._abort is not None:
+        return self._abort is not None
+
+    def _check_abort(self):
+        """Raise _PeerAborted if a peer's failure report has come."""
+        if self._report_in():
             raise _PeerAborted(*self._abort)
 
     # --- failures ---------------------------------------------------------------------------------
@@ -859,7 +831,8 @@ class PipelineExecutor:
         else:  # what went wrong here first, then the agreement (a death can be known only then)
             what = "%s; then, agreeing on the outcome of the run" % str(error).splitlines()[0]
         try:
-            self._wait_collective(self._comm.Iallgather(mine, every), what)
+            self._wait([self._comm.Iallgather(mine, every)], [False], list(range(size)), what,
+                       collective=True)
         except MlfabricError as e:  # a timeout, or a dead peer (StageDiedError)
             self._broken = str(e)
             raise e from error
@@ -888,14 +861,12 @@ class PipelineExecutor:
 
     def _await_report(self, failed):
         """Wait (bounded) for the failure report the failed ranks sent; raises _PeerAborted."""
-        deadline = time.perf_counter() + _config.timeout_s()
-        while time.perf_counter() < deadline:
-            self._check_abort()
-            time.sleep(_MAX_SLEEP_S)
+        timeout = _config.timeout_s()
+        bounded.poll(self._report_in, timeout, check=None)
         self._check_abort()
         raise PipelineTimeoutError("%s: rank(s) %s failed but their report did not arrive within "
                                    "%g s (MLFABRIC_TIMEOUT)" % (self.schedule.rank_label(self.rank),
-                                                                failed, _config.timeout_s()),
+                                                                failed, timeout),
                                    rank=self.rank)
 
     def _peer_error(self, e, a, i):

@@ -23,7 +23,9 @@ Owns:
 
 Sharded parameters carry `partition_dim` (the dimension of the serial tensor they are a block of,
 rank order); replicated ones have partition_dim None. Nothing here needs mlfabric.init(): every
-call runs on the communicators it is given. Importing this module imports torch and mpi4py.
+call runs on the communicators it is given. Every wait on a peer is comm.p2p's bounded wait
+(comm/wait.py): at most MLFABRIC_TIMEOUT seconds, then PeerTimeoutError naming the operation
+and the late ranks. Importing this module imports torch and mpi4py.
 """
 import collections
 import copy
