@@ -36,10 +36,12 @@ import numpy as np
 from mpi4py import MPI
 
 from .._core import config as _config
+from ..comm.wait import Backoff
 from ..errors import MlfabricError, PeerTimeoutError
 from .messages import DropUpdate, ExpectCommit, SendUpdate, SumUpdates
 
 TAG = 0x6D63  # "mc": control traffic
+POLL_S = 0.0005  # the longest nap of close() and flush() between polls (comm.wait.Backoff)
 # ULFM (mpirun --with-ft ulfm): a peer died (or a receive from any source cannot tell whether
 # the dead one would have sent), or the communicator was revoked
 FAILURE_CLASSES = {MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED}
@@ -135,19 +137,16 @@ class Channel:
         (a peer failed, or did not reach the end within `timeout`): then the communicator must
         be kept, never freed, so that its context id is never reused."""
         comm = self.comm
-        end = time.monotonic() + timeout
+        back = Backoff(timeout, max_sleep=POLL_S)   # one bound for both phases
         try:
             due = np.empty_like(self.sent)
             req = comm.Ialltoall(self.sent, due)
             while not req.Test():
-                if time.monotonic() > end:
+                if not back.pause():
                     return False
-                time.sleep(0.0005)
             while (self.received < due).any():
-                if not self.receive():
-                    if time.monotonic() > end:
-                        return False
-                    time.sleep(0.0005)
+                if not self.receive() and not back.pause():
+                    return False
         except MPI.Exception:
             return False
         return True
@@ -170,10 +169,10 @@ class Channel:
 
     def flush(self, timeout):
         """Wait (bounded) until every send has been taken."""
-        end = time.monotonic() + timeout
-        while self.inflight and time.monotonic() < end:
+        back = Backoff(timeout, max_sleep=POLL_S)
+        while self.inflight and not back.expired():
             self.progress(time.monotonic())
-            time.sleep(0.0005)
+            back.pause()
         return not self.inflight
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 
 from .._core import config as _config
+from ..comm.wait import Backoff
 from ..emulate import Emulation
 from ..errors import MlfabricError, PeerTimeoutError
 from ..sched.distribution import OBJECTIVES
@@ -190,13 +191,13 @@ def _bounded_barrier(comm):
     it), so a barrier left pending by the error never meets the user's collectives."""
     req = comm.Ibarrier()
     limit = _config.timeout_s()
-    end = time.monotonic() + limit
+    back = Backoff(limit)
     while not req.Test():
-        if time.monotonic() > end:
-            raise PeerTimeoutError(
-                "mlfabric.ps start-up: not every rank registered within MLFABRIC_TIMEOUT=%gs; "
-                "every rank must call its role's register_as_*() (or serve()) once" % limit)
-        time.sleep(0.001)
+        if back.pause():
+            continue
+        raise PeerTimeoutError(
+            "mlfabric.ps start-up: not every rank registered within MLFABRIC_TIMEOUT=%gs; "
+            "every rank must call its role's register_as_*() (or serve()) once" % limit)
 
 
 def _check_agreement(everyone, roles):

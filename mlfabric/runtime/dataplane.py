@@ -70,6 +70,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .._core import config as _config
+from ..comm.wait import Backoff
 from ..emulate.nic import EmulatedNic
 from ..errors import MlfabricError, PeerTimeoutError
 from .control import probe
@@ -81,6 +82,7 @@ HEADER_MAX = 16384     # bytes of a pickled header (a key: small; a pipeline's n
 WINDOW = 8             # chunks outstanding per flow (2 let one flow on a loaded CPU reach
                        # half its rate: a chunk's round trip then takes several chunk times)
 CATCH_UP_S = 0.025    # how late a busy calendar may be continued (see "Calendars" above)
+CLOSE_POLL_S = 0.001  # close(): the longest nap between passes (the calendars' catch-up covers it)
 IN_FLIGHT_WAKE_S = 0.005
 IDLE_WAKE_S = 0.05
 
@@ -376,12 +378,12 @@ class DataPlane:
         if self._closed:
             return
         timeout = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + timeout
+        back = Backoff(timeout, max_sleep=CLOSE_POLL_S)
         error = None
         try:
-            while (self._tx or self._local) and time.monotonic() < deadline:
+            while (self._tx or self._local) and not back.expired():
                 self.progress()
-                time.sleep(min(self.wake_in(), 0.001, max(0.0, deadline - time.monotonic())))
+                back.pause()
         except PeerTimeoutError as e:
             error = e
         finally:

@@ -33,6 +33,8 @@ class Message:
         return " ".join([self.KIND] + ["%s=%s" % (f.name, _literal(getattr(self, f.name)))
                                        for f in fields(self)])
 
+    __repr__ = __str__   # a list of them (a message's body, a debug line) reads the same way
+
 
 def uid_text(uid):
     """An update id in its short form: u<worker rank>.<its count>."""
@@ -61,7 +63,7 @@ def _value(text):
     return ast.literal_eval(_INF.sub("1e999", text))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, repr=False)
 class SendUpdate(Message):
     """A worker sends its update `id` to rank `hop` (the server, the replica, or an aggregator)
     no earlier than job time `not_before`, at `rate` bytes/s (None: unpaced). `dst` is where it
@@ -76,7 +78,7 @@ class SendUpdate(Message):
     final: bool
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, repr=False)
 class SumUpdates(Message):
     """An aggregator sums `members` (update ids, in order) as they arrive, then sends the sum to
     `dst` no earlier than `not_before` at `rate`, under data-plane key ('a', key, ids, version).
@@ -95,7 +97,7 @@ class SumUpdates(Message):
     upstream: tuple = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, repr=False)
 class ExpectCommit(Message):
     """A server's (or replica's) next commit: the payload under arrival `key` ('u', id) or
     ('a', aggregate key) brings `ids`, computed from `versions`, and is applied once the replica
@@ -110,7 +112,7 @@ class ExpectCommit(Message):
     norms: tuple = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, repr=False)
 class DropUpdate(Message):
     """Update `id` is dropped for `reason` (a mlfabric.sched.plan DROP_* or a ledger DROP_*)."""
     KIND = "drop"

@@ -354,8 +354,8 @@ class ServerRole:
 
         A lone request goes through the scheduler too: its plan says whether the receiver's link
         paces the send (30 workers under N3: a tenth of the rate, 0.8 s for an 80 ms model),
-        and a direct send to such a receiver used to hold every other get for that long (a
-        wait of 0.73 s at p90 for a fetch where the transfer takes 80 ms)."""
+        and a direct send to such a receiver would hold every other get for that long (a wait
+        of 0.73 s at p90 for a fetch where the transfer takes 80 ms)."""
         if not self.pulls or self.leaving:
             return
         due, self.pulls = self.pulls, []
