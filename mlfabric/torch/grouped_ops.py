@@ -3,8 +3,8 @@ tensors in one call, each tensor's result what the single-tensor call gives it, 
 collective per dtype (in order of first appearance), so a list of many small tensors costs a few
 collectives instead of one per tensor.
 
-Owns how a list travels fused; the control round is control.py's, join, devices and dtypes
-ops.py's:
+Owns how a list travels fused (the control round is control.py's; join, devices and dtypes
+work as in ops.py):
 - allgather: ranks may hold different numbers of rows of each tensor, so a first round gathers
   every rank's rows of every tensor (an int64 allgather of a (1, len(list)) tensor, described
   and checked like any allgather, with the whole list's dtypes and row shapes in its descriptor:
