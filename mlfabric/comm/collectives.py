@@ -77,80 +77,75 @@ class UnknownBackendError(MlfabricError, ValueError):
     """algorithm= names no backend (a ValueError too: it is a bad argument)."""
 
 
-class AllreduceCall(NamedTuple):
-    """What the choice of an allreduce backend looks at, and what the chosen one runs with."""
-    ctx: object       # the context (ctx.shm: the shared-memory engine, or None; ctx.size)
-    xb: object        # x, wrapped (_core.buffers or, for a GPU array, _core.device)
-    opc: int          # the kernel op code
-    avg: bool         # the result is scaled by 1 / size
-    out: object       # the caller's out=, or None
-    gpu: tuple        # a GPU array's (xb, result, out view, ready event), made on the caller's
-    #                   thread (gpu_collectives.allreduce_now); None for a host array
-
-
 class Backend(NamedTuple):
     """One way to run an allreduce (Horovod's operation manager, Enabled()): algorithm='auto'
-    runs the first entry of BACKENDS whose enabled(call) is true. A backend named with
-    algorithm= runs unless refusal(call) gives the error that says why it cannot take this call
-    (the MPI algorithms take any host call, whatever its size). run(call, name) -> (header,
-    body), as call.run's prepare returns them."""
+    runs the first entry of BACKENDS whose enabled(ctx, xb, gpu) is true. A backend named with
+    algorithm= runs unless refusal(ctx, gpu) gives the error that says why it cannot take this
+    call (the MPI algorithms take any host call, whatever its size). run(ctx, xb, gpu, opc, avg,
+    out, name) -> (header, body), as call.run's prepare returns them.
+
+    The arguments: ctx the context (ctx.shm: the shared-memory engine, or None), xb x wrapped
+    (_core.buffers, or _core.device for a GPU array), gpu a GPU array's (xb, result, out view,
+    ready event) made on the caller's thread by gpu_collectives.allreduce_now (None for a host
+    array), opc and avg the kernel op code and whether the result is scaled by 1 / size, out the
+    caller's out=, name the backend's (the MPI algorithms share one run)."""
     name: str
-    enabled: Callable[[AllreduceCall], bool]
+    enabled: Callable[..., bool]
     run: Callable
-    refusal: Callable[[AllreduceCall], Exception]
+    refusal: Callable[..., Exception]
 
 
-def _nccl_run(call, name):
-    return gpu_collectives.allreduce_plan(call.ctx, call.gpu, call.opc, call.avg)
+def _nccl_run(ctx, xb, gpu, opc, avg, out, name):
+    return gpu_collectives.allreduce_plan(ctx, gpu, opc, avg)
 
 
-def _shm_run(call, name):
-    what, ctx, xb = "allreduce", call.ctx, call.xb
-    res, ob = _output(xb, call.out, what)
-    scale = 1.0 / ctx.size if call.avg else 1.0
+def _shm_run(ctx, xb, gpu, opc, avg, out, name):
+    what = "allreduce"
+    res, ob = _output(xb, out, what)
+    scale = 1.0 / ctx.size if avg else 1.0
     zc_in, peer_in = ctx.shm.zero_copy_info(xb)
     zc_out, peer_out = ctx.shm.zero_copy_info(ob)
-    hdr = header.make(what, xb.code, call.opc, call.avg, 0, xb.shape, name, zc_in, zc_out)
+    hdr = header.make(what, xb.code, opc, avg, 0, xb.shape, name, zc_in, zc_out)
 
     def body(hdr):
-        ctx.shm.run(what, what, hdr, xb.code, call.opc, scale, 0, xb, ob, xb.count,
+        ctx.shm.run(what, what, hdr, xb.code, opc, scale, 0, xb, ob, xb.count,
                     peer_in=peer_in, peer_out=peer_out)
         return _finish(res, ob)
     return hdr, body
 
 
-def _mpi_run(call, name):
+def _mpi_run(ctx, xb, gpu, opc, avg, out, name):
     """An MPI point-to-point algorithm (comm/algorithms.py): ring, rhd or tree."""
-    what, ctx, xb, avg = "allreduce", call.ctx, call.xb, call.avg
-    res, ob = _output(xb, call.out, what)
+    what = "allreduce"
+    res, ob = _output(xb, out, what)
     scale = 1.0 / ctx.size if avg else 1.0
-    hdr = header.make(what, xb.code, call.opc, avg, 0, xb.shape, name)
+    hdr = header.make(what, xb.code, opc, avg, 0, xb.shape, name)
 
     def body(hdr):
         _exchange_headers(ctx, what, hdr)
         _copy(ob, xb)
-        algorithms.allreduce(ctx.comm, ob.arr, xb.code, call.opc, name)
+        algorithms.allreduce(ctx.comm, ob.arr, xb.code, opc, name)
         if avg and ob.count:
             _C.scale(ob.ptr, ob.count, ob.code, scale)
         return _finish(res, ob)
     return hdr, body
 
 
-def _host_only(call, name):
-    if call.gpu is not None:
+def _host_only(gpu, name):
+    if gpu is not None:
         return ValueError(f"GPU arrays move over NCCL, which picks its own algorithm: pass "
                           f"algorithm='auto', not {name!r}")
     return None
 
 
-def _shm_refusal(call):
-    if call.gpu is None and call.ctx.shm is None:
+def _shm_refusal(ctx, gpu):
+    if gpu is None and ctx.shm is None:
         return MlfabricError("algorithm='shm' needs every rank on one host and MLFABRIC_SHM=1")
-    return _host_only(call, "shm")
+    return _host_only(gpu, "shm")
 
 
-def _nccl_refusal(call):
-    if call.gpu is None:
+def _nccl_refusal(ctx, gpu):
+    if gpu is None:
         return ValueError("algorithm='nccl' moves GPU arrays (CUDA torch tensors, CuPy arrays); "
                           "x is a host array")
     return None
@@ -161,33 +156,40 @@ def _nccl_refusal(call):
 # algorithms.choose_allreduce: the tree for small calls, rhd up to its limit on a power-of-two
 # number of ranks, the ring otherwise).
 BACKENDS = (
-    Backend("nccl", lambda c: c.gpu is not None, _nccl_run, _nccl_refusal),
-    Backend("shm", lambda c: c.gpu is None and c.ctx.shm is not None, _shm_run, _shm_refusal),
-    Backend("tree", lambda c: c.gpu is None and algorithms.tree_fits(c.xb.nbytes, c.ctx.size),
-            _mpi_run, lambda c: _host_only(c, "tree")),
-    Backend("rhd", lambda c: c.gpu is None and algorithms.rhd_fits(c.xb.nbytes, c.ctx.size),
-            _mpi_run, lambda c: _host_only(c, "rhd")),
-    Backend("ring", lambda c: c.gpu is None, _mpi_run, lambda c: _host_only(c, "ring")),
+    Backend("nccl", lambda ctx, xb, gpu: gpu is not None, _nccl_run, _nccl_refusal),
+    Backend("shm", lambda ctx, xb, gpu: gpu is None and ctx.shm is not None, _shm_run,
+            _shm_refusal),
+    Backend("tree", lambda ctx, xb, gpu: gpu is None and algorithms.tree_fits(xb.nbytes, ctx.size),
+            _mpi_run, lambda ctx, gpu: _host_only(gpu, "tree")),
+    Backend("rhd", lambda ctx, xb, gpu: gpu is None and algorithms.rhd_fits(xb.nbytes, ctx.size),
+            _mpi_run, lambda ctx, gpu: _host_only(gpu, "rhd")),
+    Backend("ring", lambda ctx, xb, gpu: gpu is None, _mpi_run,
+            lambda ctx, gpu: _host_only(gpu, "ring")),
 )
 _BACKEND = {b.name: b for b in BACKENDS}
 ALGORITHMS = ("auto",) + tuple(_BACKEND)
 _log = logging.getLogger("mlfabric")
+_DEBUG = logging.DEBUG
 
 
-def _choose(call, algorithm):
-    """The Backend that runs `call` for algorithm= (see Backend), or the error that refuses it."""
+def _choose(ctx, xb, gpu, algorithm):
+    """The Backend that runs an allreduce of xb for algorithm= (see Backend), or the error that
+    refuses it."""
     if algorithm == "auto":
-        backend = next(b for b in BACKENDS if b.enabled(call))  # ring: every host call
+        for backend in BACKENDS:   # (ring takes every host call, nccl every GPU call)
+            if backend.enabled(ctx, xb, gpu):
+                break
     else:
         backend = _BACKEND.get(algorithm) if isinstance(algorithm, str) else None
         if backend is None:
             raise UnknownBackendError(f"unknown algorithm {algorithm!r}; expected one of "
                                       f"{', '.join(ALGORITHMS)}")
-        error = backend.refusal(call)
+        error = backend.refusal(ctx, gpu)
         if error is not None:
             raise error
-    _log.debug("allreduce of %d x %s on %d ranks, algorithm=%s: %s", call.xb.count,
-               _dtypes.DTYPE_NAMES[call.xb.code], call.ctx.size, algorithm, backend.name)
+    if _log.isEnabledFor(_DEBUG):
+        _log.debug("allreduce of %d x %s on %d ranks, algorithm=%s: %s", xb.count,
+                   _dtypes.DTYPE_NAMES[xb.code], ctx.size, algorithm, backend.name)
     return backend
 
 
@@ -198,8 +200,7 @@ def chosen_backend(x, algorithm="auto"):
     the 'shm' backend's."""
     device = _device.is_device(x)
     xb = _device.wrap(x) if device else _buffers.wrap(x)
-    return _choose(AllreduceCall(context.get(), xb, 0, False, None, () if device else None),
-                   algorithm).name
+    return _choose(context.get(), xb, () if device else None, algorithm).name
 
 
 def _allreduce(x, op, out, algorithm, async_):
@@ -211,9 +212,8 @@ def _allreduce(x, op, out, algorithm, async_):
         gpu = None if early is None else early()
         xb = _buffers.wrap(x) if gpu is None else gpu[0]
         opc, avg = _dtypes.op_code(op, xb.code)
-        call = AllreduceCall(ctx, xb, opc, avg, out, gpu)
-        backend = _choose(call, algorithm)
-        return backend.run(call, backend.name)
+        backend = _choose(ctx, xb, gpu, algorithm)
+        return backend.run(ctx, xb, gpu, opc, avg, out, backend.name)
 
     return _run(what, prepare, async_)
 
