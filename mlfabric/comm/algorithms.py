@@ -14,6 +14,14 @@ reduced by exactly one rank, in an order fixed by the algorithm, then copied to 
 traffic goes through mlfabric.comm.p2p (a dedicated tag, bounded waits), so a dead or diverged peer
 raises PeerTimeoutError instead of hanging.
 
+The ring and the exchange steps move messages through a link (MpiLink, over p2p, by default): an
+object with size and rank (this member's position, 0..size-1), isend(buf, peer) and irecv(buf,
+peer) (buf: a uint8 array; peer: a position) returning requests, wait(reqs, what) that completes
+them (what: an optional description for errors), and segments(nbytes) (the (start, stop) byte ranges of the
+messages that carry nbytes). Messages between two members match in the order they are posted, as
+MPI's do. ring_allreduce_on() runs the ring over any link: the parameter server's baselines
+(ps/allreduce_baselines.py) run it over the paced data plane.
+
 `op` is a kernel op code (_core.dtypes.OP_CODES) or an op name; "avg" (floating dtypes only)
 is a sum scaled by 1/n, applied by the rank that finishes each chunk, so it costs no extra pass.
 """
@@ -83,13 +91,39 @@ def _scratch(nbytes):
     return c[0], c[1]
 
 
+class MpiLink:
+    """The default link (see the module header): MPI point-to-point on comm through p2p, peers
+    are ranks of comm, a message longer than p2p.SEGMENT_BYTES goes as several."""
+
+    __slots__ = ("comm", "size", "rank")
+
+    def __init__(self, comm):
+        self.comm, self.size, self.rank = comm, comm.Get_size(), comm.Get_rank()
+
+    def isend(self, buf, peer):
+        return isend(self.comm, buf, peer), peer, False
+
+    def irecv(self, buf, peer):
+        return irecv(self.comm, buf, peer), peer, True
+
+    def wait(self, reqs, what="a point-to-point wait"):
+        if reqs:
+            wait([q[0] for q in reqs], [q[1] for q in reqs], what, [q[2] for q in reqs])
+
+    @staticmethod
+    def segments(nbytes):
+        return segments(nbytes)
+
+
 class _Call:
     """What every step of one collective call needs."""
 
-    __slots__ = ("comm", "n", "r", "b", "isz", "base", "code", "op", "name")
+    __slots__ = ("comm", "link", "n", "r", "b", "isz", "base", "code", "op", "name")
 
-    def __init__(self, comm, arr, code, op, name):
-        self.comm, self.n, self.r = comm, comm.Get_size(), comm.Get_rank()
+    def __init__(self, comm, arr, code, op, name, link=None):
+        self.comm = comm   # the tree's own steps post on it directly (None over another link)
+        self.link = MpiLink(comm) if link is None else link
+        self.n, self.r = self.link.size, self.link.rank
         self.b = arr.view(np.uint8)  # byte view: messages are byte ranges of it
         self.isz, self.base = arr.itemsize, _addr(arr)
         self.code, self.op, self.name = code, op, name
@@ -109,43 +143,49 @@ def _elements(x, lo, hi):
     return x.b[lo * x.isz:hi * x.isz]
 
 
+def _post(link, reqs, post, buf, peer):
+    """Post buf to or from peer as the link's messages (post: link.isend or link.irecv)."""
+    for s, e in link.segments(buf.size):
+        reqs.append(post(buf[s:e], peer))
+
+
 def _exchange(x, send, recv, what):
     """Send elements send=(peer, lo, hi) and receive recv=(peer, lo, hi) into place (either may
     be None); the ranges must not overlap. The allgather/broadcast step."""
-    batch = p2p.Batch(x.comm)
+    link, reqs = x.link, []
     if recv is not None:
         peer, lo, hi = recv
-        batch.recv_into(_elements(x, lo, hi), peer)
+        _post(link, reqs, link.irecv, _elements(x, lo, hi), peer)
     if send is not None:
         peer, lo, hi = send
-        batch.send(_elements(x, lo, hi), peer)
-    batch.wait(what)
+        _post(link, reqs, link.isend, _elements(x, lo, hi), peer)
+    link.wait(reqs, what)
 
 
 def _exchange_reduce(x, send, recv, scale, what):
     """Send elements send=(peer, lo, hi) while receiving recv=(peer, lo, hi) and reducing it into
     place: arr[lo:hi] = scale * op(arr[lo:hi], received). The reduce-scatter step."""
-    batch = p2p.Batch(x.comm)
+    link, reqs = x.link, []
     peer, lo, hi = recv
     nbytes = (hi - lo) * x.isz
-    if nbytes <= p2p.SEGMENT_BYTES:  # one message (or none): receive it all, then reduce
-        if nbytes:
-            scratch, sptr = _scratch(nbytes)
-            batch.add(irecv(x.comm, scratch[:nbytes], peer), peer, True)
+    segs = link.segments(nbytes)
+    if len(segs) <= 1:  # one message (or none): receive it all, then reduce
+        scratch, sptr = _scratch(nbytes)
+        for s, e in segs:
+            reqs.append(link.irecv(scratch[s:e], peer))
         if send is not None:
-            batch.send(_elements(x, send[1], send[2]), send[0])
-        batch.wait(what)
+            _post(link, reqs, link.isend, _elements(x, send[1], send[2]), send[0])
+        link.wait(reqs, what)
         if nbytes:
             dst = x.base + lo * x.isz
             _C.reduce(dst, [dst, sptr], hi - lo, x.code, x.op, scale)
         return
     if send is not None:
-        batch.send(_elements(x, send[1], send[2]), send[0])
+        _post(link, reqs, link.isend, _elements(x, send[1], send[2]), send[0])
     isz = x.isz
-    segs = segments(nbytes)
     _reduce_stream(x, [(peer, lo + s // isz, lo + e // isz, scale if k == len(segs) - 1 else 1.0)
                        for k, (s, e) in enumerate(segs)], what)
-    batch.wait(what)
+    link.wait(reqs, what)
 
 
 def _reduce_stream(x, jobs, what, after=None):
@@ -158,19 +198,19 @@ def _reduce_stream(x, jobs, what, after=None):
     isz = x.isz
     slot = max((hi - lo) * isz for _, lo, hi, _ in jobs)
     scratch, sptr = _scratch(slot * min(len(jobs), 2))
-    comm, code, op, base = x.comm, x.code, x.op, x.base
+    link, code, op, base = x.link, x.code, x.op, x.base
     reqs = [None] * len(jobs)
 
     def post(j):
         peer, lo, hi, _ = jobs[j]
         at = (j & 1) * slot
-        reqs[j] = irecv(comm, scratch[at:at + (hi - lo) * isz], peer)
+        reqs[j] = link.irecv(scratch[at:at + (hi - lo) * isz], peer)
 
     post(0)
     if len(jobs) > 1:
         post(1)
     for j, (peer, lo, hi, scale) in enumerate(jobs):
-        wait([reqs[j]], [peer], what, _RECV)
+        link.wait(reqs[j:j + 1], what)
         reqs[j] = None
         dst = base + lo * isz
         _C.reduce(dst, [dst, sptr + (j & 1) * slot], hi - lo, code, op, scale)
@@ -183,28 +223,28 @@ def _reduce_stream(x, jobs, what, after=None):
 # ---------------------------------------------------------------------------------------------
 # ring
 
-def _ring_reduce_scatter(x, offs, scale):
-    """Afterwards rank r's chunk [offs[r], offs[r+1]) holds the full reduction (the other chunks
-    hold partial results). n - 1 steps: in step s rank r passes chunk r-s-1 to the right and
-    reduces chunk r-s-2 from the left into its own, so chunk c is reduced starting from rank
-    c+1's contribution and ending at rank c's."""
+def _ring_reduce_scatter(x, chunks, scale):
+    """Afterwards member r's chunk chunks[r] = (lo, hi) (elements) holds the full reduction (the
+    other chunks hold partial results). n - 1 steps: in step s member r passes chunk r-s-1 to
+    the right and reduces chunk r-s-2 from the left into its own, so chunk c is reduced starting
+    from member c+1's contribution and ending at member c's."""
     n, r = x.n, x.r
     right, left = (r + 1) % n, (r - 1) % n
     for s in range(n - 1):
         sc, rc = (r - s - 1) % n, (r - s - 2) % n
-        _exchange_reduce(x, (right, offs[sc], offs[sc + 1]), (left, offs[rc], offs[rc + 1]),
+        _exchange_reduce(x, (right, *chunks[sc]), (left, *chunks[rc]),
                          scale if s == n - 2 else 1.0,
                          ("{} (rank {}, reduce-scatter step {})", x.name, r, s))
 
 
-def _ring_allgather(x, offs):
-    """Rank r holds chunk r; afterwards every rank holds every chunk. In step s rank r passes
-    chunk r-s to the right and receives chunk r-s-1 from the left, in place."""
+def _ring_allgather(x, chunks):
+    """Member r holds chunk r; afterwards every member holds every chunk. In step s member r
+    passes chunk r-s to the right and receives chunk r-s-1 from the left, in place."""
     n, r = x.n, x.r
     right, left = (r + 1) % n, (r - 1) % n
     for s in range(n - 1):
         sc, rc = (r - s) % n, (r - s - 1) % n
-        _exchange(x, (right, offs[sc], offs[sc + 1]), (left, offs[rc], offs[rc + 1]),
+        _exchange(x, (right, *chunks[sc]), (left, *chunks[rc]),
                   ("{} (rank {}, allgather step {})", x.name, r, s))
 
 
@@ -213,6 +253,11 @@ def _offsets(counts):
     for c in counts:
         offs.append(offs[-1] + c)
     return offs
+
+
+def _chunks(offs):
+    """[(lo, hi)] of the consecutive chunks that offsets offs bound."""
+    return list(zip(offs, offs[1:]))
 
 
 def _even_offsets(count, n):
@@ -226,16 +271,25 @@ def ring_allreduce(comm, arr, code, op):
     """Allreduce arr in place: ring reduce-scatter then ring allgather over n chunks (unequal when
     count % n != 0, empty when count < n). 2(n-1) steps of count/n elements each: bandwidth-
     optimal, the choice for large messages. Returns arr."""
+    return ring_allreduce_on(MpiLink(comm), arr, code, op)
+
+
+def ring_allreduce_on(link, arr, code, op, chunks=None, name="ring_allreduce"):
+    """ring_allreduce over `link` (see the module header). chunks: [(lo, hi)] elements of each
+    member's chunk, in ring order (member r finishes chunk r's reduction: chunk c is summed from
+    member c+1's contribution round to member c's); by default consecutive, as equal as
+    possible. Returns arr."""
     _check(arr, code)
-    n = comm.Get_size()
+    n = link.size
     opc, scale = _op_scale(op, code, n)
     if n == 1 or arr.size == 0:
         _scale_in_place(arr, code, scale)
         return arr
-    x = _Call(comm, arr, code, opc, "ring_allreduce")
-    offs = _even_offsets(arr.size, n)
-    _ring_reduce_scatter(x, offs, scale)
-    _ring_allgather(x, offs)
+    x = _Call(None, arr, code, opc, name, link)
+    if chunks is None:
+        chunks = _chunks(_even_offsets(arr.size, n))
+    _ring_reduce_scatter(x, chunks, scale)
+    _ring_allgather(x, chunks)
     return arr
 
 
@@ -254,7 +308,8 @@ def ring_reduce_scatter(comm, arr, code, op, counts):
     if n == 1 or arr.size == 0:
         _scale_in_place(arr, code, scale)
     else:
-        _ring_reduce_scatter(_Call(comm, arr, code, opc, "ring_reduce_scatter"), offs, scale)
+        _ring_reduce_scatter(_Call(comm, arr, code, opc, "ring_reduce_scatter"), _chunks(offs),
+                             scale)
     return arr[offs[r]:offs[r + 1]]
 
 
@@ -275,7 +330,8 @@ def ring_allgather(comm, inp, out):
     if _addr(mine) != MPI.buffer(inp).address:
         mine[...] = inp
     if n > 1:
-        _ring_allgather(_Call(comm, out, 0, 0, "ring_allgather"), [i * m for i in range(n + 1)])
+        _ring_allgather(_Call(comm, out, 0, 0, "ring_allgather"),
+                        [(i * m, (i + 1) * m) for i in range(n)])
     return out
 
 
@@ -497,7 +553,7 @@ def tree_allreduce(comm, arr, code, op):
 # ---------------------------------------------------------------------------------------------
 # choice and dispatch
 
-# Crossover points, measured on the development VM: 2 cores, Open MPI 5 over btl self,sm, so n=3
+# Crossover points, measured on a VM with 2 cores, Open MPI 5 over btl self,sm, so n=3
 # and n=4 are oversubscribed; the machine was shared and noisy, so each number is the best of
 # 3 runs x 15 trials, in microseconds per float32-sum allreduce, as MPI.Allreduce/tree/rhd/ring:
 #    bytes   n=2                    n=3                    n=4

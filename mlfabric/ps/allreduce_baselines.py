@@ -3,7 +3,8 @@ they meet the same emulated NICs as MLfabric's own transfers and can be compared
 
 - ring_allreduce (RR-Sync): reduce-scatter then allgather around the ring of `ranks`, 2(n-1) steps
   of one block (1/n of the vector) each: bandwidth-optimal, but every step waits for the slowest
-  link of the ring.
+  link of the ring. It is comm.algorithms' ring (ring_allreduce_on), run over a link on the data
+  plane (_DataPlaneLink): one message per block and step.
 - tree_allreduce (Tr-Sync): reduce up a binary tree to ranks[0], then broadcast down it, pipelined
   in segments as MPI's segmented tree reduce/bcast do: a node forwards segment k as soon as its
   children's segment k is in, while segment k+1 is still arriving.
@@ -32,6 +33,8 @@ import weakref
 import numpy as np
 
 from .. import kernels
+from .._core import dtypes as _dtypes
+from ..comm import algorithms
 from ..errors import MismatchError, PeerTimeoutError
 
 SEGMENT_MIN_BYTES = 64 << 10
@@ -50,22 +53,14 @@ def ring_allreduce(dp, ranks, x, timeout=None):
     ranks, pos, n = _check(dp, ranks, x, "ring_allreduce")
     if n == 1:
         return x
-    s = _Session(dp, "ring_allreduce", ranks, timeout)
-    cid = s.call_id("ring", "rr")
-    right, left = ranks[(pos + 1) % n], ranks[(pos - 1) % n]
+    s = _Call(dp, "ring_allreduce", ranks, timeout)
+    link = _DataPlaneLink(s, pos, ("rr", s.call_id("ring", "rr")), x.dtype)
     bounds = _split(x.size, n)
-    block = [x[bounds[i]:bounds[i + 1]] for i in range(n)]
-    # Reduce-scatter: at step t send block (pos - t), add the left neighbour's block
-    # (pos - t - 1); after n-1 steps this rank holds the sum of block (pos + 1).
-    for t in range(n - 1):
-        mine, theirs = (pos - t) % n, (pos - t - 1) % n
-        msg = s.exchange(right, ("rr", cid, 0, t), block[mine], left, block[theirs])
-        kernels.reduce([block[theirs], msg.data], out=block[theirs])
-    # Allgather: pass the finished blocks around.
-    for t in range(n - 1):
-        mine, theirs = (pos + 1 - t) % n, (pos - t) % n
-        msg = s.exchange(right, ("rr", cid, 1, t), block[mine], left, block[theirs])
-        block[theirs][...] = msg.data
+    # Block b (of n nearly equal ones) is the ring's chunk b - 1: member pos finishes block
+    # pos + 1, and block b is summed from member b's contribution round to member b - 1's.
+    chunks = [(bounds[(c + 1) % n], bounds[(c + 1) % n + 1]) for c in range(n)]
+    algorithms.ring_allreduce_on(link, x, _dtypes.numpy_dtype_code(x.dtype), "sum", chunks,
+                                 "ring_allreduce")
     return x
 
 
@@ -76,7 +71,7 @@ def tree_allreduce(dp, ranks, x, timeout=None):
     ranks, pos, n = _check(dp, ranks, x, "tree_allreduce")
     if n == 1:
         return x
-    s = _Session(dp, "tree_allreduce", ranks, timeout)
+    s = _Call(dp, "tree_allreduce", ranks, timeout)
     cid = s.call_id("tree", "tr")
     parent = ranks[(pos - 1) // 2] if pos else None
     children = [ranks[c] for c in (2 * pos + 1, 2 * pos + 2) if c < n]
@@ -150,7 +145,7 @@ def _split(count, parts):
     return [i * q + min(i, r) for i in range(parts + 1)]
 
 
-class _Session:
+class _Call:
     """One blocking call: drives the data plane, files arriving messages in the mailbox, and
     enforces the timeout (measured from the last sign of life: a message or a send completing)."""
 
@@ -191,15 +186,6 @@ class _Session:
                                 "of x)")
         return msg
 
-    def exchange(self, dst, key, payload, src, like):
-        """Send payload to dst and receive the message `key` from src, both under `key`; wait
-        for both (the payload's memory is reused by the next step)."""
-        sent = [False]
-        self.send(dst, key, payload, sent)
-        while not (sent[0] and self.has(src, key)):
-            self.wait_once([src] if sent[0] else sorted({src, dst}))
-        return self.take(src, key, like)
-
     def wait_once(self, peers):
         """One turn of the event loop: progress, file messages, nap until there is work."""
         dp = self.dp
@@ -228,12 +214,63 @@ class _Session:
             time.sleep(min(nap, POLL_S))
 
 
+class _DataPlaneLink:
+    """comm.algorithms' link (see its module header) over a call's data plane: peers are
+    positions in the call's ranks; the k-th message to a peer goes under the key own + (k,) and
+    the k-th receive from it takes that key, so messages match in order, as MPI's do. A message
+    is one whole block (no segments), carried as x's dtype; a received one is checked against the
+    buffer it lands in (MismatchError when the ranks disagree on x) and copied there."""
+
+    def __init__(self, call, pos, own, dtype):
+        self.s, self.own, self.dtype = call, own, dtype
+        self.size, self.rank = len(call.ranks), pos
+        self.sent = collections.Counter()       # peer rank -> messages sent to it
+        self.received = collections.Counter()   # peer rank -> receives posted from it
+
+    @staticmethod
+    def segments(nbytes):
+        return ((0, nbytes),)   # an empty block is a message too, as any other
+
+    def isend(self, buf, peer):
+        dst = self.s.ranks[peer]
+        key = self.own + (self.sent[dst],)
+        self.sent[dst] += 1
+        flag = [False]
+        self.s.send(dst, key, buf.view(self.dtype), flag)
+        return dst, flag, None
+
+    def irecv(self, buf, peer):
+        src = self.s.ranks[peer]
+        key = self.own + (self.received[src],)
+        self.received[src] += 1
+        return src, key, buf.view(self.dtype)
+
+    def wait(self, reqs, what=None):
+        """Drive the data plane until every request is done: a send once the receiver has it,
+        a receive once its message is in (then copied into its buffer)."""
+        pending = list(reqs)
+        while True:
+            pending = [q for q in pending if not self._done(q)]
+            if not pending:
+                return
+            self.s.wait_once(sorted({q[0] for q in pending}))
+
+    def _done(self, q):
+        peer, key, into = q
+        if into is None:
+            return key[0]   # (a send: key is its flag)
+        if not self.s.has(peer, key):
+            return False
+        into[...] = self.s.take(peer, key, into).data
+        return True
+
+
 class _Link:
     """Sends to one peer in order, at most PIPELINE_DEPTH in flight (the next one is handed to
     the data plane from the completion callback of an earlier one)."""
 
-    def __init__(self, session, dst):
-        self.s, self.dst = session, dst
+    def __init__(self, call, dst):
+        self.s, self.dst = call, dst
         self.queue = collections.deque()   # (key, payload) not yet handed to the data plane
         self.done = {}                     # key -> [sent?]
         self.inflight = 0
