@@ -9,8 +9,8 @@ import pytest
 from mlfabric.errors import MlfabricError
 from mlfabric.runtime.gate import DivergenceGate
 from mlfabric.runtime.lowering import lower
-from mlfabric.runtime.messages import (DropUpdate, ExpectCommit, SendUpdate, SumUpdates,
-                                       handle_each, parse)
+from mlfabric.runtime.messages import (DropUpdate, ExpectCommit, ReadyUpdate, SendUpdate,
+                                       SumUpdates, handle_each, parse)
 from mlfabric.sched import Network, Update, schedule
 from mlfabric.sched.plan import Aggregate, Commit, Plan, Transfer
 from mlfabric.sched.replication import ReplicaState, replicate
@@ -79,12 +79,16 @@ def test_every_message_reads_back_from_its_readable_form():
     records = [m for ms in parts.values() for m in ms]
     records += [ExpectCommit(("a", (3, "r", 0)), (U40,), (None,), 0, 4, (math.inf,)),
                 SumUpdates(("up", (7, 0), 0), ("ar", 2, 1), (U40,), 0.5, None, 2, (U40, U30),
-                           via=4, upstream=(("up", (7, 0), 0), (U40,), 3))]
+                           via=4, upstream=(("up", (7, 0), 0), (U40,), 3)),
+                ReadyUpdate(U51, 1, 4000, 3, math.inf, 12.25),
+                ReadyUpdate(uid(4, 1 << 31 | 2), ("ar", 2, 5), 80, 2, 0.5, 0.125)]
     for m in records:
         assert parse(str(m)) == m, str(m)
     assert str(parts[3][0]) == "send id=u3.0 hop=1 dst=1 not_before=0.0 rate=10.0 final=True"
     assert str(parts[5][1]) == "drop id=u5.1 reason='stale'"
-    assert str(records[-2]).endswith("norms=(inf,)")
+    assert str(records[-4]).endswith("norms=(inf,)")
+    assert str(records[-2]) == "ready id=u5.1 server=1 size=4000 version=3 norm=inf sent=12.25"
+    assert repr([parts[5][1]]) == "[drop id=u5.1 reason='stale']"   # a message body reads so
 
 
 def test_bad_input_is_a_clear_error():
@@ -95,7 +99,7 @@ def test_bad_input_is_a_clear_error():
     plan, updates = small_plan()
     with pytest.raises(MlfabricError, match="from host 3 to host 1: hosts are 0..2"):
         lower(plan, HOSTS[:3], updates, 1, (7,))
-    with pytest.raises(MlfabricError, match="kind must be one of send, sum, expect, drop"):
+    with pytest.raises(MlfabricError, match="kind must be one of ready, send, sum, expect, drop"):
         parse("bogus id=1")
     with pytest.raises(MlfabricError, match="does not fit SendUpdate"):
         parse("send id=u3.0 hop=1")
@@ -142,3 +146,30 @@ def test_a_scheduled_replicated_batch_accounts_for_every_update():
     for ms in parts.values():
         for m in ms:
             assert parse(str(m)) == m
+
+
+def test_a_worker_names_the_send_it_cannot_carry_out():
+    """A plan part naming an update this worker does not hold (an internal error) fails with
+    the message in its readable form, not a bare KeyError."""
+    import types
+
+    from mlfabric.runtime.ledger import profile
+    from mlfabric.runtime.worker import WorkerRole
+    w = WorkerRole.__new__(WorkerRole)
+    w.rt = types.SimpleNamespace(rank=3, now=lambda: 1.0)
+    w.outbox, w.plan_latency = {}, profile()
+    with pytest.raises(MlfabricError, match=r"worker rank 3: plan message `send id=u3.9 hop=1 "
+                                            r"dst=1 not_before=0.5 rate=None final=True`: update "
+                                            r"u3.9 is not waiting here"):
+        w.on_ctrl(0, "send", (0.5, [SendUpdate(uid(3, 9), 1, 1, 0.5, None, True)]))
+
+
+def test_a_server_names_the_commit_whose_payload_does_not_fit():
+    from mlfabric.runtime.server import ApplyInOrder
+    order = ApplyInOrder()
+    order.replica_count = math.inf
+    order.add_plan([ExpectCommit(("a", (7, 0)), (U40, U50), (1, 1), 0, 3)])
+    order.arrive(("a", (7, 0)), (U40, U30), None)
+    with pytest.raises(MlfabricError, match=r"plan message `expect key=\('a', \(7, 0\)\) ids="
+                                            r"\(u4.0, u5.0\) .*carries update\(s\) u3.0"):
+        list(order.due())

@@ -5,8 +5,8 @@ sent pickled with non-blocking sends, a plan's parts as the typed records of mes
 gives up on a peer that takes no message for MLFABRIC_TIMEOUT seconds.
 
 Kinds (body in brackets; job times are the scheduler's):
-  worker -> scheduler    ready [(id, server, bytes, version, norm, sent at), ...]; done [pushed];
-                         lost [(id, reason), ...] (members a failure took from its aggregates)
+  worker -> scheduler    ready [ReadyUpdate, ...]; done [pushed];
+                         lost [DropUpdate, ...] (members a failure took from its aggregates)
   scheduler -> worker    send [(sent at, [SendUpdate, ...])]; drop [DropUpdate, ...];
                          release [ids] (no replica copy will be asked);
                          aggregate [SumUpdates, ...]; promote [(server, new rank, None)]
@@ -15,7 +15,8 @@ Kinds (body in brackets; job times are the scheduler's):
                          iteration [version] (sync: all of it planned); replica-gone [];
                          distribute [(tag, direct sends, relays, ranks whose downlink
                          paces the server's send to them)] (a pull batch's plan)
-  server -> scheduler    applied [ids]; pulls [(tag, bytes, [(worker, key), ...])]; lost [...]
+  server -> scheduler    applied [ids]; pulls [(tag, bytes, [(worker, key), ...])];
+                         lost [DropUpdate, ...]
   server <-> replica     server-count [(version, count it waits for)]; replicated [count]
   replica <-> scheduler  promote [(server, rank, SSP counts)]; promoted [(server, applied ids)]
   worker -> server       get [(request id, worker clock)]

@@ -1,12 +1,15 @@
-"""The plan's control messages as typed records: what the scheduler tells each daemon about one
-batch (lowering.py makes them from a mlfabric.sched.Plan), each a frozen dataclass with a
-readable one-line form that parses back (str(m) and parse(text)), so a log line or an error
-names a message exactly as it was sent.
+"""The parameter-server runtime's update-level control messages as typed records: what a worker
+reports ready, and what the scheduler tells each daemon about one batch (lowering.py makes those
+from a mlfabric.sched.Plan). Each is a frozen dataclass with a readable one-line form that
+parses back (str(m) and parse(text)), so a log line or an error names a message exactly as it
+was sent.
 
+  ReadyUpdate   scheduler: a worker's update is ready to be planned (what push() reports)
   SendUpdate    worker: send update `id` to rank `hop`, bound for `dst`, from `not_before`
   SumUpdates    aggregator (a worker): sum `members` as they arrive, send the sum on
   ExpectCommit  server / replica: the next commit, in order, and what it waits for
-  DropUpdate    worker / server: update `id` is dropped, for `reason`
+  DropUpdate    worker / server: update `id` is dropped, for `reason` (scheduler, as 'lost':
+                a daemon found that a failure took it)
 
 The readable form is `kind field=value ...`, values as Python literals, with two exceptions that
 keep it short: an update id (2**32 and above: worker rank << 32 | its count) is written u<rank>.<n>,
@@ -61,6 +64,20 @@ def _value(text):
     """The value a _literal() wrote."""
     text = _ID.sub(lambda m: str(int(m.group(1)) << 32 | int(m.group(2))), text)
     return ast.literal_eval(_INF.sub("1e999", text))
+
+
+@dataclass(frozen=True, slots=True, repr=False)
+class ReadyUpdate(Message):
+    """A worker's update `id` for `server` (a logical server id; ('ar', call, root) for an
+    allreduce contribution) is ready: `size` bytes, computed from model `version`, with L2 norm
+    `norm` (inf: unknown), reported at the worker's job time `sent`."""
+    KIND = "ready"
+    id: int
+    server: object
+    size: int
+    version: int
+    norm: float
+    sent: float
 
 
 @dataclass(frozen=True, slots=True, repr=False)
@@ -120,7 +137,8 @@ class DropUpdate(Message):
     reason: str
 
 
-KINDS = {cls.KIND: cls for cls in (SendUpdate, SumUpdates, ExpectCommit, DropUpdate)}
+KINDS = {cls.KIND: cls for cls in (ReadyUpdate, SendUpdate, SumUpdates, ExpectCommit,
+                                   DropUpdate)}
 
 
 def parse(text):
@@ -128,29 +146,30 @@ def parse(text):
     kind, _, rest = text.strip().partition(" ")
     cls = KINDS.get(kind)
     if cls is None:
-        raise MlfabricError("not a plan message: %r (its kind must be one of %s)"
+        raise MlfabricError("not a control message: %r (its kind must be one of %s)"
                             % (text, ", ".join(KINDS)))
     values = {}
     for part in _FIELD.split(rest) if rest else []:
         name, eq, value = part.partition("=")
         if not eq:
-            raise MlfabricError("plan message %r: %r is not field=value" % (text, part))
+            raise MlfabricError("control message %r: %r is not field=value" % (text, part))
         try:
             values[name] = _value(value)
         except (ValueError, SyntaxError) as e:
-            raise MlfabricError("plan message %r: field %s=%s is not a literal (%s)"
+            raise MlfabricError("control message %r: field %s=%s is not a literal (%s)"
                                 % (text, name, value, e)) from None
     try:
         return cls(**values)
     except TypeError as e:
-        raise MlfabricError("plan message %r does not fit %s: %s"
+        raise MlfabricError("control message %r does not fit %s: %s"
                             % (text, cls.__name__, e)) from None
 
 
 def handle_each(where, records, handle):
     """handle(record) for each record in turn; an unexpected error (not an MlfabricError, which
     is clear already, nor the MPI library's, a peer's failure the daemon recovers from) is
-    raised again as an MlfabricError naming the record in its readable form. `where` names the rank, e.g. 'worker rank 3'."""
+    raised again as an MlfabricError naming the record in its readable form. `where` names the
+    rank, e.g. 'worker rank 3'."""
     for m in records:
         try:
             handle(m)

@@ -133,7 +133,7 @@ class SchedulerRecovery:
         return updates
 
     def lost(self, entries):
-        """A daemon found planned work a failure took: [(id, reason)]."""
-        for uid, why in entries:
-            if uid not in self.rt.ledger.dropped:
-                self._resolve((uid,), why)
+        """A daemon found planned work a failure took: [DropUpdate]."""
+        for d in entries:
+            if d.id not in self.rt.ledger.dropped:
+                self._resolve((d.id,), d.reason)

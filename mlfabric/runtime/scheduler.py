@@ -123,13 +123,15 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
         rt = self.rt
         if kind == "ready":
             now = rt.now()
-            for uid, server, nbytes, version, norm, sent in body:
-                self.ready_latency.append(now - sent)
+            for r in body:
+                self.ready_latency.append(now - r.sent)
+                server, version = r.server, r.version
                 if isinstance(server, tuple):   # a contribution to allreduce call (k, root)
-                    self._allreduce_ready(server, Update(uid, src, float(nbytes), version, now))
+                    self._allreduce_ready(server, Update(r.id, src, float(r.size), version, now))
                     continue
-                self.ready_ids.add(uid)
-                self.pending[server].append(Update(uid, src, float(nbytes), version, now, norm))
+                self.ready_ids.add(r.id)
+                self.pending[server].append(Update(r.id, src, float(r.size), version, now,
+                                                   r.norm))
                 self.pushed_at[server][src] = now
                 if self.mode == "sync":
                     self.reported_of[src] = self.reported_of.get(src, 0) + 1

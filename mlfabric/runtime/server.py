@@ -23,7 +23,7 @@ import numpy as np
 from .. import kernels
 from ..errors import MlfabricError
 from .ledger import DROP_AGGREGATOR_FAILED, DROP_STREAM_VOIDED, DROP_WORKER_FAILED
-from .messages import uid_text
+from .messages import DropUpdate, uid_text
 
 
 def _pick(entry, values, ids):
@@ -185,7 +185,7 @@ class ServerRole:
         if key[0] != "a" or "r" in key[1]:
             raise RuntimeError("server rank %d: unexpected void payload %r" % (self.rt.rank, key))
         ids = key[2]
-        self.rt.channel.send(0, "lost", [(u, DROP_STREAM_VOIDED) for u in ids])
+        self.rt.channel.send(0, "lost", [DropUpdate(u, DROP_STREAM_VOIDED) for u in ids])
         for uid in ids:
             if uid >> 32 in self.processed:
                 self.processed[uid >> 32] += 1
@@ -327,7 +327,7 @@ class ServerRole:
                 self.order.replica_count = inf
                 self.replica = None
         if gone:
-            rt.channel.send(0, "lost", gone)
+            rt.channel.send(0, "lost", [DropUpdate(u, why) for u, why in gone])
         if self.mode == "mlfabric-S":
             self._close_iteration()
         self._apply_due()

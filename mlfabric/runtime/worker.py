@@ -31,7 +31,7 @@ from .. import kernels
 from ..errors import MismatchError, MlfabricError
 from .dataplane import Stream
 from .ledger import DROP_AGGREGATOR_FAILED, DROP_WORKER_FAILED, profile
-from .messages import handle_each, uid_text
+from .messages import DropUpdate, ReadyUpdate, handle_each, uid_text
 from .relay import StreamingSum
 from .server import send_distribution
 
@@ -63,7 +63,7 @@ class WorkerRole:
         self.rt = rt
         self.server_rank = {s: s for s in rt.roles.server_ranks}
         self.outbox = {}         # id -> [server, payload, version] until its last planned send
-        self.ready = []          # (id, server, nbytes, version, norm, sent at) not yet reported
+        self.ready = []          # ReadyUpdate records not yet reported to the scheduler
         self.gets = {}           # request id -> (Future, server, clock, job time it was sent)
         self.next_get = 0
         # (update id, the aggregate's destination) -> payload that came before its Assignment (a
@@ -100,7 +100,8 @@ class WorkerRole:
                 rt.dp.send(self.server_rank[server], ("u", uid, version, server), payload)
             else:
                 self.outbox[uid] = [server, payload, version]
-                self.ready.append((uid, server, payload.nbytes, version, norm, rt.now()))
+                self.ready.append(ReadyUpdate(uid, server, payload.nbytes, version, norm,
+                                              rt.now()))
         elif kind == "get":
             _, fut, server, clock = req
             self._get(fut, server, clock)
@@ -112,8 +113,8 @@ class WorkerRole:
             else:
                 uid = (rt.rank << 32) | (1 << 31) | k  # bit 31: not a parameter-server update
                 self.outbox[uid] = [("ar", k, root), payload, k]
-                self.ready.append((uid, ("ar", k, root), payload.nbytes, k, float("inf"),
-                                   rt.now()))
+                self.ready.append(ReadyUpdate(uid, ("ar", k, root), payload.nbytes, k,
+                                              float("inf"), rt.now()))
         elif kind == "finish":
             self.flush()
             rt.channel.send(0, "done", len(rt.ledger.pushed))
@@ -257,10 +258,15 @@ class WorkerRole:
 
     def _try_aggregate(self, a):
         """Send aggregate `a` once every member is here (cut-through: once every member has at
-        least begun to arrive; the sum then streams out as they come)."""
-        stash, members = self.stash, a.slots()
-        if not all(m in stash for m in members):
-            return
+        least begun to arrive; the sum then streams out as they come). An unexpected error
+        names the plan message that asked for it."""
+        members = a.slots()
+        if all(m in self.stash for m in members):
+            handle_each("worker rank %d" % self.rt.rank, [a.record],
+                        lambda _: self._aggregate(a, members))
+
+    def _aggregate(self, a, members):
+        stash = self.stash
         parts = [stash.pop(m) for m in members]
         for m in members:
             del self.assigned[m]
@@ -379,7 +385,7 @@ class WorkerRole:
                 gone += why
             self._try_aggregate(a)
         if gone:
-            self.rt.channel.send(0, "lost", gone)
+            self.rt.channel.send(0, "lost", [DropUpdate(u, why) for u, why in gone])
         if resend:
             self._resend_gets(lambda server: True)
 
