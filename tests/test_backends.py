@@ -72,3 +72,10 @@ def test_the_choice_is_logged_at_debug_level(caplog):
     with caplog.at_level(logging.INFO, logger="mlfabric"):
         coll._choose(*_call(1 << 20, 4), "auto")
     assert not caplog.records
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n,shm", [(2, "1"), (3, "0")])
+def test_backend_choice_under_mpirun(n, shm):
+    from tests.mpi_util import run_cases
+    run_cases("backend_cases", n, timeout=300, env={"MLFABRIC_SHM": shm})

@@ -756,7 +756,7 @@ def irecv(x, source, tag=0, element=0):
 
 __all__ = ["allreduce", "allreduce_async", "reduce", "broadcast", "broadcast_async", "allgather",
            "allgather_async", "reduce_scatter", "reduce_scatter_async", "barrier", "send", "recv",
-           "isend", "irecv", "Request", "Handle"]
+           "isend", "irecv", "Request", "Handle", "chosen_backend"]
 
 
 # --- alltoall -----------------------------------------------------------------------------------
