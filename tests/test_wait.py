@@ -221,3 +221,13 @@ def test_poll_answers_without_error(clock):
 def test_describe_formats_lazily():
     assert wait.describe("plain {}") == "plain {}"
     assert wait.describe(("{} of {}", "a", 2)) == "a of 2"
+
+
+def test_nan_timeout_is_an_error_not_an_unbounded_wait():
+    with pytest.raises(ValueError, match="nan"):
+        wait.wait_until(lambda: False, "op", [1], timeout=float("nan"))
+
+
+def test_zero_timeout_gives_up_after_the_spin():
+    with pytest.raises(PeerTimeoutError, match="within 0 s"):
+        wait.wait_until(lambda: False, "op", [1], timeout=0)

@@ -45,7 +45,6 @@ WATCH_S = 2e-3
 BOUND = "MLFABRIC_TIMEOUT"  # the name of the default bound, as errors print it
 
 
-
 class _Watch(threading.local):
     check = None  # the callable set by watch() on this thread (a class default: no AttributeError)
 
@@ -103,15 +102,20 @@ class Backoff:
 
     pause() does nothing during the first SPIN_S, yields the core until YIELD_S, then sleeps
     (FIRST_NAP_S doubling up to max_sleep, never past the deadline). timeout: seconds (None:
-    MLFABRIC_TIMEOUT); since: the time.perf_counter() reading the bound counts from (a wait in
-    phases shares one bound; default now); start: the reading the phases count from (default
-    now). Attributes: timeout, deadline, now (the reading at the last pause)."""
+    MLFABRIC_TIMEOUT; 0 or less: nothing past the spin; nan: ValueError); since: the
+    time.perf_counter() reading the bound counts from (a wait in phases shares one bound;
+    default now); start: the reading the phases count from (default now). Attributes: timeout,
+    deadline, now (the reading at the last pause)."""
 
     __slots__ = ("timeout", "deadline", "now", "_spin_end", "_yield_end", "_nap", "_max_sleep")
 
     def __init__(self, timeout=None, since=None, start=None, max_sleep=MAX_SLEEP_S):
         now = time.perf_counter() if start is None else start
-        self.timeout = _config.timeout_s() if timeout is None else timeout
+        if timeout is None:
+            timeout = _config.timeout_s()
+        elif timeout != timeout:  # nan: no reading would ever pass the deadline
+            raise ValueError("a wait's timeout must be a number of seconds, got nan")
+        self.timeout = timeout
         self.deadline = (now if since is None else since) + self.timeout
         self.now = now
         self._spin_end = now + SPIN_S
