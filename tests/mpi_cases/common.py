@@ -88,7 +88,9 @@ def digest(x):
 
 
 def same_everywhere(x, what):
-    hashes = COMM.allgather(digest(x))
+    from mpi4py import MPI
+    # case modules with their own setup() run on MPI_COMM_WORLD
+    hashes = (COMM or MPI.COMM_WORLD).allgather(digest(x))
     assert len(set(hashes)) == 1, f"{what}: ranks got different bits: {hashes}"
 
 
