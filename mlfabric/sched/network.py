@@ -13,7 +13,7 @@ same arithmetic in C++; tests hold the two to identical results.
 
 One-transfer accelerator: when mlfabric._C is built, t_en, Profile.subtract and send_path run in
 C++ (csrc/sched_send.cc) directly on the Profiles' lists: the same operations in the same order,
-so the same floats and the same lists (tests/test_sched_send.py holds them bit for bit to the
+so the same floats and the same lists (tests/unit/test_sched_send.py holds them bit for bit to the
 Python below, which is what runs without the native part, or with MLFABRIC_SCHED_PYTHON=1).
 """
 import os

@@ -18,7 +18,7 @@ Cost (the view is built for every batch, ~13 links; booking and rebuilding a lin
 C++ on the same lists when mlfabric._C has them, csrc/sched_send.cc, else in the Python below): each link's view Profile is cached and rebuilt
 only when its book, its book entry at "now" or its report changed; the network handed to
 schedule() holds the cached Profiles themselves, not copies (schedule, replicate and distribute
-never modify the network they are given; tests/test_sim.py checks it), and reports are read once
+never modify the network they are given; tests/unit/test_sim.py checks it), and reports are read once
 per NIC-rate period (TrueNetwork.capacities).
 """
 from bisect import bisect_right

@@ -12,7 +12,7 @@ against trace that exists: if it would end past the generated horizon, the trace
 t_en recomputed before anything is reserved, so no reservation ever rests on an assumed rate.
 Breakpoints in the past are pruned (nothing is sent before "now"), which keeps t_en walks short.
 
-Fast paths (each gives bit-identical results; tests/test_sim.py holds them to the plain versions):
+Fast paths (each gives bit-identical results; tests/unit/test_sim.py holds them to the plain versions):
 send calls mlfabric.sched.network.send_path (t_en + NetUp, native when built) directly on the
 two links of the path; capacities(t) reads every link's capacity once per NIC-rate period for the monitor; trace
 extension finds the new breakpoints with numpy.

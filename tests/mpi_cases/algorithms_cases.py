@@ -1,4 +1,4 @@
-"""Multi-rank cases for mlfabric.comm.algorithms (run by tests/test_algorithms.py under mpirun).
+"""Multi-rank cases for mlfabric.comm.algorithms (run by tests/mpi/test_algorithms.py under mpirun).
 
 Every case runs on every rank of COMM_WORLD. Each rank rebuilds every rank's input from a seed and
 the rank number, so it computes the float64 reference locally; inputs are small integers, halves or

@@ -2,7 +2,7 @@
 names what a call takes (the engine on one host, else an MPI algorithm by size, or the one
 named), allreduce gives the same result on every backend, and an unknown algorithm= on one rank
 is that rank's UnknownBackendError and a MismatchError naming it everywhere else. Run with
-MLFABRIC_SHM=1 and =0 by tests/test_backends.py."""
+MLFABRIC_SHM=1 and =0 by tests/mpi/test_backends.py."""
 import numpy as np
 import pytest
 

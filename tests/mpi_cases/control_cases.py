@@ -1,5 +1,5 @@
 """Multi-rank cases for the control channel (mlfabric.runtime.control); run by
-tests/test_control.py under mpirun. Each case makes its own channel on a fresh Dup of COMM_WORLD.
+tests/mpi/test_control.py under mpirun. Each case makes its own channel on a fresh Dup of COMM_WORLD.
 
 What is pinned down: messages carry their number on their (sender, receiver) pair, a gap is a
 clear error, and close() takes every message still on the way so that none is left when the

@@ -1,4 +1,4 @@
-"""Multi-rank cases for GPU arrays over NCCL (run by tests/test_gpu.py on a machine with a GPU;
+"""Multi-rank cases for GPU arrays over NCCL (run by tests/mpi/test_gpu.py on a machine with a GPU;
 several ranks on one GPU with MLFABRIC_NCCL_SHARE_GPU=1). Every result against a float64
 reference computed locally; the core collectives, mlfabric.torch, DistributedOptimizer, CuPy,
 stream ordering, errors on every rank, and the bounded wait (last: it breaks the context)."""

@@ -1,4 +1,4 @@
-"""Parameter-server jobs under real mpirun (run by tests/test_ps.py): every mode's numerics
+"""Parameter-server jobs under real mpirun (run by tests/mpi/test_ps.py): every mode's numerics
 against float64 references, delay bounds, accounting, replicas, bad input. Each case is a whole
 job (init, register, train, finish) on every rank."""
 

@@ -1,4 +1,4 @@
-"""Multi-rank cases run with a small /dev/shm (tests/test_small_shm.py mounts a 64 MiB tmpfs there,
+"""Multi-rank cases run with a small /dev/shm (tests/mpi/test_small_shm.py mounts a 64 MiB tmpfs there,
 Docker's default): a shared allocation that does not fit is an error on every rank naming /dev/shm
 and how to enlarge it, the job goes on afterwards, owners that can do without shared memory fall
 back to private memory, and nothing waits unboundedly.

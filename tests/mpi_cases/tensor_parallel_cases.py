@@ -1,5 +1,5 @@
 """Multi-rank cases for mlfabric/pipeline/tensor_parallel.py (Megatron tensor parallelism and the
-§4.4.1 scatter/gather), run by tests/test_tensor_parallel.py under real mpirun.
+§4.4.1 scatter/gather), run by tests/mpi/test_tensor_parallel.py under real mpirun.
 
 Tensor-parallel layers run on groups of t = world size (2 or 3 ranks) or, on 4 ranks, on two
 groups of 2 side by side. Every rank builds the same float64 serial layer from a fixed seed, so
