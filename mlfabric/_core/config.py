@@ -21,6 +21,12 @@ MLFABRIC_STORE_ADDR
                    the address where rank 0's rendezvous TCPStore (the torch.distributed
                    backend's) listens and the other ranks connect (default: 127.0.0.1 on one
                    host, else the address rank 0 reaches its peers from).
+MLFABRIC_LOG_LEVEL debug, info, warning (default) or error: the level of the `mlfabric` logger
+                   (see _core/log.py). MLFABRIC_DEBUG=1, its older on/off form, means debug for
+                   the parameter-server runtime (`mlfabric.runtime`).
+
+KNOWN holds every MLFABRIC_* name mlfabric or its build reads, so that init() can warn about a
+misspelled one (_core/log.py).
 """
 import math
 import os
@@ -53,10 +59,13 @@ def shaping_settings(nranks):
             out.append((name, read(nranks)))
         except MlfabricError as exc:
             out.append((name, f"error: {exc}"))
-    try:  # not compared (it does not shape the protocol), but a bad one is an error
-        check_isa()
-    except MlfabricError as exc:
-        out.append(("MLFABRIC_ISA", f"error: {exc}"))
+    # not compared (they do not shape the protocol), but a bad one is an error
+    for name, check in (("MLFABRIC_ISA", check_isa), ("MLFABRIC_LOG_LEVEL", log_level),
+                        ("MLFABRIC_DEBUG", debug_enabled)):
+        try:
+            check()
+        except MlfabricError as exc:
+            out.append((name, f"error: {exc}"))
     return tuple(out)
 
 
@@ -87,12 +96,25 @@ def fusion_threshold():
 
 
 def debug_enabled():
-    """MLFABRIC_DEBUG=1: the parameter-server runtime prints every control message and failure
-    (runtime/daemon.py)."""
+    """MLFABRIC_DEBUG=1, the older form of MLFABRIC_LOG_LEVEL=debug for the parameter-server
+    runtime (logger mlfabric.runtime: every control message and failure; runtime/daemon.py),
+    kept for one release."""
     raw = os.environ.get("MLFABRIC_DEBUG", "0").strip() or "0"
     if raw not in ("0", "1"):
         raise MlfabricError(f"MLFABRIC_DEBUG must be 0 or 1, got {raw!r}")
     return raw == "1"
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def log_level():
+    """MLFABRIC_LOG_LEVEL as a logging level name (upper case: "WARNING" when unset)."""
+    raw = os.environ.get("MLFABRIC_LOG_LEVEL", "").strip().lower() or "warning"
+    if raw not in LOG_LEVELS:
+        raise MlfabricError(f"MLFABRIC_LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}, "
+                            f"got {os.environ['MLFABRIC_LOG_LEVEL']!r}")
+    return raw.upper()
 
 
 ISAS = ("auto", "scalar", "avx2", "avx512")
@@ -157,3 +179,18 @@ def nccl_share_gpu():
     if raw not in ("0", "1"):
         raise MlfabricError(f"MLFABRIC_NCCL_SHARE_GPU must be 0 or 1, got {raw!r}")
     return raw == "1"
+
+
+# Every MLFABRIC_* name read anywhere: the settings above, the build's (setup.py), the launch's
+# and the tools'. An MLFABRIC_* variable outside this set is most likely a misspelling of one
+# (init() warns, naming the closest); MLFABRIC_TEST_* belong to the test suite.
+KNOWN = frozenset((
+    "MLFABRIC_TIMEOUT", "MLFABRIC_SHM", "MLFABRIC_SHM_BLOCK", "MLFABRIC_SHM_SLOTS",
+    "MLFABRIC_CMA_MIN", "MLFABRIC_CMA_MAX", "MLFABRIC_NCCL_LIB", "MLFABRIC_NCCL_SHARE_GPU",
+    "MLFABRIC_TORCH_META", "MLFABRIC_STORE_ADDR", "MLFABRIC_FUSION_THRESHOLD",
+    "MLFABRIC_DEBUG", "MLFABRIC_LOG_LEVEL", "MLFABRIC_ISA", "MLFABRIC_ELASTIC_REPLACE",
+    "MLFABRIC_REPLACEMENT", "MLFABRIC_TIMELINE", "MLFABRIC_SCHED_PYTHON",
+    "MLFABRIC_BENCH_MASTER_ADDR",
+    # build time (setup.py)
+    "MLFABRIC_CUDA", "MLFABRIC_BUILD_JOBS", "MLFABRIC_CUDA_ARCHS"))
+UNCHECKED_PREFIXES = ("MLFABRIC_TEST_",)

@@ -24,7 +24,8 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import _C
-from .._core import buffers as _buffers, device as _device, dtypes as _dtypes
+from .._core import buffers as _buffers, config as _config, device as _device, dtypes as _dtypes
+from .._core import log as _mflog
 from . import algorithms, context, gpu_collectives, header, p2p
 from .call import (alltoall_splits as _alltoall_splits, check_root as _check_root,
                    exchange_headers as _exchange_headers, exchange_splits as _exchange_splits,
@@ -95,7 +96,35 @@ class Backend(NamedTuple):
     refusal: Callable[..., Exception]
 
 
+# --- the path log (MLFABRIC_LOG_LEVEL=info): each kind of call's backend and path, once per size
+# class. Each call pays one read of _mflog.paths (set at init) when logging is off; the direct
+# path pays nothing (it logs when it prepares a plan, once per shape).
+
+def _shm_path(ctx, what, nbytes, zero_copy):
+    """The shared-memory engine's path for a call, as the engine picks it: zero-copy when the
+    buffers are shared ones (shared_empty; every rank's must be), single-copy (CMA,
+    process_vm_readv) for allreduce calls of more than one step within MLFABRIC_CMA_MIN/MAX
+    where the kernel allows it, else staged through the engine's segment."""
+    if zero_copy:
+        return "zero-copy shared buffer"
+    if what == "allreduce" and nbytes > ctx.shm.block and ctx.shm.engine.cma_enabled:
+        lo, hi = _config.cma_range(ctx.shm.size)
+        if lo < nbytes <= hi:
+            return "single-copy CMA"
+    return "staged"
+
+
+def _log_path(ctx, what, backend, xb, zero_copy=False):
+    """Log the backend (and, for shm, the path) of a call when it is the first of its kind,
+    backend, size class and dtype in this process; callers check _mflog.paths first."""
+    nbytes = xb.count * _dtypes.ITEMSIZE[xb.code]
+    path = _shm_path(ctx, what, nbytes, zero_copy) if backend == "shm" else None
+    _mflog.path_chosen(what, backend, nbytes, _dtypes.DTYPE_NAMES[xb.code], ctx.size, path)
+
+
 def _nccl_run(ctx, xb, gpu, opc, avg, out, name):
+    if _mflog.paths:
+        _log_path(ctx, "allreduce", name, xb)
     return gpu_collectives.allreduce_plan(ctx, gpu, opc, avg)
 
 
@@ -106,6 +135,8 @@ def _shm_run(ctx, xb, gpu, opc, avg, out, name):
     zc_in, peer_in = ctx.shm.zero_copy_info(xb)
     zc_out, peer_out = ctx.shm.zero_copy_info(ob)
     hdr = header.make(what, xb.code, opc, avg, 0, xb.shape, name, zc_in, zc_out)
+    if _mflog.paths:
+        _log_path(ctx, what, name, xb, zc_in[0] >= 0 and zc_out[0] >= 0)
 
     def body(hdr):
         ctx.shm.run(what, what, hdr, xb.code, opc, scale, 0, xb, ob, xb.count,
@@ -120,6 +151,8 @@ def _mpi_run(ctx, xb, gpu, opc, avg, out, name):
     res, ob = _output(xb, out, what)
     scale = 1.0 / ctx.size if avg else 1.0
     hdr = header.make(what, xb.code, opc, avg, 0, xb.shape, name)
+    if _mflog.paths:
+        _log_path(ctx, what, name, xb)
 
     def body(hdr):
         _exchange_headers(ctx, what, hdr)
@@ -251,6 +284,9 @@ def _plain_plan(ctx, kind, x, op=None):
         except Exception:  # the general path raises it, on every rank
             return None
         hdr = header.make(kind, code, opc, avg, 0, x.shape, "shm")
+        if _mflog.paths:  # once per shape: the direct path's calls pay nothing
+            _mflog.path_chosen(kind, "shm", x.nbytes, _dtypes.DTYPE_NAMES[code], ctx.size,
+                               _shm_path(ctx, kind, x.nbytes, False))
         plan = ctx.plain_plans[key] = ctx.shm.plan(kind, code, opc,
                                                    1.0 / ctx.size if avg else 1.0, hdr)
     return plan
@@ -347,6 +383,8 @@ def reduce(x, root=0, op="sum", out=None):
         scale = 1.0 / ctx.size if avg else 1.0
         hdr = header.make(what, xb.code, opc, avg, r, xb.shape,
                           "shm" if ctx.shm is not None else "tree")
+        if _mflog.paths:
+            _log_path(ctx, what, "shm" if ctx.shm is not None else "tree", xb)
         if ctx.shm is not None:
             def body(hdr):
                 ctx.shm.run(what, what, hdr, xb.code, opc, scale, r, xb, ob, xb.count)
@@ -382,6 +420,8 @@ def _broadcast(x, root, async_, element=0):
         if ctx.shm is not None:
             zc, peers = ctx.shm.zero_copy_info(xb)
             hdr = header.make(what, xb.code, 0, False, r, xb.shape, "shm", zc, element=element)
+            if _mflog.paths:
+                _log_path(ctx, what, "shm", xb, zc[0] >= 0)
 
             def body(hdr):
                 ctx.shm.run(what, what, hdr, xb.code, root=r, out=xb, count=xb.count,
@@ -389,6 +429,8 @@ def _broadcast(x, root, async_, element=0):
                 return _finish(x, xb)
         else:
             hdr = header.make(what, xb.code, 0, False, r, xb.shape, "tree", element=element)
+            if _mflog.paths:
+                _log_path(ctx, what, "tree", xb)
 
             def body(hdr):
                 _exchange_headers(ctx, what, hdr)
@@ -424,6 +466,8 @@ def _allgather(x, out, async_, element=0):
         if ctx.shm is not None:
             zc, peers = ctx.shm.zero_copy_info(xb)
             hdr = header.make(what, xb.code, 0, False, 0, xb.shape, "shm", zc, element=element)
+            if _mflog.paths:
+                _log_path(ctx, what, "shm", xb, zc[0] >= 0)
 
             def body(hdr):
                 ctx.shm.run(what, what, hdr, xb.code, inp=xb, out=ob, count=xb.count,
@@ -431,6 +475,8 @@ def _allgather(x, out, async_, element=0):
                 return _finish(res, ob)
         else:
             hdr = header.make(what, xb.code, 0, False, 0, xb.shape, "ring", element=element)
+            if _mflog.paths:
+                _log_path(ctx, what, "ring", xb)
 
             def body(hdr):
                 _exchange_headers(ctx, what, hdr)
@@ -482,6 +528,8 @@ def _reduce_scatter(x, op, out, async_):
         if ctx.shm is not None:
             zc, peers = ctx.shm.zero_copy_info(xb)
             hdr = header.make(what, xb.code, opc, avg, 0, xb.shape, "shm", zc)
+            if _mflog.paths:
+                _log_path(ctx, what, "shm", xb, zc[0] >= 0)
 
             def body(hdr):
                 ctx.shm.run(what, what, hdr, xb.code, opc, scale, 0, xb, ob, xb.count,
@@ -489,6 +537,8 @@ def _reduce_scatter(x, op, out, async_):
                 return _finish(res, ob)
         else:
             hdr = header.make(what, xb.code, opc, avg, 0, xb.shape, "ring")
+            if _mflog.paths:
+                _log_path(ctx, what, "ring", xb)
 
             work = np.array(xb.arr)  # the ring uses its buffer as scratch (allocated before
             # the header exchange, as reduce's)
@@ -780,6 +830,8 @@ def _alltoall(x, splits, async_):
         if not xb.shape:
             raise ValueError("alltoall needs an array with at least one dimension")
         send_rows = _alltoall_splits(splits, xb.shape[0], ctx.size)
+        if _mflog.paths:
+            _log_path(ctx, what, "mpi", xb)
 
         def body(hdr):
             try:

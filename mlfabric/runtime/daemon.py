@@ -7,20 +7,23 @@ kernels) release it, so the training thread computes while transfers proceed. Wh
 here, the error is kept, every waiting call in the training thread gets it, and the other ranks are
 told (control message 'error') so they stop with the same message instead of waiting on us.
 """
-import sys
+import logging
 import threading
 import time
 import traceback
 
 from mpi4py import MPI
 
-from .._core import config as _config, exit_guard
+from .._core import config as _config, exit_guard, log as _mflog
 from ..errors import MlfabricError, PeerTimeoutError
 from .control import FAILURE_CLASSES
 from .monitor import Reporter
 
-# MLFABRIC_DEBUG=1: every control message and failure, one line each on stderr
-DEBUG = _config.debug_enabled()
+# At debug (MLFABRIC_LOG_LEVEL=debug, or MLFABRIC_DEBUG=1 for the runtime alone): every control
+# message and failure, one line each (logger mlfabric.runtime, see _core/log.py). A bad
+# MLFABRIC_DEBUG is an error as soon as the runtime is imported.
+_config.debug_enabled()
+_log = logging.getLogger("mlfabric.runtime")
 # Longest sleep while nothing is timed: a control message waits at most this. A role may ask for
 # less while it expects an answer (poll_s()): the scheduler always (it is the control plane's
 # hub, and it has a machine of its own in the paper), a worker while its updates wait for a plan.
@@ -31,6 +34,8 @@ class Daemon(threading.Thread):
     def __init__(self, rt, role):
         super().__init__(name="mlfabric-daemon-%d" % rt.rank, daemon=True)
         self.rt, self.role = rt, role
+        _mflog.configure(rt.rank)  # mlfabric.ps runs without mlfabric.init()
+        self.debug = _log.isEnabledFor(logging.DEBUG)  # read once: the loop checks it per message
         self.stop = False
         self.reporter = Reporter(rt.nic, rt.config.t_lag)
         # liveness of this loop (api._end reads it): the end of the last whole pass, so a loop
@@ -56,7 +61,7 @@ class Daemon(threading.Thread):
             except MPI.Exception as e:
                 if e.Get_error_class() not in FAILURE_CLASSES:
                     raise
-                if DEBUG:
+                if self.debug:
                     _debug(self.rt, "MPI error %d at %s" % (e.Get_error_class(), "".join(
                         traceback.format_tb(e.__traceback__)[-2:]).replace("\n", " | ")))
                 self._peers_failed()
@@ -88,7 +93,7 @@ class Daemon(threading.Thread):
             return
         rt.failed.update(new)
         exit_guard.peer_failed()  # Open MPI's finalize may now wait on the dead forever
-        if DEBUG:
+        if self.debug:
             _debug(rt, "ranks %s failed" % new)
         lost = []
         for r in new:
@@ -155,7 +160,7 @@ class Daemon(threading.Thread):
 
     def _control(self, src, kind, body):
         rt = self.rt
-        if DEBUG:
+        if self.debug:
             _debug(rt, "from %d: %s %s" % (src, kind, _short(body)))
         if kind == "stop":
             rt.ledger.bytes_out, rt.ledger.bytes_in = rt.nic.bytes_out, rt.nic.bytes_in
@@ -224,7 +229,7 @@ def _where(e):
 
 
 def _debug(rt, text):
-    sys.stderr.write("[mlfabric %.3f r%d %s] %s\n" % (rt.now(), rt.rank, rt.role, text))
+    _log.debug("%.3f %s %s", rt.now(), rt.role, text)
 
 
 def _short(body):

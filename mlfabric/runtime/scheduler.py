@@ -12,6 +12,7 @@ Servers are named by their logical id (the rank they started on); `rank_of` maps
 to the rank that serves it now (its replica's, after a failover). Times are job time (seconds since
 the job's t0, on the scheduler's clock; daemons convert).
 """
+import logging
 import time
 from bisect import bisect_right
 from collections import Counter
@@ -31,6 +32,8 @@ from .messages import DropUpdate
 from .monitor import UNPACED, ReportedCapacities
 from .pulls import SchedulerPulls
 from .recovery import SchedulerRecovery
+
+_log = logging.getLogger("mlfabric.runtime")
 
 PEER_WINDOW = 3   # batches: a worker that reported an update within them still pushes (slow drop)
 
@@ -413,6 +416,11 @@ class SchedulerRole(SchedulerRecovery, SchedulerPulls):
             self.view.book(hosts[tr.src], hosts[tr.dst], tr.segments)
         self._send_parts(server, plan, hosts, by_id, state is None)
         self.plan_time.append(time.perf_counter() - t_start)
+        if _log.isEnabledFor(logging.DEBUG):  # one line per batch, at most every batch_interval
+            _log.debug("plan %d for server %d: %d of %d updates ordered, %d commits, %d "
+                       "transfers, %.2f ms%s", self.batches, server, len(plan.order),
+                       len(updates), len(plan.commits), len(list(plan.transfers())),
+                       1e3 * self.plan_time[-1], " (replica catch-up)" if catch_up else "")
 
     def _pushing_peers(self, server, t):
         """The live workers that reported an update for `server` within the last PEER_WINDOW
