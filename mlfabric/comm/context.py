@@ -17,6 +17,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .._core import config as _config, exit_guard
+from .._core import log as _log
 from . import respawn
 from .abort import AbortChannel
 from .executor import Executor
@@ -277,6 +278,7 @@ def init(comm=None):
             raise MlfabricError("mlfabric is already initialised on another communicator; "
                                 "call finalize() first")
         _ctx = Context(comm)
+        _log.init(_ctx.rank)  # the mlfabric logger, and a warning for misspelled MLFABRIC_*
 
 
 def finalize():
