@@ -27,6 +27,7 @@ LAYERS = [
     ("pipeline",),
     ("torch",),
     ("bench",),
+    ("info",),
 ]
 LEVEL = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 
