@@ -12,9 +12,13 @@ Public API (this __all__ is the contract; everything else is private):
 import os as _os
 
 # Open MPI's UCX one-sided component prints an error when it declines to run on a host without
-# UCX devices; mlfabric's shared windows use the shared-memory component anyway. Only a default:
-# it has no effect if MPI is already initialised or the user chose osc components.
-_os.environ.setdefault("OMPI_MCA_osc", "^ucx")
+# UCX devices; mlfabric's shared windows use the shared-memory component anyway. Only a default,
+# and only where no UCX device exists (there, the user's own one-sided MPI keeps UCX): it has no
+# effect if MPI is already initialised or the user chose osc components.
+from .comm.launch import ucx_device_present as _ucx_device_present  # noqa: E402
+
+if not _ucx_device_present():
+    _os.environ.setdefault("OMPI_MCA_osc", "^ucx")
 
 import importlib as _importlib  # noqa: E402
 

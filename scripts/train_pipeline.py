@@ -23,6 +23,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# mlfabric before mpi4py: importing it sets its Open MPI defaults (osc ^ucx where no UCX device
+# exists, so no UCX one-sided errors are printed), which must be in place before MPI starts.
+import mlfabric  # noqa: E402,F401
+
 SCHEDULES = ("gpipe", "flush", "1f1b", "2bw", "interleaved")
 
 

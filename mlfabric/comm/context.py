@@ -18,7 +18,7 @@ from mpi4py import MPI
 
 from .._core import config as _config, exit_guard
 from .._core import log as _log
-from . import respawn
+from . import launch, respawn
 from .abort import AbortChannel
 from .executor import Executor
 from ..errors import ConcurrentCallError, MlfabricError, NotInitializedError, PeerTimeoutError
@@ -260,14 +260,20 @@ def _check_same_settings(comm):
                                 "the same value")
 
 
-def init(comm=None):
+def init(comm=None, *, _torch_env=True):
     """Initialise mlfabric on `comm` (default MPI.COMM_WORLD; in a process spawned to replace a
     dead rank, the survivors' communicator: see respawn.py). Collective over comm.
+
+    A process started by a launcher MPI does not see (torchrun, srun without PMI wiring) is
+    refused with an error saying how to launch (launch.py). On MPI.COMM_WORLD under mpirun,
+    torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT) are set where unset (_torch_env=False: not; the torch backend's own init).
 
     Calling init() again with the same communicator is a no-op; with another one it is an error
     (finalize() first)."""
     global _ctx
     with _lock:
+        launch.check_launch(MPI.COMM_WORLD.size, spawned=MPI.Comm.Get_parent() != MPI.COMM_NULL)
         if comm is None:  # a replacement for a dead rank joins the survivors (respawn.py)
             comm = respawn.join() or MPI.COMM_WORLD
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
@@ -279,6 +285,8 @@ def init(comm=None):
                                 "call finalize() first")
         _ctx = Context(comm)
         _log.init(_ctx.rank)  # the mlfabric logger, and a warning for misspelled MLFABRIC_*
+        if _torch_env and MPI.Comm.Compare(comm, MPI.COMM_WORLD) in (MPI.IDENT, MPI.CONGRUENT):
+            launch.export_torch_env(_ctx)
 
 
 def finalize():

@@ -17,6 +17,7 @@ Horovod runs on mlfabric:
     hvd.ProcessSet, hvd.global_process_set, hvd.add_process_set, hvd.remove_process_set
     (process_set= on every collective and DistributedOptimizer),
     hvd.elastic.run / hvd.elastic.TorchState (elastic.py: training goes on when ranks die)
+    hvd.HorovodInternalError / hvd.HostsUpdatedInterrupt (Horovod's elastic exceptions)
 
 Parameter-server training (ps_optimizer.py): ps_init(mode, ...), serve_model(model) on the
 scheduler/server/replica ranks, PSOptimizer(optimizer, params, tau_max=...) on the workers.
@@ -61,6 +62,7 @@ from .sparse import sparse_allreduce_async
 from .sync_batch_norm import SyncBatchNorm
 from . import backend as _backend  # noqa: F401  (registers the "mlfabric" process-group backend)
 from . import elastic  # noqa: F401  (hvd.elastic.run, hvd.elastic.TorchState)
+from .elastic import HorovodInternalError, HostsUpdatedInterrupt
 from . import dispatch as _dispatch
 from . import timeline as _timeline
 
@@ -70,7 +72,10 @@ def init(comm=None, process_sets=None):
     MPI.COMM_WORLD (every listed rank calls init with the same list). Collective. Calling it
     again with the same communicator does nothing. process_sets: a list of ProcessSet (or of
     rank lists) to register now, or "dynamic" (accepted for Horovod's sake: sets may always be
-    added later with add_process_set)."""
+    added later with add_process_set). As mlfabric.init(): a process started by a launcher MPI
+    does not connect (torchrun, srun without PMI) is refused with an error saying how to launch;
+    under mpirun, torchrun's RANK / LOCAL_RANK / WORLD_SIZE / LOCAL_WORLD_SIZE / MASTER_ADDR /
+    MASTER_PORT are set where unset."""
     if isinstance(comm, (list, tuple)):
         world = _MPI.COMM_WORLD
         ranks = [int(r) for r in comm]
@@ -204,5 +209,6 @@ __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "
            "allgather_object", "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built",
            "gloo_enabled", "nccl_built", "cuda_built", "rocm_built", "ddl_built", "ccl_built",
            "MlfabricError", "MismatchError", "NotInitializedError", "PeerTimeoutError",
+           "HorovodInternalError", "HostsUpdatedInterrupt",
            "PSOptimizer", "ps_init", "serve_model", "ProcessSet", "global_process_set",
            "add_process_set", "remove_process_set"]

@@ -11,7 +11,9 @@ or op that differs between ranks into an error on every rank.
 
 Ranks and world size come from MPI (mlfabric.init() on MPI.COMM_WORLD if not yet initialised).
 Rendezvous: init_method="mlfabric://" asks MPI, and so does the default init_method ("env://")
-when none of MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE is set (torch would raise there). Either
+of init_process_group("mlfabric") (or of a backend string naming it, "cpu:mlfabric,...") when
+none of MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE is set (torch would raise there) or they hold
+only what mlfabric.init() exported under mpirun; every other backend's env:// is torch's own. Either
 way every rank gets a real TCPStore (rank 0 serves it on a free port, MPI tells the others where),
 so torch code that needs a store (gloo groups beside this one, TORCH_DIST_INIT_BARRIER=1) works.
 The store authenticates nothing; it listens on 127.0.0.1 when the job runs on one host, else on
@@ -63,11 +65,11 @@ import concurrent.futures
 import contextlib
 import functools
 import importlib
-import ipaddress
 import math
 import operator
 import os
 import socket
+import sys
 import threading
 import time
 import warnings
@@ -86,6 +88,7 @@ import mlfabric as mf
 from mlfabric._core import buffers as _buffers, config as _config
 from mlfabric.comm import context as _context
 from mlfabric.comm import header as _header
+from mlfabric.comm import launch as _launching
 from mlfabric.comm import nccl as _nccl
 from mlfabric.comm import wait as _wait
 from mlfabric.errors import MismatchError, MlfabricError
@@ -1065,8 +1068,8 @@ class MlfabricProcessGroup(dist.ProcessGroup):
 # --- creation, rendezvous, registration -----------------------------------------------------------
 
 def _ensure_mlfabric():
-    if not mf.initialized():
-        mf.init()
+    if not mf.initialized():  # torch.distributed's ranks are the user's; no RANK etc. exported
+        _context.init(_torch_env=False)
     return mf.rank(), mf.size()
 
 
@@ -1119,46 +1122,9 @@ def _group_context(ranks):
     return ctx
 
 
-# Where rank 0's rendezvous store listens and the others connect when the job spans hosts (one
-# host: the loopback). Unset, rank 0 takes the address it routes from towards its peers.
-_STORE_ADDR_VAR = "MLFABRIC_STORE_ADDR"
-
-
-def _route_from(address):
-    """This host's address on the interface it would reach `address` through (a UDP socket's
-    connect sends nothing); None when it cannot tell (no route, a name that does not resolve)."""
-    try:
-        family, _, _, _, sockaddr = socket.getaddrinfo(address, 9, type=socket.SOCK_DGRAM)[0]
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect(sockaddr)
-            return probe.getsockname()[0]
-    except OSError:
-        return None
-
-
-def _store_address(comm, rank, single_host):
-    """(the address rank 0's store listens on, the address the other ranks connect to); the
-    first is None when no one address reaches every peer (the store then listens on all of
-    rank 0's interfaces, as torch's TCPStore does by itself)."""
-    given = os.environ.get(_STORE_ADDR_VAR, "").strip()
-    if given:
-        return given, given
-    if single_host:
-        return "127.0.0.1", "127.0.0.1"
-    hosts = comm.allgather(socket.gethostname())
-    # each rank away from rank 0's host: its own address towards rank 0 ("" on rank 0's host);
-    # rank 0: its own address towards each of those, which must be one and the same
-    mine = _route_from(hosts[0]) if hosts[rank] != hosts[0] else ""
-    peers = comm.gather(mine, root=0)
-    listen = None
-    if rank == 0:
-        remote = [p for p in peers if p != ""]
-        routes = {_route_from(p) for p in remote} if None not in remote else {None}
-        listen = routes.pop() if len(routes) == 1 else None
-        if listen and ipaddress.ip_address(listen.split("%")[0]).is_loopback:
-            listen = None
-    listen = comm.bcast(listen, root=0)
-    return listen, listen or hosts[0]
+_STORE_ADDR_VAR = _launching.STORE_ADDR_VAR
+_store_address = _launching.store_address
+_route_from = _launching.route_from
 
 
 def _listening_socket(address):
@@ -1221,11 +1187,26 @@ def _mpi_rendezvous(url, timeout=dist.default_pg_timeout, **kwargs):
     raise RuntimeError("mlfabric:// rendezvous cannot run twice: MPI fixes the ranks of a job")
 
 
+def _backend_asked():
+    """The backend of the init_process_group call under way on this thread (torch passes the
+    rendezvous handler no backend), or None outside one."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "init_process_group" and "distributed_c10d" in code.co_filename:
+            return frame.f_locals.get("backend")
+        frame = frame.f_back
+    return None
+
+
 def _env_or_mpi(env_handler):
     def handler(url, **kwargs):
-        # Only where env:// would fail for want of every one of its variables: under mpirun,
-        # init_process_group(backend) then works with nothing set.
-        if not any(os.environ.get(v) for v in _ENV_VARS):
+        # For the mlfabric backend only (gloo and NCCL keep torch's env:// as it is), and only
+        # where env:// would fail for want of every one of its variables (or holds just those
+        # mlfabric.init() exported under mpirun): init_process_group("mlfabric") then works
+        # under mpirun with nothing set, its store served as _shared_store says.
+        if (BACKEND in str(_backend_asked() or "").lower()
+                and _launching.torch_env_is_ours(_ENV_VARS)):
             return _mpi_rendezvous(url, **kwargs)
         return env_handler(url, **kwargs)
     handler._mlfabric_fallback = True

@@ -51,6 +51,23 @@ from ..errors import MismatchError, MlfabricError, PeerTimeoutError
 
 _FAILED = {MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED}
 
+# Horovod's names, for elastic code written against horovod.common.exceptions:
+# HorovodInternalError is what a collective raises when a peer failed; mlfabric's own such error
+# is PeerTimeoutError (a dead or stuck peer; is_failure below also counts MPI's process-failed
+# errors, which ULFM raises as mpi4py's MPI.Exception). An alias, so `except
+# hvd.HorovodInternalError` catches it and the name needs no translating.
+HorovodInternalError = PeerTimeoutError
+
+
+class HostsUpdatedInterrupt(MlfabricError):
+    """Horovod's interrupt for hosts added or removed while training. mlfabric discovers no
+    hosts, so it never raises this; it exists so that Horovod elastic code that names it
+    imports and runs. skip_sync: Horovod's flag (whether the reset may skip state.sync())."""
+
+    def __init__(self, skip_sync=False):
+        super().__init__("hosts updated")
+        self.skip_sync = skip_sync
+
 
 def is_failure(exc):
     """True when exc (or an error it was raised from) says a peer died or the communicator was
