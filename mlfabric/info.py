@@ -165,7 +165,8 @@ def probe_ulfm(mpi):
     # has MPI_ERR_PROC_FAILED of its own and the failure calls
     own = MPI.ERR_PROC_FAILED not in (MPI.ERR_UNKNOWN, MPI.ERR_OTHER, MPI.ERR_LASTCODE)
     calls = all(hasattr(MPI.Comm, n) for n in ("Ack_failed", "Get_failed", "Revoke"))
-    old_openmpi = mpi.get("vendor") == "Open MPI" and (mpi.get("version") or "9").split(".")[0] < "5"
+    major = (mpi.get("version") or "9").split(".")[0]
+    old_openmpi = mpi.get("vendor") == "Open MPI" and major.isdigit() and int(major) < 5
     available = own and calls and not old_openmpi
     return {"status": OK if available else INFO, "available": available,
             "detail": "yes (run with mpirun --with-ft ulfm to survive dead ranks)" if available
@@ -295,7 +296,8 @@ def probe_torch(mpi):
     try:
         import torch
     except ImportError:
-        return {"status": INFO, "version": None, "detail": "not installed (mlfabric.torch needs it)"}
+        return {"status": INFO, "version": None,
+                "detail": "not installed (mlfabric.torch needs it)"}
     out = {"version": torch.__version__, "cuda": torch.version.cuda}
     if not mpi.get("loaded"):
         out.update(status=INFO, c_shim=None, detail=f"{torch.__version__} (C shim not checked: "
