@@ -4,9 +4,13 @@ csrc/*.cc is always compiled (C++17, no PyTorch or MPI headers: the native core 
 shared memory comes from MPI windows opened in Python). CUDA kernels in csrc/cuda/*.cu are compiled
 with nvcc when it is found; MLFABRIC_CUDA=0 forces them off, MLFABRIC_CUDA=1 forces them on (an
 error without nvcc). cudart is linked statically so the module imports on machines without CUDA.
+The AVX2 and AVX-512 kernel builds are compiled on x86 only; other CPUs get the scalar kernels.
+The version is read from mlfabric/_version.py, its one source.
 """
 import glob
 import os
+import platform
+import re
 import shutil
 import subprocess
 
@@ -39,7 +43,8 @@ def cuda_lib_dirs(nvcc):
              "/usr/local/cuda"]
     for home in filter(None, homes):
         dirs = [d for d in (os.path.join(home, "lib64"),
-                            os.path.join(home, "targets", "x86_64-linux", "lib"))
+                            os.path.join(home, "targets", "x86_64-linux", "lib"),
+                            os.path.join(home, "targets", "sbsa-linux", "lib"))
                 if os.path.exists(os.path.join(d, "libcudart_static.a"))]
         if dirs:
             return dirs
@@ -81,9 +86,47 @@ class BuildExt(build_ext):
 # The C++ sources compile in parallel, one job per CPU (MLFABRIC_BUILD_JOBS=N to choose).
 ParallelCompile("MLFABRIC_BUILD_JOBS", default=0).install()
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def read_version():
+    """mlfabric/_version.py's __version__, read as text (importing mlfabric needs the built _C)."""
+    with open(os.path.join(HERE, "mlfabric", "_version.py")) as f:
+        found = re.search(r'^__version__ = "([^"]+)"$', f.read(), re.M)
+    if not found:
+        raise SystemExit("mlfabric/_version.py must hold a line __version__ = \"X.Y.Z\"")
+    return found.group(1)
+
+
+def is_x86():
+    """True when the build targets x86 (the machine setup.py runs on: no cross-compiling)."""
+    return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
+
+
+def cxx_sources():
+    """csrc/*.cc; on other CPUs without kernels_avx2.cc / kernels_avx512.cc, whose x86 target
+    pragmas would not compile there (kernels_dispatch.cc then offers the scalar kernels only)."""
+    sources = sorted(glob.glob("csrc/*.cc"))
+    if not is_x86():
+        sources = [s for s in sources if not os.path.basename(s).startswith("kernels_avx")]
+    return sources
+
+
+def long_description():
+    """README.md, the package's page; a copy of the tree without it (the build tests copy only
+    what compiles) builds with the one-line description."""
+    path = os.path.join(HERE, "README.md")
+    if not os.path.exists(path):
+        return DESCRIPTION
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+DESCRIPTION = "Communication library for distributed ML training on MPI"
+
 ext = Pybind11Extension(
     "mlfabric._C",
-    sorted(glob.glob("csrc/*.cc")),
+    cxx_sources(),
     include_dirs=["csrc"],
     cxx_std=17,
     extra_compile_args=["-O3", "-fno-math-errno"],
@@ -92,9 +135,39 @@ ext = Pybind11Extension(
 
 setup(
     name="mlfabric",
-    version="0.1.0",
-    description="Communication library for distributed ML training on MPI",
+    version=read_version(),
+    description=DESCRIPTION,
+    long_description=long_description(),
+    long_description_content_type="text/markdown",
+    license="MIT",
+    license_files=["LICENSE"],
+    # No public address of the repository is recorded in the tree yet: these are placeholders, to
+    # be replaced by the real ones before a release is uploaded.
+    url="https://example.invalid/mlfabric",
+    project_urls={
+        "Documentation": "https://example.invalid/mlfabric/docs",
+        "Source": "https://example.invalid/mlfabric",
+        "Changelog": "https://example.invalid/mlfabric/blob/main/CHANGES.md",
+    },
+    classifiers=[
+        "Development Status :: 3 - Alpha",
+        "Intended Audience :: Developers",
+        "Intended Audience :: Science/Research",
+        "Operating System :: POSIX :: Linux",
+        "Programming Language :: C++",
+        "Programming Language :: Python :: 3",
+        "Programming Language :: Python :: 3 :: Only",
+        "Programming Language :: Python :: 3.9",
+        "Programming Language :: Python :: 3.10",
+        "Programming Language :: Python :: 3.11",
+        "Programming Language :: Python :: 3.12",
+        "Programming Language :: Python :: Implementation :: CPython",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+        "Topic :: System :: Distributed Computing",
+        "Typing :: Typed",
+    ],
     packages=find_packages(include=["mlfabric", "mlfabric.*"]),
+    package_data={"mlfabric": ["py.typed"]},
     ext_modules=[ext],
     cmdclass={"build_ext": BuildExt},
     python_requires=">=3.9",
@@ -109,7 +182,8 @@ setup(
         # The build tests run setup.py directly, outside pip's isolated build environment;
         # hypothesis drives the scheduler's property tests.
         "test": ["pytest", "hypothesis", "scipy>=1.9", "matplotlib", "scikit-learn", "pybind11>=2.10",
-                 "setuptools>=61", "wheel"],
+                 "setuptools>=61", "wheel", "build"],
     },
-    entry_points={"console_scripts": ["mlfabric-bench=mlfabric.bench.__main__:main"]},
+    entry_points={"console_scripts": ["mlfabric-bench=mlfabric.bench.__main__:main",
+                                      "mlfabricrun=mlfabric.run:main"]},
 )

@@ -14,6 +14,9 @@ namespace {
 constexpr int kNumIsas = 3;
 const char* const kIsaNames[kNumIsas] = {"scalar", "avx2", "avx512"};
 
+// The AVX2 and AVX-512 tables are built on x86 only (setup.py leaves their files out elsewhere);
+// other CPUs have the scalar table alone, and MLFABRIC_ISA=avx2/avx512 is "not supported" there.
+#if defined(__x86_64__) || defined(__i386__)
 const KernelTable& table_of(int i) {
   switch (i) {
     case 2: return isa_avx512::table();
@@ -34,6 +37,11 @@ bool cpu_supports(int i) {
     default: return false;
   }
 }
+#else
+const KernelTable& table_of(int) { return isa_scalar::table(); }
+
+bool cpu_supports(int i) { return i == 0; }
+#endif
 
 int isa_index(const char* name) {
   for (int i = 0; name && i < kNumIsas; ++i)

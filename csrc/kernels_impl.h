@@ -3,7 +3,9 @@
 //
 // The including file first includes <cstddef>, <cstdint>, <cstring>, <immintrin.h> and
 // kernels_table.h, then sets its `#pragma GCC target`, then defines MLF_ISA_NS (namespace name),
-// MLF_ISA_NAME and MLF_ISA_LEVEL (0 baseline x86-64, 1 AVX2+FMA+F16C, 2 AVX-512F/BW). Everything
+// MLF_ISA_NAME and MLF_ISA_LEVEL (0 baseline x86-64, 1 AVX2+FMA+F16C, 2 AVX-512F/BW). Level 0 is
+// also the build for CPUs other than x86 (<immintrin.h> not included): there MLF_X86 is 0 and the
+// streaming stores are plain copies. Everything
 // here has internal linkage except table(), and nothing instantiates std:: templates: the same
 // inline code built for different targets must never be merged by the linker (an AVX-512 copy
 // chosen for the scalar path would crash older CPUs).
@@ -41,6 +43,15 @@ inline size_t min_size(size_t a, size_t b) { return a < b ? a : b; }
 
 // ---------------------------------------------------------------- non-temporal stores
 
+#if defined(__x86_64__) || defined(__i386__)
+#define MLF_X86 1
+#else
+#define MLF_X86 0
+#endif
+#if !MLF_X86 && MLF_ISA_LEVEL > 0
+#error "the AVX2 and AVX-512 kernels are built for x86 only"
+#endif
+
 // Stores one 64-byte cache line (p 64-byte aligned) bypassing the cache.
 inline void stream_line(void* p, const void* v) {
 #if MLF_ISA_LEVEL >= 2
@@ -49,10 +60,12 @@ inline void stream_line(void* p, const void* v) {
   for (int h = 0; h < 2; ++h)
     _mm256_stream_si256(static_cast<__m256i*>(p) + h,
                         _mm256_loadu_si256(static_cast<const __m256i*>(v) + h));
-#else
+#elif MLF_X86
   for (int h = 0; h < 4; ++h)
     _mm_stream_si128(static_cast<__m128i*>(p) + h,
                      _mm_loadu_si128(static_cast<const __m128i*>(v) + h));
+#else
+  memcpy(p, v, kLine);
 #endif
 }
 
@@ -67,6 +80,7 @@ inline void stream_bytes(void* dst, const void* src, size_t bytes) {
   memcpy(d, s, bytes);
 }
 
+#if MLF_X86
 inline void stream_fence() { _mm_sfence(); }
 
 // One vector to memory: streamed (p aligned to the vector) or through the cache.
@@ -76,6 +90,9 @@ inline void put_vec(void* p, __m128i v, bool nt) {
   else
     _mm_storeu_si128(static_cast<__m128i*>(p), v);
 }
+#else
+inline void stream_fence() {}  // the stores above were ordinary ones
+#endif
 #if MLF_ISA_LEVEL >= 1
 inline void put_vec(void* p, __m256i v, bool nt) {
   if (nt)
@@ -158,9 +175,12 @@ inline void move_chunk(void* d, const void* s, bool nt = false) {
 #elif MLF_ISA_LEVEL >= 1
   for (size_t b = 0; b < Bytes; b += 32)
     put_vec(dc + b, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + b)), nt);
-#else
+#elif MLF_X86
   for (size_t b = 0; b < Bytes; b += 16)
     put_vec(dc + b, _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + b)), nt);
+#else
+  (void)nt;
+  memcpy(dc, sc, Bytes);
 #endif
 }
 
@@ -257,8 +277,9 @@ inline void load(F16, const uint16_t* p, float* a) {
 #endif
 }
 inline void store(F16, uint16_t* p, const float* a, bool nt) {
+#if MLF_ISA_LEVEL >= 1
   constexpr int kRne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;  // whatever MXCSR says
-  (void)kRne;
+#endif
 #if MLF_ISA_LEVEL >= 2
   for (size_t l = 0; l < kChunk; l += 16)
     put_vec(p + l, _mm512_cvtps_ph(_mm512_loadu_ps(a + l), kRne), nt);

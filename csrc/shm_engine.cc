@@ -122,7 +122,12 @@ void ShmEngine::probe_publish() {
   extras(rank_).probe = reinterpret_cast<uintptr_t>(&kProbeWord);
 }
 
+// process_vm_readv (cross-memory attach) exists on Linux only; elsewhere the probe fails, the ranks
+// agree the single-copy path is off, and every call takes the staged path.
 bool ShmEngine::probe_peers() {
+#ifndef __linux__
+  return false;
+#else
   for (int j = 0; j < n_; ++j) {
     if (j == rank_) continue;
     uint64_t word = 0;
@@ -132,9 +137,16 @@ bool ShmEngine::probe_peers() {
       return false;
   }
   return true;
+#endif
 }
 
 void ShmEngine::read_peer(int j, void* local, uintptr_t remote, size_t bytes) {
+#ifndef __linux__
+  (void)local, (void)remote, (void)bytes;
+  std::ostringstream os;
+  os << "reading local rank " << j << "'s buffer: no single-copy path on this platform";
+  throw EngineFailure(os.str());
+#else
   char* dst = static_cast<char*>(local);
   while (bytes > 0) {
     iovec l{dst, bytes}, r{reinterpret_cast<void*>(remote), bytes};
@@ -147,6 +159,7 @@ void ShmEngine::read_peer(int j, void* local, uintptr_t remote, size_t bytes) {
     }
     dst += got, remote += static_cast<size_t>(got), bytes -= static_cast<size_t>(got);
   }
+#endif
 }
 
 void ShmEngine::sync_round(const char* what) {
