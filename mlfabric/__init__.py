@@ -22,7 +22,19 @@ if not _ucx_device_present():
 
 import importlib as _importlib  # noqa: E402
 
-from . import _C  # noqa: E402
+try:
+    from . import _C  # noqa: E402
+except ImportError as _exc:
+    # Importing the source tree before its native module is built: say so, as numpy does, rather
+    # than fail later with a confusing partial import.
+    from importlib.machinery import EXTENSION_SUFFIXES as _suffixes
+    _here = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+    _built = any(_os.path.exists(_os.path.join(_here, "mlfabric", "_C" + s)) for s in _suffixes)
+    _what = "does not load (%s)" % _exc if _built else "is not built"
+    raise ImportError(
+        f"mlfabric's native module mlfabric._C {_what}: run `pip install -e .` (or `python "
+        f"setup.py build_ext --inplace`) in {_here}, or import mlfabric from outside its source "
+        "tree") from _exc
 from ._core import exit_guard as _exit_guard  # noqa: E402,F401 (its exit handler runs last)
 from ._core import moved as _moved  # noqa: E402
 from .errors import (ConcurrentCallError, MismatchError, MlfabricError,  # noqa: E402
@@ -43,6 +55,11 @@ _LAZY.update({name: ".comm.shared" for name in ("is_shared", "shared_empty", "sh
 _moved.install()
 
 
+def __dir__():
+    # The lazily imported API is listed before its first use, as tab completion expects.
+    return sorted(set(globals()) | set(_LAZY))
+
+
 def __getattr__(name):
     module = _LAZY.get(name)
     if module is None:
@@ -57,7 +74,7 @@ def _get():
     return get()
 
 
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: E402
 
 
 def rank():
