@@ -1,11 +1,56 @@
 """Starts real mpirun jobs from pytest, each bounded by a timeout. The Open MPI root variables are
-set here (the test harness), never in library code."""
+set here (the test harness), never in library code.
+
+The ranks import the same mlfabric as pytest: this tree's (an editable or in-place build), or an
+installed package. In the second case the tree must not be on the ranks' path (its mlfabric/ has no
+built _C), so the jobs run from run_dir(), a directory that mirrors the tree without mlfabric/:
+relative paths (benchmarks/..., scripts/...) and `-m tests...` work the same, and `-c` or `-m`
+put no source tree before the installed package."""
+import atexit
+import importlib.util
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def mlfabric_from_tree():
+    """True when the mlfabric this process imported (or would import) is this tree's, or none is
+    importable; False for a package installed elsewhere (a non-editable install)."""
+    module = sys.modules.get("mlfabric")
+    path = getattr(module, "__file__", None)
+    if path is None:
+        try:
+            spec = importlib.util.find_spec("mlfabric")
+        except (ImportError, ValueError):
+            spec = None
+        path = spec.origin if spec is not None else None
+    if path is None:
+        return True
+    return (os.path.dirname(os.path.realpath(path))
+            == os.path.join(os.path.realpath(ROOT), "mlfabric"))
+
+
+_RUN_DIR = []
+
+
+def run_dir():
+    """Where jobs start: ROOT when pytest's mlfabric is the tree's; else a temporary directory of
+    links to every entry of ROOT but mlfabric/ (made once, removed at exit)."""
+    if not _RUN_DIR:
+        if mlfabric_from_tree():
+            _RUN_DIR.append(ROOT)
+        else:
+            d = tempfile.mkdtemp(prefix="mlfabric-tests-")
+            atexit.register(shutil.rmtree, d, True)  # the links only: rmtree never follows them
+            for name in os.listdir(ROOT):
+                if name != "mlfabric":
+                    os.symlink(os.path.join(ROOT, name), os.path.join(d, name))
+            _RUN_DIR.append(d)
+    return _RUN_DIR[0]
 
 
 def mpirun_path():
@@ -36,7 +81,8 @@ def mpi_env(extra=None):
                PYTHONUNBUFFERED="1", MLFABRIC_TIMEOUT=env.get("MLFABRIC_TIMEOUT", "20"),
                # Keep Open MPI from probing networks: everything is on this host.
                OMPI_MCA_btl="self," + shared_memory_btl(), OMPI_MCA_osc="^ucx")
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    # tests (and, from the tree, mlfabric) for scripts whose own directory is elsewhere
+    env["PYTHONPATH"] = run_dir() + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra or {})
     return env
 
@@ -69,7 +115,7 @@ def _run_bounded(cmd, env, timeout):
 
     def no_core_files():  # SIGABRT below must not leave core dumps in the checkout
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=mpi_env({"PYTHONFAULTHANDLER": "1", **(env or {})}),
+    proc = subprocess.Popen(cmd, cwd=run_dir(), env=mpi_env({"PYTHONFAULTHANDLER": "1", **(env or {})}),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, preexec_fn=no_core_files)
     try:
