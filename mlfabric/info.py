@@ -5,13 +5,14 @@ Reports the versions (mlfabric, Python, numpy, mpi4py, torch and whether mlfabri
 shim), the MPI library mpi4py loads and the `mpirun` beside this Python and on PATH (and whether
 they are the same MPI), ULFM (fault tolerance: mpirun --with-ft ulfm), the shared-memory probe
 (free space in /dev/shm against what the engine's segment needs for N ranks), the single-copy
-(CMA, process_vm_readv) probe, the kernels' instruction set, and the CUDA / NCCL build. A table
-on stdout, or one JSON object with --json.
+(CMA, process_vm_readv) probe, the kernels' instruction set, the CUDA / NCCL build and the
+MLFABRIC_* variables set. A table on stdout, or one JSON object with --json.
 
 Exits 0 when mlfabric can run here, 1 with the reasons (on stderr, each saying what to do) when
-it cannot: the MPI library does not load, or the mpirun found belongs to another MPI (its
-processes would each be rank 0 of 1). Everything else is a warning: mlfabric runs, slower or
-with less.
+it cannot: the MPI library does not load, the mpirun found belongs to another MPI (its
+processes would each be rank 0 of 1), or an MLFABRIC_* value is bad (init() would refuse it).
+Everything else is a warning (an unknown MLFABRIC_* name, too little /dev/shm): mlfabric runs,
+slower or with less.
 
 No probe starts an MPI job or initialises MPI: all run in this process (the CMA probe in one
 forked child), each bounded in time.
@@ -31,7 +32,7 @@ import numpy
 
 import mlfabric
 from . import _C, kernels
-from ._core import config as _config
+from ._core import config as _config, log as _log
 
 OK, WARN, ERROR, INFO = "ok", "warning", "error", "-"
 _COMMAND_S = 10.0   # the longest an `mpirun --version` may take
@@ -318,6 +319,41 @@ def probe_torch(mpi):
     return out
 
 
+def probe_settings(nranks):
+    """The MLFABRIC_* variables: a bad value (init() would refuse it) is an error, an unknown
+    name (a misspelling, most likely) a warning."""
+    bad = [value[len("error: "):] for _, value in _config.shaping_settings(nranks)
+           if _config.is_error(value)]
+    for check in (_config.timeout_s, _config.elastic_replace, _config.torch_meta_enabled):
+        try:
+            check()
+        except mlfabric.MlfabricError as exc:
+            bad.append(str(exc))
+    unknown = _log.unknown_settings()
+    out = {"set": sorted(n for n in os.environ if n.startswith("MLFABRIC_")), "bad": bad,
+           "unknown": [{"name": n, "closest": c} for n, c in unknown]}
+    if bad:
+        out.update(status=ERROR, detail="; ".join(bad) + " (init() refuses it: fix or unset it)")
+    elif unknown:
+        out.update(status=WARN, detail="; ".join(
+            f"{n} is not an mlfabric setting" + (f" (did you mean {c}?)" if c else "")
+            for n, c in unknown))
+    else:
+        out.update(status=OK, detail=", ".join(out["set"]) or "none set (the defaults)")
+    return out
+
+
+def _bounded(probe, *args):
+    """probe(*args), or the row saying why it could not run: a bad setting it reads (reported
+    on the settings row), or a failure of its own (a warning: mlfabric may still run)."""
+    try:
+        return probe(*args)
+    except mlfabric.MlfabricError as exc:
+        return {"status": INFO, "detail": f"not checked ({exc})"}
+    except Exception as exc:  # noqa: B902 - one probe failing must not hide the others
+        return {"status": WARN, "detail": f"the probe failed: {type(exc).__name__}: {exc}"}
+
+
 def collect(nranks=None):
     """Every probe's result, and whether mlfabric can run here, as one dict."""
     nranks = nranks or os.cpu_count() or 2
@@ -330,23 +366,24 @@ def collect(nranks=None):
                    "detail": f"{platform.python_version()} ({sys.executable})"},
         "numpy": {"status": OK, "version": numpy.__version__, "detail": numpy.__version__},
     }
-    report["cma"] = probe_cma(nranks)  # first: forks before torch or MPI start threads
+    report["cma"] = _bounded(probe_cma, nranks)  # first: forks before torch or MPI start threads
     mpi = report["mpi"] = probe_mpi()
     report["mpi4py"] = {"status": OK if mpi["mpi4py"] else ERROR, "version": mpi["mpi4py"],
                         "detail": mpi["mpi4py"] or "not installed"}
-    report["mpirun"] = probe_mpirun(mpi)
-    report["ulfm"] = probe_ulfm(mpi)
-    report["shm"] = probe_shm(nranks, mpi)
-    report["isa"] = probe_isa()
-    report["gpu"] = probe_gpu()
-    report["torch"] = probe_torch(mpi)
+    report["mpirun"] = _bounded(probe_mpirun, mpi)
+    report["ulfm"] = _bounded(probe_ulfm, mpi)
+    report["shm"] = _bounded(probe_shm, nranks, mpi)
+    report["isa"] = _bounded(probe_isa)
+    report["gpu"] = _bounded(probe_gpu)
+    report["torch"] = _bounded(probe_torch, mpi)
+    report["settings"] = probe_settings(nranks)
     order = ("mlfabric", "python", "numpy", "mpi4py", "mpi", "mpirun", "ulfm", "shm", "cma",
-             "isa", "gpu", "torch")
+             "isa", "gpu", "torch", "settings")
     report = {k: report[k] for k in order}
     problems = [f"{k}: {v['detail']}" for k, v in report.items() if v["status"] == ERROR]
     warnings = [f"{k}: {v['detail']}" for k, v in report.items() if v["status"] == WARN]
     return {"usable": not problems, "problems": problems, "warnings": warnings,
-            "cuda_built": report["gpu"]["cuda_built"], "nccl_built": report["gpu"]["nccl"],
+            "cuda_built": bool(_C.cuda_built()), "nccl_built": report["gpu"].get("nccl", False),
             **report}
 
 

@@ -13,7 +13,8 @@ from mlfabric import info
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KEYS = {"usable", "problems", "warnings", "cuda_built", "nccl_built", "mlfabric", "python",
-        "numpy", "mpi4py", "mpi", "mpirun", "ulfm", "shm", "cma", "isa", "gpu", "torch"}
+        "numpy", "mpi4py", "mpi", "mpirun", "ulfm", "shm", "cma", "isa", "gpu", "torch",
+        "settings"}
 
 
 def _info(*args, env=None):
@@ -59,6 +60,22 @@ def test_mpi_that_cannot_load_is_an_error_that_says_what_to_do():
     report = json.loads(_info("--json", env={"MPI4PY_LIBMPI": "/nonexistent/libmpi.so"}).stdout)
     assert not report["usable"] and report["mpi"]["loaded"] is False
     assert report["problems"] and report["problems"][0].startswith("mpi: ")
+
+
+def test_settings_bad_values_are_errors_and_misspellings_warnings():
+    proc = _info("--json", env={"MLFABRIC_SHM_BLOCK": "12", "MLFABRIC_TIMOUT": "3"})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["settings"]["status"] == "error"
+    assert report["settings"]["bad"] == ["MLFABRIC_SHM_BLOCK='12' must be at least 4096"]
+    assert report["settings"]["unknown"] == [{"name": "MLFABRIC_TIMOUT",
+                                              "closest": "MLFABRIC_TIMEOUT"}]
+    assert report["shm"]["status"] == "-" and "not checked" in report["shm"]["detail"]
+    assert "MLFABRIC_SHM_BLOCK='12' must be at least 4096" in proc.stderr
+    proc = _info(env={"MLFABRIC_TIMOUT": "3"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "MLFABRIC_TIMOUT is not an mlfabric setting (did you mean MLFABRIC_TIMEOUT?)" in \
+        proc.stdout and "(with the warnings above)" in proc.stdout
 
 
 @pytest.mark.parametrize("text, want", [
