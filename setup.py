@@ -181,8 +181,8 @@ setup(
         "oracle": ["scipy>=1.9"],
         # The build tests run setup.py directly, outside pip's isolated build environment;
         # hypothesis drives the scheduler's property tests.
-        "test": ["pytest", "hypothesis", "scipy>=1.9", "matplotlib", "scikit-learn", "pybind11>=2.10",
-                 "setuptools>=61", "wheel", "build"],
+        "test": ["pytest", "hypothesis", "scipy>=1.9", "matplotlib", "scikit-learn",
+                 "pybind11>=2.10", "setuptools>=61", "wheel", "build"],
     },
     entry_points={"console_scripts": ["mlfabric-bench=mlfabric.bench.__main__:main",
                                       "mlfabricrun=mlfabric.run:main"]},
