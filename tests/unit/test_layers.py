@@ -16,7 +16,7 @@ PKG = os.path.join(ROOT, "mlfabric")
 # one tuple (they are independent of each other otherwise); `mlfabric` is the facade package
 # (mlfabric/__init__.py), which re-exports comm: the layers above comm may use it.
 LAYERS = [
-    ("errors", "_C"),
+    ("errors", "_C", "_version"),
     ("_core",),
     ("kernels",),
     ("comm", "mlfabric"),
@@ -27,7 +27,7 @@ LAYERS = [
     ("pipeline",),
     ("torch",),
     ("bench",),
-    ("info",),
+    ("info", "run"),
 ]
 LEVEL = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 
