@@ -9,7 +9,14 @@ import sys
 import pytest
 
 from mlfabric import run
-from tests.mpi_util import ROOT, mpi_env
+from tests import mpi_util
+from tests.mpi_util import mpi_env
+
+
+def _cwd():
+    """Where the harness runs its jobs: with an installed mlfabric, a directory without the
+    source tree's unbuilt package (run_dir), which `-c` and `-m` would otherwise import."""
+    return mpi_util.run_dir() if hasattr(mpi_util, "run_dir") else mpi_util.ROOT
 
 MPIRUN = "/opt/mpi/bin/mpirun"
 
@@ -109,7 +116,7 @@ def test_three_ranks_on_two_cores():
                  "MASTER_PORT"):
         env.pop(name, None)
     proc = subprocess.run([sys.executable, "-m", "mlfabric.run", "-v", "-np", "3",
-                           sys.executable, "-c", PROGRAM], cwd=ROOT, env=env,
+                           sys.executable, "-c", PROGRAM], cwd=_cwd(), env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=180)
     assert proc.returncode == 0, proc.stdout

@@ -7,7 +7,14 @@ import sys
 
 import pytest
 
-from tests.mpi_util import ROOT, mpi_env
+from tests import mpi_util
+from tests.mpi_util import mpi_env
+
+
+def _cwd():
+    """Where the harness runs its jobs: with an installed mlfabric, a directory without the
+    source tree's unbuilt package (run_dir), which `-c` and `-m` would otherwise import."""
+    return mpi_util.run_dir() if hasattr(mpi_util, "run_dir") else mpi_util.ROOT
 
 pytest.importorskip("torch")
 
@@ -35,7 +42,7 @@ dist.destroy_process_group()
 
 
 def test_gloo_env_rendezvous_is_torchs_own_after_importing_mlfabric_torch():
-    proc = subprocess.run([sys.executable, "-c", GLOO], cwd=ROOT, env=mpi_env(),
+    proc = subprocess.run([sys.executable, "-c", GLOO], cwd=_cwd(), env=mpi_env(),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stdout
