@@ -122,7 +122,7 @@ def _run_job(n, args, timeout):
     """mpirun -n n python args (MLFABRIC_TIMEOUT=2): (status, output, seconds), or fail naming
     the output so far if it is still running after `timeout` s (then it is killed, ranks too)."""
     import signal
-    from .mpi_util import mpi_env, mpirun_path
+    from tests.mpi_util import mpi_env, mpirun_path
     cmd = [mpirun_path(), "--oversubscribe", "-n", str(n), sys.executable, *args]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=mpi_env({"MLFABRIC_TIMEOUT": "2"}), text=True,

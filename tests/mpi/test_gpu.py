@@ -69,8 +69,8 @@ def test_gpu_cases(n):
 def test_train_script_on_gpus_reaches_95_percent():
     """The main job, allreduce mode, with --device cuda: 2 ranks (sharing a GPU where there is
     only one), digits, 10 epochs: the same accuracy target as on the CPU."""
-    from .mpi_util import run_mpi
-    from .test_train_script import SCRIPT, result
+    from tests.mpi_util import run_mpi
+    from tests.integration.test_train_script import SCRIPT, result
     share = "1" if torch.cuda.device_count() < 2 else "0"
     proc = run_mpi(2, [SCRIPT, "--device", "cuda", "--quiet"], timeout=400,
                    env={"MLFABRIC_NCCL_SHARE_GPU": share})
@@ -84,7 +84,7 @@ def test_gpu_benchmarks_run_small_and_check_their_results(tmp_path):
     """Both GPU benchmarks at a tiny size, 2 ranks: every collective's result right against
     float64, DistributedOptimizer's weights equal to DDP's (the script exits 1 otherwise; at
     lr 0.01 ranks that skipped the reduction would end ~6e-3 apart, 60x the tolerance)."""
-    from .mpi_util import run_script_json
+    from tests.mpi_util import run_script_json
     out = str(tmp_path / "coll.json")
     doc, log = run_script_json(2, [f"{ROOT}/benchmarks/gpu_collectives.py", "--max-bytes", "64K",
                                    "--iters", "2", "--rounds", "1", "--out", out], out, 300)
