@@ -53,7 +53,7 @@ def _checkout_copy(dst):
 
 
 def _clean_env(**extra):
-    """No PYTHONPATH or active venv of this session: the fresh venv's interpreter finds only its
+    """No PYTHONPATH or active venv of the calling shell: the fresh venv's interpreter finds only its
     own packages."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV",
                                                              "PYTHONHOME")}
