@@ -24,7 +24,7 @@ ULFM = ("--with-ft", "ulfm", "--mca", "mpi_ft_detector", "true")
 @pytest.mark.parametrize("n", [2, 3, 5])
 def test_ranks_that_build_different_models_fail_on_every_rank(n):
     out = run_cases("pipeline_errors_cases", n, timeout=180)
-    assert "pipeline_errors: 6 passed, 0 failed" in out, out
+    assert "pipeline_errors_cases: 6 passed, 0 failed" in out, out
 
 
 @pytest.mark.mpi

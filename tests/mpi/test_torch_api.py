@@ -18,7 +18,7 @@ def test_torch_api(n):
 
 @pytest.mark.parametrize("n,extra", [(2, []), (3, ["--fp16-allreduce"])])
 def test_horovod_style_script_trains(n, extra):
-    script = os.path.join(ROOT, "tests", "mpi_cases", "horovod_style_script.py")
+    script = os.path.join(ROOT, "tests", "mpi_cases", "horovod_style_job.py")
     # --no-cuda: the script's own flag, keeping this test on the CPU (on a GPU host the script
     # would put rank r on GPU r; tests/mpi/test_gpu.py covers CUDA tensors)
     # lr 0.02 (x size, the script's scaling): at 0.05 x 3 ranks this synthetic task's loss stalls
