@@ -177,6 +177,8 @@ setup(
         # scripts/train.py's default dataset (scikit-learn's digits) and the LDA topic matching
         "train": ["torch", "scikit-learn", "scipy>=1.9", "matplotlib"],
         "bench": ["matplotlib"],
+        # docs/: sphinx-build -b html docs build/docs (API pages from the docstrings)
+        "docs": ["sphinx", "myst-parser"],
         # The scheduler's exact oracle (mlfabric.sched.oracle) solves the paper's ILP with scipy.
         "oracle": ["scipy>=1.9"],
         # The build tests run setup.py directly, outside pip's isolated build environment;

@@ -30,7 +30,7 @@ myst_heading_anchors = 3
 autodoc_member_order = "bysource"
 autodoc_default_options = {"undoc-members": False}
 # Links from the pages to files outside docs/ (README.md, BENCHMARKS.md, benchmarks/, .ci/) are
-# for readers of the repository; tests/test_docs.py checks that each one resolves.
+# for readers of the repository; tests/unit/test_docs.py checks that each one resolves.
 suppress_warnings = ["myst.xref_missing"]
 html_theme = "alabaster"
 

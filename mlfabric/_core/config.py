@@ -1,4 +1,4 @@
-"""Settings read from the environment, in one place. Each is documented in the README.
+"""Settings read from the environment, in one place. Each is documented in docs/usage.md.
 
 MLFABRIC_TIMEOUT   seconds a rank waits for its peers inside one collective before raising
                    PeerTimeoutError (default 300). Bounded waits are how mlfabric turns a dead or
