@@ -4,6 +4,7 @@ expected output, the busbw factor), warm-up, timing (per-iteration mean, max ove
 element-wise result check. impls.py supplies the calls; report.py prints and saves the results.
 """
 import argparse
+import os
 import sys
 import time
 import traceback
@@ -20,6 +21,13 @@ ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int32": 4,
 # Machine epsilon (ulp of 1.0) of the floating dtypes: op avg, the only inexact check, allows 2.
 EPS = {"float32": 2.0 ** -23, "float64": 2.0 ** -52, "float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}
 OPS = ("sum", "prod", "min", "max", "avg")
+# nccl-tests' -d names (and the long ones) -> mlfabric.bench's; its other types have no buffer here
+DTYPE_NAMES = {"float": "float32", "half": "float16", "double": "float64", "float32": "float32",
+               "float16": "float16", "float64": "float64", "bfloat16": "bfloat16",
+               "int32": "int32", "int": "int32", "int64": "int64"}
+# nccl-tests' -a: how one time is made of the ranks' times
+AVERAGE_MODES = {0: "rank 0", 1: "mean over ranks", 2: "min over ranks", 3: "max over ranks"}
+GPU_HINT = "GPU runs: use benchmarks/gpu_collectives.py"
 ALGORITHMS = ("auto", "shm", "ring", "rhd", "tree")
 SENTINEL = 16384    # written to outputs before a run: exact in every dtype, and no input or
                     # expected value reaches it (|values| <= 256 up to 256 ranks, <= n beyond)
@@ -32,10 +40,13 @@ class UsageError(Exception):
 
 # --- sizes ---------------------------------------------------------------------------------------
 
-def size_sweep(begin, end, factor):
-    """begin, begin*factor, ... up to end (inclusive), as nccl-tests' -b/-e/-f."""
+def size_sweep(begin, end, factor, increment=None):
+    """begin, begin*factor, ... up to end (inclusive), as nccl-tests' -b/-e/-f; with increment
+    (nccl-tests' -i, used when there is no factor) begin, begin+increment, ... instead."""
     if end < begin:
         raise ValueError(f"-e ({end}) is smaller than -b ({begin})")
+    if increment is not None:
+        return list(range(begin, end + 1, increment))
     if factor < 2 and end != begin:
         raise ValueError(f"-f must be >= 2, got {factor}")
     sizes, s = [], begin
@@ -241,8 +252,9 @@ def inject_error(coll, p, out):
         impls.write(out, 0, coll.expected(p, 0, 1) + 7)
 
 
-def time_batch(comm, run, warmup, iters):
-    """Seconds per call: warm up, barrier, time `iters` calls; the max over ranks."""
+def time_batch(comm, run, warmup, iters, average=3):
+    """Seconds per call: warm up, barrier, time `iters` calls; combined over ranks as nccl-tests'
+    -a does (0: rank 0's, 1: the mean, 2: the min, 3: the max)."""
     from mpi4py import MPI
     for _ in range(warmup):
         run()
@@ -251,7 +263,11 @@ def time_batch(comm, run, warmup, iters):
     for _ in range(iters):
         run()
     local = (time.perf_counter() - t0) / iters
-    return comm.allreduce(local, op=MPI.MAX)
+    if average == 0:
+        return comm.bcast(local, root=0)
+    if average == 1:
+        return comm.allreduce(local, op=MPI.SUM) / comm.size
+    return comm.allreduce(local, op=MPI.MIN if average == 2 else MPI.MAX)
 
 
 def agree(comm, problem):
@@ -280,7 +296,10 @@ def bench_case(comm, coll, family, variant, p, args):
     if problem:
         return None, problem
     fill_case(coll, p, case)
-    seconds = time_batch(comm, case.run, args.warmup, args.iters) / coll.time_divisor
+    seconds = time_batch(comm, case.run, args.warmup, args.iters,
+                         args.average) / coll.time_divisor
+    if not args.check:  # -c 0: timed only, #wrong unknown
+        return make_record(coll, family, variant, p, args, seconds, None), None
     fill_case(coll, p, case)  # the timed in-place iterations accumulated: start over for the check
     comm.Barrier()
     case.run()
@@ -298,8 +317,8 @@ def make_record(coll, family, variant, p, args, seconds, wrong):
         "op": p.op or "none", "root": p.root, "bytes": p.nbytes, "count": p.count,
         "send_count": p.send_count, "recv_count": p.recv_count, "ranks": p.nranks,
         "time_us": seconds * 1e6, "algbw": algbw, "busbw": algbw * coll.busbw_factor(p.nranks),
-        "busbw_factor": coll.busbw_factor(p.nranks), "wrong": wrong,
-        "iters": args.iters, "warmup": args.warmup,
+        "busbw_factor": coll.busbw_factor(p.nranks), "wrong": wrong, "checked": wrong is not None,
+        "iters": args.iters, "warmup": args.warmup, "average": args.average,
         "algorithm": family.algorithm(variant, coll.name),
     }
 
@@ -328,21 +347,37 @@ def build_parser(rank=0):
     p.add_argument("coll", choices=list(COLLS), help="the collective to measure")
     p.add_argument("-b", "--minbytes", default="8", help="first size (K/M/G suffixes; default 8)")
     p.add_argument("-e", "--maxbytes", default="128M", help="last size (default 128M)")
-    p.add_argument("-f", "--stepfactor", type=int, default=2, help="size factor (default 2)")
+    p.add_argument("-f", "--stepfactor", type=int, default=None,
+                   help="size factor (default 2 unless -i is given)")
+    p.add_argument("-i", "--stepbytes", default=None,
+                   help="size increment (an additive sweep, as nccl-tests' -i; not with -f > 1)")
     p.add_argument("--impl", default="mlfabric,mpi,gloo",
                    help="comma-separated families (mlfabric, hvd, mpi, gloo) or variants "
                         f"({', '.join(impls.VARIANT_FAMILY)}); default mlfabric,mpi,gloo")
-    p.add_argument("--dtype", "-d", default="float32", choices=DTYPES)
-    p.add_argument("--op", "-o", default="sum", choices=OPS,
-                   help="reduction op (allreduce, reduce_scatter)")
+    p.add_argument("--dtype", "-d", default="float32", type=dtype_name,
+                   help=f"{', '.join(DTYPES)}, nccl-tests' float, half, double, or all "
+                        "(default float32)")
+    p.add_argument("--op", "-o", default="sum", choices=OPS + ("all",),
+                   help="reduction op (allreduce, reduce_scatter, reduce), or all")
     p.add_argument("--root", "-r", type=int, default=0, help="broadcast root (default 0)")
     p.add_argument("--iters", "-n", type=int, default=20, help="timed iterations (default 20)")
     p.add_argument("--warmup", "-w", type=int, default=5, help="warm-up iterations (default 5)")
+    p.add_argument("--check", "-c", type=int, default=1, choices=(0, 1),
+                   help="check every result (1, the default) or not (0: #wrong is N/A)")
+    p.add_argument("--average", "-a", type=int, default=3, choices=sorted(AVERAGE_MODES),
+                   help="the time of a case: 0 rank 0's, 1 the mean, 2 the min, 3 the max over "
+                        "ranks (default 3)")
+    p.add_argument("--timeout", "-T", type=float, default=None, metavar="SECONDS",
+                   help="seconds a rank waits for its peers in one call (MLFABRIC_TIMEOUT)")
+    p.add_argument("--ngpus", "-g", type=int, default=0,
+                   help="GPUs per rank: only 0 (CPU buffers); " + GPU_HINT)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="buffer device: cpu only; " + GPU_HINT)
     p.add_argument("--algorithm", default="auto", choices=ALGORITHMS,
                    help="mlfabric allreduce algorithm (default auto)")
     p.add_argument("--baseline", default="mpi",
                    help="impl (family or variant) the summary divides by (default mpi)")
-    p.add_argument("--json", metavar="FILE", type=output_path,
+    p.add_argument("--json", "-J", metavar="FILE", type=output_path,
                    help="write the records as a JSON list (rank 0)")
     p.add_argument("--plot", metavar="FILE.png", type=output_path,
                    help="plot busbw vs size per impl (matplotlib)")
@@ -351,13 +386,51 @@ def build_parser(rank=0):
     return p
 
 
+def dtype_name(text):
+    """argparse type: a dtype by mlfabric.bench's or nccl-tests' name, or 'all'."""
+    if text == "all" or text in DTYPE_NAMES:
+        return DTYPE_NAMES.get(text, text)
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is not a dtype mlfabric.bench measures; known: {', '.join(DTYPE_NAMES)}, all")
+
+
+def resolve_steps(args):
+    """(factor, increment) of the sweep: -f wins when > 1, else -i, else a factor of 2."""
+    if args.stepfactor is not None and args.stepfactor > 1:
+        return args.stepfactor, None
+    if args.stepbytes is not None:
+        inc = parse_size(args.stepbytes)
+        return 1, inc
+    return (2 if args.stepfactor is None else args.stepfactor), None
+
+
+def combos(args):
+    """The (dtype, op) cases of the run: one, or every supported one for -d all / -o all (op
+    None for collectives that do not reduce); avg only on floating dtypes."""
+    dtypes = list(DTYPES) if args.dtype == "all" else [args.dtype]
+    if args.dtype == "all" and impls.import_torch() is None:
+        dtypes.remove("bfloat16")
+    ops = list(OPS) if args.op == "all" else [args.op]
+    if not COLLS[args.coll].reduces:
+        ops = ops[:1]
+    return [(d, o) for d in dtypes for o in ops if not (o == "avg" and d.startswith("int"))
+            or not COLLS[args.coll].reduces]
+
+
 def validate(args, nranks):
     """Resolve sizes and impls; UsageError (the same on every rank) for anything wrong."""
     try:
-        sizes = size_sweep(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor)
+        factor, inc = resolve_steps(args)
+        args.stepfactor, args.stepbytes = factor, inc
+        sizes = size_sweep(parse_size(args.minbytes), parse_size(args.maxbytes), factor, inc)
         variants = impls.resolve(args.impl)
     except ValueError as e:
         raise UsageError(str(e))
+    if args.ngpus != 0 or args.device != "cpu":
+        raise UsageError(f"mlfabric.bench measures CPU buffers only (-g 0, --device cpu); "
+                         f"{GPU_HINT}")
+    if args.timeout is not None and not args.timeout > 0:
+        raise UsageError(f"-T must be > 0 seconds, got {args.timeout}")
     if args.op == "avg" and args.dtype.startswith("int"):
         raise UsageError(f"--op avg needs a floating dtype, got {args.dtype}")
     if args.iters < 1 or args.warmup < 0:
@@ -391,7 +464,9 @@ class Run:
         self.coll = COLLS[args.coll]
         self.sizes, self.variants = sizes, variants
         self.families, self.active, self.records = {}, [], []
+        self.ran = []   # every variant that ran a case, in order (the summary's columns)
         self.failed = False
+        self.headed = False
         self.named = {s.strip() for s in args.impl.split(",")}
         self.out = sys.stdout
 
@@ -404,21 +479,29 @@ class Run:
         self.failed = self.failed or kind == "error"
 
     def setup(self):
-        """Set each family up (all ranks agree first that it can be), then keep the variants that
-        support this collective, dtype and op."""
-        for fam_name, variant in self.variants:
+        """Set each family up once (all ranks agree first that it can be)."""
+        for fam_name, _ in self.variants:
             if fam_name not in self.families:
                 self.families[fam_name] = self._setup_family(fam_name)
+
+    def select(self, args):
+        """Make `args` (one dtype and op) the current case; keep the variants that support this
+        collective, dtype and op."""
+        self.args, self.active = args, []
+        for fam_name, variant in self.variants:
             family = self.families[fam_name]
             if family is None:
                 continue
-            reason = family.supports(variant, self.coll.name, self.args.dtype, self.args.op)
+            reason = (family.missing(self.coll.name)
+                      or family.supports(variant, self.coll.name, self.args.dtype, self.args.op))
             if reason:
                 if variant in self.named or family.name == variant:  # not if a family expanded
                     self.note("skip", f"{variant} skipped for {self.coll.name}/"
                                       f"{self.args.dtype}: {reason}")
             else:
                 self.active.append((family, variant))
+                if variant not in self.ran:
+                    self.ran.append(variant)
 
     def _setup_family(self, name):
         family = impls.FAMILIES[name]()
@@ -443,7 +526,9 @@ class Run:
         for s in dropped:
             self.note("skip", f"size {s} B holds no whole element per rank for "
                               f"{self.coll.name}/{self.args.dtype} on {self.comm.size} ranks")
-        self.say(report.table_header(self.coll.name))
+        if not self.headed:
+            self.say(report.table_header(self.coll.name))
+            self.headed = True
         for k, count in enumerate(counts):
             p = make_params(self.coll, self.args, count, self.comm.size, self.rank)
             self.progress(k, len(counts), p.nbytes)
@@ -465,8 +550,8 @@ class Run:
         """Summary, JSON and plot (rank 0); the exit status."""
         for r in self.records:
             r.update(host)
-        names = [v for _, v in self.active]
-        wrong = sum(r["wrong"] for r in self.records)
+        names = self.ran
+        wrong = sum(r["wrong"] or 0 for r in self.records)
         if self.rank == 0:
             base = resolve_baseline(self.args.baseline, names)
             if base is None and names:
@@ -474,7 +559,10 @@ class Run:
                                   f"using {names[0]}")
                 base = names[0]
             self.say(report.summary(self.records, names, base))
-            self.say(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
+            if self.args.check:
+                self.say(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
+            else:
+                self.say("# Out of bounds values : N/A (not checked: -c 0)")
             if self.args.json:
                 report.write_json(self.args.json, self.records)
             if self.args.plot:
@@ -499,11 +587,19 @@ def run(args, comm):
     missing = comm.bcast(missing, root=0)
     if missing:
         raise UsageError(missing)
+    if args.timeout is not None:  # read by mlfabric when its families set up
+        os.environ["MLFABRIC_TIMEOUT"] = repr(args.timeout)
+    cases = combos(args)
     bench = Run(args, comm, sizes, variants)
     host = report.host_info(comm)
-    bench.say(report.preamble(args, comm.size, sizes, variants, host))
+    shown = argparse.Namespace(**dict(vars(args), dtype=",".join(sorted({d for d, _ in cases},
+                                                                        key=DTYPES.index)),
+                                      op=",".join(dict.fromkeys(o for _, o in cases))))
+    bench.say(report.preamble(shown, comm.size, sizes, variants, host))
     bench.setup()
-    bench.sweep()
+    for dtype, op in cases:
+        bench.select(argparse.Namespace(**dict(vars(args), dtype=dtype, op=op)))
+        bench.sweep()
     bench.shutdown()  # not on an exception: shutdown is collective, and main() aborts instead
     return bench.finish(host)
 

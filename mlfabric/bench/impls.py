@@ -151,6 +151,12 @@ class Family:
     def supports(self, variant, coll, dtype, op):
         return None
 
+    def missing(self, coll):
+        """Why this family cannot run coll at all (no call for it), or None."""
+        if not hasattr(self, "_" + coll):
+            return f"{self.name} has no {coll} here"
+        return None
+
     def prepare(self, variant, coll, p):
         return getattr(self, "_" + coll)(variant, p)
 

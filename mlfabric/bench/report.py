@@ -23,6 +23,9 @@ COLUMNS = [  # (header, unit, width, record key, format)
 ]
 
 
+REDUCING = ("allreduce", "reduce_scatter", "reduce")
+
+
 def human_size(n):
     """8 -> '8 B', 1048576 -> '1 MiB', 1536 -> '1.5 KiB'."""
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
@@ -50,7 +53,12 @@ def table_header(coll):
 
 
 def table_row(rec):
-    return _cells([format(rec[key], fmt) for _, _, _, key, fmt in COLUMNS])
+    return _cells([_cell(rec.get(key), fmt) for _, _, _, key, fmt in COLUMNS])
+
+
+def _cell(value, fmt):
+    """A formatted value; N/A for one not measured (#wrong under -c 0)."""
+    return "N/A" if value is None else format(value, fmt)
 
 
 def geomean(xs):
@@ -63,15 +71,16 @@ def summary(records, names, base):
     factor is common, so this is base time / impl time; > 1 is faster than base)."""
     if not records or base is None:
         return "# no results"
-    by = {(r["bytes"], r["impl"]): r for r in records}
-    sizes = sorted({r["bytes"] for r in records})
+    by = {(_case(r), r["impl"]): r for r in records}
+    cases = list(dict.fromkeys(_case(r) for r in records))
+    several = len({c[1:] for c in cases}) > 1   # -d all / -o all: name the dtype and op
     others = [n for n in names if n != base]
     if not others:
         return "#\n" + _avg_busbw(records, names)
     lines = ["#", f"# busbw relative to {base} (= {base} time / impl time; > 1: faster than "
                   f"{base})", "#" + _row("size(B)", others)[1:]]
     ratios = {n: [] for n in others}
-    for s in sizes:
+    for s in cases:
         cells = []
         for n in others:
             b, r = by.get((s, base)), by.get((s, n))
@@ -80,10 +89,15 @@ def summary(records, names, base):
                 cells.append(f"{ratios[n][-1]:.2f}")
             else:
                 cells.append("-")
-        lines.append(_row(str(s), cells))
+        lines.append(_row(" ".join(map(str, s)) if several else str(s[0]), cells))
     lines.append("#" + _row("geomean", [f"{geomean(ratios[n]):.2f}" for n in others])[1:])
     lines += ["#", _avg_busbw(records, names)]
     return "\n".join(lines)
+
+
+def _case(rec):
+    """(bytes, dtype, op): the summary's rows."""
+    return rec["bytes"], rec.get("dtype", ""), rec.get("op", "")
 
 
 def _avg_busbw(records, names):
@@ -106,15 +120,20 @@ def preamble(args, nranks, sizes, variants, host):
                                  _opt("torch", host)) if x)
     return "\n".join([
         f"# mlfabric.bench {args.coll}: {nranks} ranks on {host['nodes']} host(s), "
-        f"dtype {args.dtype}" + (f", op {args.op}" if args.coll in ("allreduce", "reduce_scatter")
+        f"dtype {args.dtype}" + (f", op {args.op}" if args.coll in REDUCING
                                  else "") + (f", root {args.root}" if args.coll == "broadcast"
                                              else "")
         + f", iters {args.iters}, warmup {args.warmup}",
-        f"# sizes {human_size(sizes[0])} .. {human_size(sizes[-1])} x{args.stepfactor} "
+        f"# sizes {human_size(sizes[0])} .. {human_size(sizes[-1])} {_step(args)} "
         f"({len(sizes)}); impls {', '.join(v for _, v in variants)}; "
         f"mlfabric allreduce algorithm {args.algorithm}",
         f"# host {host['hostname']} ({host['cpu_count']} cpus); {libs}",
     ])
+
+
+def _step(args):
+    inc = getattr(args, "stepbytes", None)
+    return f"+{human_size(inc)}" if isinstance(inc, int) else f"x{args.stepfactor}"
 
 
 def _opt(name, host):

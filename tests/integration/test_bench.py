@@ -452,3 +452,80 @@ def test_benchmark_scripts_refuse_an_unwritable_out_before_the_run(script, args)
                           stderr=subprocess.STDOUT, text=True, timeout=90)
     assert_usage_error(proc.returncode, proc.stdout, "cannot write", "does not exist")
     assert proc.stdout.count("cannot write") == 1, proc.stdout
+
+
+# --- nccl-tests' spellings -----------------------------------------------------------------------
+
+def case_keys(records):
+    return [(r["impl"], r["bytes"], r["count"], r["dtype"], r["op"], r["wrong"]) for r in records]
+
+
+@pytest.mark.mpi
+def test_nccl_tests_spellings_match_the_long_forms(tmp_path):
+    short = tmp_path / "short"
+    long_ = tmp_path / "long"
+    short.mkdir()
+    long_.mkdir()
+    rc, out_s, recs_s = bench(2, "allreduce", "-b", "8", "-e", "1K", "-f", "4", "-n", "2", "-w",
+                              "1", "-d", "half", "-o", "max", "-c", "1", "-a", "3", "-T", "30",
+                              "-J", str(short / "bench.json"), "--impl", "mpi", "--quiet")
+    assert rc == 0, out_s
+    with open(short / "bench.json") as f:
+        recs_s = json.load(f)
+    rc, out_l, recs_l = bench(2, "allreduce", "--minbytes", "8", "--maxbytes", "1K",
+                              "--stepfactor", "4", "--iters", "2", "--warmup", "1", "--dtype",
+                              "float16", "--op", "max", "--impl", "mpi", "--quiet",
+                              tmp_path=long_)
+    assert rc == 0, out_l
+    assert case_keys(recs_s) == case_keys(recs_l)
+    assert [set(r) for r in recs_s] == [set(r) for r in recs_l]
+    check_records(recs_s, "allreduce", 2, ["mpi", "mpi-oop"], "float16")
+    assert len(recs_s) == 2 * 4                                 # 8, 32, 128, 512 B x 2 impls
+
+    def rows(out):
+        return [ln.split()[:5] for ln in out.splitlines() if " float16 " in ln]
+    assert rows(out_s) == rows(out_l) and len(rows(out_s)) == len(recs_s)
+
+
+@pytest.mark.mpi
+def test_additive_sweep_average_modes_and_no_check(tmp_path):
+    rc, out, recs = bench(2, "allgather", "-b", "64", "-e", "256", "-i", "64", "-n", "2", "-w",
+                          "1", "-a", "0", "-c", "0", "--impl", "mpi-oop", "--quiet",
+                          tmp_path=tmp_path)
+    assert rc == 0, out
+    assert [r["bytes"] for r in recs] == [64, 128, 192, 256]
+    assert all(r["wrong"] is None and r["checked"] is False and r["average"] == 0 for r in recs)
+    assert "N/A" in out
+    for mode in ("1", "2"):
+        rc, out, recs = bench(2, "allreduce", "-b", "8", "-e", "64", "-n", "2", "-w", "1", "-a",
+                              mode, "--impl", "mpi", "--quiet", tmp_path=tmp_path)
+        assert rc == 0, out
+        assert all(r["wrong"] == 0 and r["average"] == int(mode) for r in recs)
+
+
+@pytest.mark.mpi
+def test_all_dtypes_and_ops(tmp_path):
+    rc, out, recs = bench(3, "allreduce", "-b", "8", "-e", "1K", "-f", "8", "-n", "2", "-w", "1",
+                          "-d", "all", "-o", "all", "--impl", "mlfabric,mpi-oop", "--quiet",
+                          tmp_path=tmp_path)
+    assert rc == 0, out
+    seen = {(r["dtype"], r["op"]) for r in recs}
+    dtypes = [d for d in driver.DTYPES if d != "bfloat16" or have("torch")]
+    want = {(d, o) for d in dtypes for o in driver.OPS if o != "avg" or d in driver.EPS}
+    assert seen == want
+    assert all(r["wrong"] == 0 for r in recs)
+    assert "Out of bounds values : 0 OK" in out
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("args, needle", [
+    (("-d", "int8"), "'int8' is not a dtype"),
+    (("-a", "7"), "invalid choice: 7"),
+    (("-c", "2"), "invalid choice: 2"),
+    (("-g", "1"), "benchmarks/gpu_collectives.py"),
+    (("--device", "cuda"), "benchmarks/gpu_collectives.py"),
+], ids=lambda a: " ".join(a) if isinstance(a, tuple) else "")
+def test_bad_nccl_tests_values_are_usage_errors(args, needle):
+    rc, out, _ = bench(2, "allreduce", "--impl", "mpi", *QUICK, *args, timeout=60)
+    assert_usage_error(rc, out, needle)
+    assert out.count(needle) == 1       # said once (rank 0), not per rank
