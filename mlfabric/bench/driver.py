@@ -140,6 +140,7 @@ class Coll:
     inputs: Callable[[Params, int, int], np.ndarray]     # this rank's input [lo, hi)
     expected: Callable[[Params, int, int], np.ndarray]   # this rank's output [lo, hi), float64
     time_divisor: int = 1                      # pingpong times a round trip and reports half
+    checked: Callable[[Params], bool] = lambda p: True   # the ranks whose output is checked
 
 
 def _idx(lo, hi):
@@ -153,6 +154,21 @@ def _allgather_expected(p, lo, hi):
 
 def _reduce_scatter_expected(p, lo, hi):
     return reduce_over_ranks(p, _idx(lo, hi) + p.rank * p.recv_count)
+
+
+def _alltoall_expected(p, lo, hi):
+    """Block j of this rank's output is block `rank` of rank j's input."""
+    k, chunk = _idx(lo, hi), p.count // p.nranks
+    return pattern(p, k // chunk, p.rank * chunk + k % chunk).astype(np.float64)
+
+
+def _sendrecv_expected(p, lo, hi):
+    """What the previous rank (in a ring) sent."""
+    return pattern(p, (p.rank - 1) % p.nranks, _idx(lo, hi)).astype(np.float64)
+
+
+def _own_input(p, lo, hi):
+    return pattern(p, p.rank, _idx(lo, hi))
 
 
 def _pingpong_inputs(p, lo, hi):
@@ -186,7 +202,21 @@ COLLS = {
         lambda n: 1.0,
         _pingpong_inputs,
         lambda p, lo, hi: pattern(p, 0, _idx(lo, hi)).astype(np.float64),
-        time_divisor=2),
+        time_divisor=2, checked=lambda p: p.rank < 2),
+    "alltoall": Coll(  # size = each rank's input (= output); size / nranks goes to each peer
+        "alltoall", False, False, lambda n: n, lambda c, n: (c, c),
+        lambda n: (n - 1) / n,
+        _own_input, _alltoall_expected),
+    "reduce": Coll(  # the result lands on the root only, the only rank checked
+        "reduce", True, True, lambda n: 1, lambda c, n: (c, c),
+        lambda n: 1.0,
+        _own_input,
+        lambda p, lo, hi: reduce_over_ranks(p, _idx(lo, hi)),
+        checked=lambda p: p.rank == p.root),
+    "sendrecv": Coll(  # every rank sends to the next and receives from the previous (a ring)
+        "sendrecv", False, False, lambda n: 1, lambda c, n: (c, c),
+        lambda n: 1.0,
+        _own_input, _sendrecv_expected),
 }
 
 
@@ -236,8 +266,10 @@ def count_wrong(got, want, dtype, op):
 
 def check_output(coll, p, out):
     """#wrong on this rank: every element of `out` against the expected result."""
+    if not coll.checked(p):
+        return 0
     if out is None:
-        return p.recv_count if coll.name != "pingpong" or p.rank < 2 else 0
+        return p.recv_count
     if impls.length(out) != p.recv_count or (len(out.shape) != 1):
         return p.recv_count
     wrong = 0
@@ -248,7 +280,7 @@ def check_output(coll, p, out):
 
 def inject_error(coll, p, out):
     """Corrupt element 0 of rank 0's output (the hidden --inject-error flag, for tests)."""
-    if p.rank == 0 and out is not None and p.recv_count > 0:
+    if p.rank == 0 and out is not None and p.recv_count > 0 and coll.checked(p):
         impls.write(out, 0, coll.expected(p, 0, 1) + 7)
 
 
@@ -340,8 +372,9 @@ def build_parser(rank=0):
         description="Collective microbenchmarks in the style of nccl-tests: run under "
                     "`mpirun -n N`. (`python -m mlfabric.bench kernels -h`: the single-process "
                     "kernel benchmark.)",
-        epilog="Sizes are bytes of the per-rank buffer: allreduce/broadcast the buffer, allgather "
-               "the gathered output, reduce_scatter the input, pingpong the message. See "
+        epilog="Sizes are bytes of the per-rank buffer: allreduce/broadcast/reduce the buffer, "
+               "allgather the gathered output, reduce_scatter and alltoall the input, pingpong "
+               "and sendrecv the message. See "
                "benchmarks/README.md.")
     p.rank = rank
     p.add_argument("coll", choices=list(COLLS), help="the collective to measure")
@@ -359,7 +392,8 @@ def build_parser(rank=0):
                         "(default float32)")
     p.add_argument("--op", "-o", default="sum", choices=OPS + ("all",),
                    help="reduction op (allreduce, reduce_scatter, reduce), or all")
-    p.add_argument("--root", "-r", type=int, default=0, help="broadcast root (default 0)")
+    p.add_argument("--root", "-r", type=int, default=0,
+                   help="broadcast and reduce root (default 0)")
     p.add_argument("--iters", "-n", type=int, default=20, help="timed iterations (default 20)")
     p.add_argument("--warmup", "-w", type=int, default=5, help="warm-up iterations (default 5)")
     p.add_argument("--check", "-c", type=int, default=1, choices=(0, 1),
@@ -435,10 +469,12 @@ def validate(args, nranks):
         raise UsageError(f"--op avg needs a floating dtype, got {args.dtype}")
     if args.iters < 1 or args.warmup < 0:
         raise UsageError("--iters must be >= 1 and --warmup >= 0")
-    if args.coll == "broadcast" and not 0 <= args.root < nranks:
+    if COLLS[args.coll].rooted and not 0 <= args.root < nranks:
         raise UsageError(f"--root {args.root} is not a rank of {nranks}")
     if args.coll == "pingpong" and nranks < 2:
         raise UsageError("pingpong needs at least 2 ranks (ranks 0 and 1 take part)")
+    if args.coll == "sendrecv" and nranks < 2:
+        raise UsageError("sendrecv needs at least 2 ranks (each sends to the next)")
     if args.dtype == "bfloat16" and impls.import_torch() is None:
         raise UsageError("bfloat16 buffers need torch, which is not installed")
     return sizes, variants

@@ -13,9 +13,11 @@ from datetime import timedelta
 
 import numpy as np
 
-COLLS = ("allreduce", "broadcast", "allgather", "reduce_scatter", "pingpong")
-REDUCING = ("allreduce", "reduce_scatter")
+COLLS = ("allreduce", "broadcast", "allgather", "reduce_scatter", "pingpong", "alltoall",
+         "reduce", "sendrecv")
+REDUCING = ("allreduce", "reduce_scatter", "reduce")
 PINGPONG_TAG = 17
+SENDRECV_TAG = 18
 
 
 class Unsupported(Exception):
@@ -174,7 +176,7 @@ class MpiFamily(Family):
     variants = ("mpi", "mpi-oop")
 
     def supports(self, variant, coll, dtype, op):
-        if variant == "mpi-oop" and coll in ("broadcast", "pingpong"):
+        if variant == "mpi-oop" and coll in ("broadcast", "pingpong", "sendrecv"):
             return f"{coll} has no out-of-place form (it is the same call as 'mpi')"
         if dtype == "bfloat16" and coll in REDUCING:
             return "MPI has no bfloat16 reductions"
@@ -263,6 +265,43 @@ class MpiFamily(Family):
                 comm.Send(mb, 0, tag)
             return Case(run1, b, b)
         return idle_case()
+
+    def _alltoall(self, variant, p):
+        from mpi4py import MPI
+        comm = self.comm
+        x = alloc(p.send_count, p.dtype)
+        mx = mpi_view(x)
+        if variant == "mpi":
+            return Case(lambda: comm.Alltoall(MPI.IN_PLACE, mx), x, x)
+        y = alloc(p.recv_count, p.dtype)
+        my = mpi_view(y)
+        return Case(lambda: comm.Alltoall(mx, my), x, y)
+
+    def _reduce(self, variant, p):
+        from mpi4py import MPI
+        comm, op, root = self.comm, self._op(p), p.root
+        post = self._post(p) if self.rank == root else (lambda buf: None)
+        x = alloc(p.send_count, p.dtype)
+        if variant == "mpi":
+            send = MPI.IN_PLACE if self.rank == root else x
+
+            def run():
+                comm.Reduce(send, x, op, root=root)
+                post(x)
+            return Case(run, x, x)
+        y = alloc(p.recv_count, p.dtype)
+
+        def run_oop():
+            comm.Reduce(x, y, op, root=root)
+            post(y)
+        return Case(run_oop, x, y)
+
+    def _sendrecv(self, variant, p):
+        comm, tag = self.comm, SENDRECV_TAG
+        nxt, prev = (self.rank + 1) % self.n, (self.rank - 1) % self.n
+        s, r = alloc(p.count, p.dtype), alloc(p.count, p.dtype)
+        ms, mr = mpi_view(s), mpi_view(r)
+        return Case(lambda: comm.Sendrecv(ms, nxt, tag, mr, prev, tag), s, r)
 
     def version(self):
         from mpi4py import MPI
@@ -495,6 +534,36 @@ class MlfabricFamily(Family):
                 mlf.send(s, 0, tag=PINGPONG_TAG)
             return Case(run1, s, s)
         return idle_case()
+
+    def _alltoall(self, variant, p):
+        fn = self.mlf.alltoall
+        x = self._buf(variant, p.send_count, p.dtype)
+        box = [None]
+
+        def run():
+            box[0] = fn(x)[0]   # (out, recv_splits)
+        return Case(run, x, None, output=lambda: box[0])
+
+    def _reduce(self, variant, p):
+        x = self._buf(variant, p.send_count, p.dtype)
+        return self._returning(self.mlf.reduce, variant, x, p.recv_count, p.dtype,
+                               root=p.root, op=p.op)
+
+    def _sendrecv(self, variant, p):
+        """Even ranks send first and odd ranks receive first, so blocking calls never wait on
+        each other round the ring."""
+        mlf, tag = self.mlf, SENDRECV_TAG
+        nxt, prev = (self.rank + 1) % self.n, (self.rank - 1) % self.n
+        s, r = self._buf(variant, p.count, p.dtype), self._buf(variant, p.count, p.dtype)
+        if self.rank % 2 == 0:
+            def run():
+                mlf.send(s, nxt, tag=tag)
+                mlf.recv(r, prev, tag=tag)
+        else:
+            def run():
+                mlf.recv(r, prev, tag=tag)
+                mlf.send(s, nxt, tag=tag)
+        return Case(run, s, r)
 
     def version(self):
         return "mlfabric " + str(getattr(self.mlf, "__version__", "?"))

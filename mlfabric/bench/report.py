@@ -121,7 +121,7 @@ def preamble(args, nranks, sizes, variants, host):
     return "\n".join([
         f"# mlfabric.bench {args.coll}: {nranks} ranks on {host['nodes']} host(s), "
         f"dtype {args.dtype}" + (f", op {args.op}" if args.coll in REDUCING
-                                 else "") + (f", root {args.root}" if args.coll == "broadcast"
+                                 else "") + (f", root {args.root}" if args.coll in ("broadcast", "reduce")
                                              else "")
         + f", iters {args.iters}, warmup {args.warmup}",
         f"# sizes {human_size(sizes[0])} .. {human_size(sizes[-1])} {_step(args)} "

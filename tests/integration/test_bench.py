@@ -68,6 +68,8 @@ def test_busbw_factors():
     assert f["allgather"](4) == f["reduce_scatter"](4) == pytest.approx(0.75)
     assert f["broadcast"](4) == f["pingpong"](2) == 1.0
     assert f["allreduce"](1) == 0.0
+    assert f["alltoall"](4) == pytest.approx(0.75)     # nccl-tests' PERFORMANCE.md
+    assert f["reduce"](4) == f["sendrecv"](4) == 1.0
 
 
 def test_resolve_impls():
@@ -104,7 +106,9 @@ def test_check_accepts_correct_and_counts_wrong(coll, dtype):
     ops = ["sum", "prod", "min", "max"] + (["avg"] if dtype in driver.EPS else [])
     for op in ops if c.reduces else [None]:
         for n in (2, 3, 5):
-            p = params(coll, n, 1, 30 * n, dtype, op or "sum", root=n - 1)
+            # rank 1 is checked: the root of a reduce, a pingpong partner
+            root = 1 if coll == "reduce" else n - 1
+            p = params(coll, n, 1, 30 * n, dtype, op or "sum", root=root)
             out = correct_output(coll, p)
             assert driver.check_output(c, p, out) == 0, (coll, dtype, op, n)
             impls.write(out, 3, c.expected(p, 3, 5) + 1)           # two elements off by one
@@ -206,7 +210,8 @@ def bench(n, *args, tmp_path=None, timeout=TIMEOUT):
 QUICK = ("--iters", "3", "--warmup", "1", "--quiet")
 FACTOR = {"allreduce": lambda n: 2 * (n - 1) / n, "allgather": lambda n: (n - 1) / n,
           "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0,
-          "pingpong": lambda n: 1.0}
+          "pingpong": lambda n: 1.0, "alltoall": lambda n: (n - 1) / n, "reduce": lambda n: 1.0,
+          "sendrecv": lambda n: 1.0}
 ITEM = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8}
 
 
@@ -290,7 +295,8 @@ def test_mlfabric(coll, tmp_path):
     assert rc == 0, out
     names = {"allreduce": ["mlfabric", "mlfabric-oop", "mlfabric-shared", "mpi", "mpi-oop"],
              "broadcast": ["mlfabric", "mlfabric-shared", "mpi"],
-             "pingpong": ["mlfabric", "mlfabric-shared", "mpi"]}
+             "pingpong": ["mlfabric", "mlfabric-shared", "mpi"],
+             "sendrecv": ["mlfabric", "mlfabric-shared", "mpi"]}
     check_records(recs, coll, 3, names.get(coll, ["mlfabric", "mlfabric-shared", "mpi",
                                                   "mpi-oop"]))
 
@@ -529,3 +535,40 @@ def test_bad_nccl_tests_values_are_usage_errors(args, needle):
     rc, out, _ = bench(2, "allreduce", "--impl", "mpi", *QUICK, *args, timeout=60)
     assert_usage_error(rc, out, needle)
     assert out.count(needle) == 1       # said once (rank 0), not per rank
+
+
+# --- alltoall, reduce, sendrecv ------------------------------------------------------------------
+
+def test_new_collectives_expected_results():
+    """alltoall's block j is rank j's block `rank`; reduce is checked on the root only; sendrecv
+    receives the previous rank's input."""
+    n, count = 3, 6
+    p = params("alltoall", n, 1, count)
+    ins = [driver.pattern(p, r, np.arange(count)) for r in range(n)]
+    want = np.concatenate([ins[j][2:4] for j in range(n)])
+    assert np.array_equal(driver.COLLS["alltoall"].expected(p, 0, count), want)
+    p = params("sendrecv", n, 0, count)
+    assert np.array_equal(driver.COLLS["sendrecv"].expected(p, 0, count), ins[2])
+    c = driver.COLLS["reduce"]
+    assert driver.check_output(c, params("reduce", n, 1, count, root=0), None) == 0
+    assert driver.check_output(c, params("reduce", n, 0, count, root=0), None) == count
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("coll", ["alltoall", "reduce", "sendrecv"])
+def test_new_collectives(coll, n, tmp_path):
+    extra = ("-o", "avg", "-r", str(n - 1)) if coll == "reduce" else ()
+    rc, out, recs = bench(n, coll, "-b", "8", "-e", "1K", "-f", "4", "-n", "2", "-w", "1",
+                          "--impl", "mlfabric,mpi", "--quiet", *extra, tmp_path=tmp_path)
+    assert rc == 0, out
+    names = ["mlfabric", "mlfabric-shared", "mpi"] + (["mpi-oop"] if coll != "sendrecv" else [])
+    check_records(recs, coll, n, names)
+    assert "Out of bounds values : 0 OK" in out
+
+
+@pytest.mark.mpi
+def test_new_collectives_catch_wrong_results(tmp_path):
+    rc, out, recs = bench(2, "alltoall", "-b", "64", "-e", "64", "--impl", "mpi-oop",
+                          "--inject-error", *QUICK, tmp_path=tmp_path)
+    assert rc != 0 and recs and all(r["wrong"] == 1 for r in recs), out
