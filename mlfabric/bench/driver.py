@@ -327,11 +327,12 @@ def bench_case(comm, coll, family, variant, p, args):
     problem = agree(comm, problem)
     if problem:
         return None, problem
+    in_place = impls.same_memory(case.inbuf, case.output())   # rank 0's view is reported
     fill_case(coll, p, case)
     seconds = time_batch(comm, case.run, args.warmup, args.iters,
                          args.average) / coll.time_divisor
     if not args.check:  # -c 0: timed only, #wrong unknown
-        return make_record(coll, family, variant, p, args, seconds, None), None
+        return make_record(coll, family, variant, p, args, seconds, None, in_place), None
     fill_case(coll, p, case)  # the timed in-place iterations accumulated: start over for the check
     comm.Barrier()
     case.run()
@@ -339,10 +340,18 @@ def bench_case(comm, coll, family, variant, p, args):
     if args.inject_error:
         inject_error(coll, p, out)
     wrong = comm.allreduce(check_output(coll, p, out), op=MPI.SUM)
-    return make_record(coll, family, variant, p, args, seconds, wrong), None
+    return make_record(coll, family, variant, p, args, seconds, wrong, in_place), None
 
 
-def make_record(coll, family, variant, p, args, seconds, wrong):
+def add_in_place(records):
+    """An out-of-place record whose impl also has an in-place variant (mpi-oop beside mpi) also
+    carries that variant's results, under inplace_* keys."""
+    for _, oop, ip in report.pairs(records):
+        if oop is not None and ip is not None:
+            oop.update({"inplace_" + k: ip[k] for k in report.FORM_KEYS + ["impl"]})
+
+
+def make_record(coll, family, variant, p, args, seconds, wrong, in_place=False):
     algbw = p.nbytes / seconds / 1e9 if seconds > 0 else 0.0
     return {
         "impl": variant, "family": family.name, "coll": coll.name, "dtype": p.dtype,
@@ -350,6 +359,7 @@ def make_record(coll, family, variant, p, args, seconds, wrong):
         "send_count": p.send_count, "recv_count": p.recv_count, "ranks": p.nranks,
         "time_us": seconds * 1e6, "algbw": algbw, "busbw": algbw * coll.busbw_factor(p.nranks),
         "busbw_factor": coll.busbw_factor(p.nranks), "wrong": wrong, "checked": wrong is not None,
+        "in_place": in_place,
         "iters": args.iters, "warmup": args.warmup, "average": args.average,
         "algorithm": family.algorithm(variant, coll.name),
     }
@@ -568,13 +578,17 @@ class Run:
         for k, count in enumerate(counts):
             p = make_params(self.coll, self.args, count, self.comm.size, self.rank)
             self.progress(k, len(counts), p.nbytes)
+            done = []
             for family, variant in self.active:
                 rec, problem = bench_case(self.comm, self.coll, family, variant, p, self.args)
                 if problem:
                     self.note(problem[0], f"{variant} at {p.nbytes} B: {problem[1]}")
                     continue
-                self.records.append(rec)
-                self.say(report.table_row(rec))
+                done.append(rec)
+            self.records += done
+            add_in_place(done)
+            if done:
+                self.say(report.table_rows(done))
 
     def progress(self, k, total, nbytes):
         if self.rank == 0 and not self.args.quiet:

@@ -94,6 +94,21 @@ def read(buf, lo, hi):
     return buf[lo:hi].to(torch.float64).numpy()
 
 
+def _extent(buf):
+    """(address, bytes) of a numpy array's or torch tensor's elements."""
+    if is_numpy(buf):
+        return buf.__array_interface__["data"][0], buf.nbytes
+    return buf.data_ptr(), buf.numel() * buf.element_size()
+
+
+def same_memory(a, b):
+    """Whether two buffers overlap: the call then runs in place (None is never in place)."""
+    if a is None or b is None:
+        return False
+    (pa, na), (pb, nb) = _extent(a), _extent(b)
+    return pa < pb + nb and pb < pa + na
+
+
 def mpi_view(buf):
     """A numpy view of buf's memory that mpi4py can send (bfloat16 travels as raw 16-bit words)."""
     if is_numpy(buf):

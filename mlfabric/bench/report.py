@@ -9,18 +9,22 @@ import platform
 import socket
 import sys
 
-COLUMNS = [  # (header, unit, width, record key, format)
+CASE_COLUMNS = [  # (header, unit, width, record key, format)
     ("size", "(B)", 12, "bytes", "d"),
     ("count", "(elements)", 12, "count", "d"),
     ("type", "", 8, "dtype", "s"),
     ("redop", "", 6, "op", "s"),
     ("root", "", 4, "root", "d"),
     ("impl", "", -16, "impl", "s"),
+]
+FORM_COLUMNS = [  # one group for the out-of-place form, one for the in-place form (nccl-tests')
     ("time", "(us)", 10, "time_us", ".2f"),
     ("algbw", "(GB/s)", 8, "algbw", ".3f"),
     ("busbw", "(GB/s)", 8, "busbw", ".3f"),
     ("#wrong", "", 6, "wrong", "d"),
 ]
+COLUMNS = CASE_COLUMNS + FORM_COLUMNS + FORM_COLUMNS
+FORM_KEYS = [c[3] for c in FORM_COLUMNS]
 
 
 REDUCING = ("allreduce", "reduce_scatter", "reduce")
@@ -42,18 +46,55 @@ def _cells(values):
     return "  ".join(out)
 
 
+def _group_title(title):
+    width = sum(abs(c[2]) + 2 for c in FORM_COLUMNS) - 2
+    return f"{title:^{width}}"
+
+
 def table_header(coll):
     names = _cells([c[0] for c in COLUMNS])
     units = _cells([c[1] for c in COLUMNS])
-    lines = ["#", "#" + names[1:], "#" + units[1:]]
+    lead = sum(abs(c[2]) + 2 for c in CASE_COLUMNS) - 1
+    groups = ("#" + " " * lead + _group_title("out-of-place") + "  "
+              + _group_title("in-place")).rstrip()
+    lines = ["#", groups, "#" + names[1:], ("#" + units[1:]).rstrip()]
     if coll == "pingpong":
         lines.insert(1, "# pingpong: time = one-way latency (half the round trip), "
                         "algbw = busbw = size / time")
     return "\n".join(lines)
 
 
-def table_row(rec):
-    return _cells([_cell(rec.get(key), fmt) for _, _, _, key, fmt in COLUMNS])
+def pair_name(impl):
+    """The table row a variant belongs to: an `-oop` variant beside its in-place sibling."""
+    return impl[:-len("-oop")] if impl.endswith("-oop") else impl
+
+
+def pairs(records):
+    """[(row name, out-of-place record or None, in-place record or None)] in order."""
+    rows = {}
+    for r in records:
+        row = rows.setdefault(pair_name(r["impl"]), [None, None])
+        row[1 if r.get("in_place") else 0] = r
+    return [(name, oop, ip) for name, (oop, ip) in rows.items()]
+
+
+def table_row(oop, ip=None, name=None):
+    """One line: the case, then the out-of-place and in-place results ("n/a" for a form the
+    impl lacks). A single in-place record goes to the in-place group."""
+    if ip is None and oop is not None and oop.get("in_place"):
+        oop, ip = None, oop
+    first = oop or ip
+    case = dict(first, impl=name or first["impl"])
+    cells = [_cell(case.get(key), fmt) for _, _, _, key, fmt in CASE_COLUMNS]
+    for rec in (oop, ip):
+        cells += [("n/a" if rec is None else _cell(rec.get(key), fmt))
+                  for _, _, _, key, fmt in FORM_COLUMNS]
+    return _cells(cells)
+
+
+def table_rows(records):
+    """The lines of one size: a row per impl, its two forms side by side."""
+    return "\n".join(table_row(oop, ip, name) for name, oop, ip in pairs(records))
 
 
 def _cell(value, fmt):

@@ -164,6 +164,25 @@ def test_report_row_and_summary():
     assert report.human_size(1 << 20) == "1 MiB" and report.human_size(1536) == "1.5 KiB"
 
 
+def test_table_pairs_out_of_place_with_in_place():
+    base = {"bytes": 64, "count": 16, "dtype": "float32", "op": "sum", "root": -1,
+            "algbw": 1.0, "busbw": 1.5, "wrong": 0}
+    recs = [dict(base, impl="mpi", in_place=True, time_us=2.0),
+            dict(base, impl="mpi-oop", in_place=False, time_us=3.0),
+            dict(base, impl="gloo", in_place=True, time_us=9.0)]
+    assert [(n, o and o["impl"], i and i["impl"]) for n, o, i in report.pairs(recs)] == [
+        ("mpi", "mpi-oop", "mpi"), ("gloo", None, "gloo")]
+    mpi, gloo = report.table_rows(recs).splitlines()
+    assert mpi.split()[5:] == ["mpi", "3.00", "1.000", "1.500", "0", "2.00", "1.000", "1.500",
+                               "0"]
+    assert gloo.split()[6:10] == ["n/a"] * 4 and gloo.split()[10] == "9.00"
+    assert "out-of-place" in report.table_header("allreduce")
+    assert "in-place" in report.table_header("allreduce")
+    driver.add_in_place(recs)
+    assert recs[1]["inplace_time_us"] == 2.0 and recs[1]["inplace_impl"] == "mpi"
+    assert "inplace_time_us" not in recs[0] and "inplace_time_us" not in recs[2]
+
+
 def test_kernels_subcommand_is_routed(monkeypatch):
     import mlfabric.bench
     from mlfabric.bench import __main__ as entry
@@ -240,6 +259,13 @@ def test_allreduce_mpi(n, tmp_path):
     assert rc == 0, out
     check_records(recs, "allreduce", n, ["mpi", "mpi-oop"])
     assert sorted({r["bytes"] for r in recs}) == [8 * 4 ** k for k in range(7)]
+    by = {(r["impl"], r["bytes"]): r for r in recs}
+    for r in recs:          # the table's in-place group, kept in the out-of-place record too
+        assert r["in_place"] == (r["impl"] == "mpi")
+        if r["impl"] == "mpi-oop":
+            ip = by["mpi", r["bytes"]]
+            assert (r["inplace_time_us"], r["inplace_wrong"]) == (ip["time_us"], ip["wrong"])
+    assert "out-of-place" in out and "in-place" in out
     assert "#wrong" in out and "busbw relative to mpi" in out
     assert "Out of bounds values : 0 OK" in out
 
@@ -490,7 +516,7 @@ def test_nccl_tests_spellings_match_the_long_forms(tmp_path):
 
     def rows(out):
         return [ln.split()[:5] for ln in out.splitlines() if " float16 " in ln]
-    assert rows(out_s) == rows(out_l) and len(rows(out_s)) == len(recs_s)
+    assert rows(out_s) == rows(out_l) and len(rows(out_s)) == len(recs_s) // 2  # mpi | mpi-oop
 
 
 @pytest.mark.mpi
