@@ -1,7 +1,8 @@
 """The nccl-tests-style driver behind `mpirun -n N python -m mlfabric.bench COLL ...`. Owns the CLI,
 the size sweep, the table of collectives (how a size maps to element counts, the input pattern, the
-expected output, the busbw factor), warm-up, timing (per-iteration mean, max over ranks) and the
-element-wise result check. impls.py supplies the calls; report.py prints and saves the results.
+expected output, the busbw factor), the (dtype, op) cases of -d all / -o all, warm-up, timing
+(per-iteration mean, combined over ranks as nccl-tests' -a: max by default) and the element-wise
+result check (off with -c 0). impls.py supplies the calls; report.py prints and saves the results.
 """
 import argparse
 import os

@@ -1,6 +1,6 @@
-"""Presentation of the benchmark results: the nccl-tests-style table (streamed row by row), the
-ratio summary against a baseline impl, the JSON records, the busbw plot and the host description
-every record carries. Owns formats only; nothing here communicates except host_info()."""
+"""Presentation of the benchmark results: the nccl-tests-style table (streamed size by size, an
+impl's out-of-place and in-place forms side by side on one row), the ratio summary against a
+baseline impl, the JSON records, the busbw plot and the host description every record carries. Owns formats only; nothing here communicates except host_info()."""
 import datetime
 import json
 import math
