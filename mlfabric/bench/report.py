@@ -1,6 +1,7 @@
 """Presentation of the benchmark results: the nccl-tests-style table (streamed size by size, an
 impl's out-of-place and in-place forms side by side on one row), the ratio summary against a
-baseline impl, the JSON records, the busbw plot and the host description every record carries. Owns formats only; nothing here communicates except host_info()."""
+baseline impl, the JSON records, the busbw plot and the host description every record carries.
+Owns formats only; nothing here communicates except host_info()."""
 import datetime
 import json
 import math
@@ -28,6 +29,7 @@ FORM_KEYS = [c[3] for c in FORM_COLUMNS]
 
 
 REDUCING = ("allreduce", "reduce_scatter", "reduce")
+ROOTED = ("broadcast", "reduce")
 
 
 def human_size(n):
@@ -162,7 +164,7 @@ def preamble(args, nranks, sizes, variants, host):
     return "\n".join([
         f"# mlfabric.bench {args.coll}: {nranks} ranks on {host['nodes']} host(s), "
         f"dtype {args.dtype}" + (f", op {args.op}" if args.coll in REDUCING
-                                 else "") + (f", root {args.root}" if args.coll in ("broadcast", "reduce")
+                                 else "") + (f", root {args.root}" if args.coll in ROOTED
                                              else "")
         + f", iters {args.iters}, warmup {args.warmup}",
         f"# sizes {human_size(sizes[0])} .. {human_size(sizes[-1])} {_step(args)} "
