@@ -262,7 +262,7 @@ def _daemon_with(role, messages, dead=1):
                                requests=__import__("queue").SimpleQueue(),
                                wakeup=__import__("threading").Event())
     d = Daemon.__new__(Daemon)
-    d.rt, d.role, d.stop = rt, role, False
+    d.rt, d.role, d.stop, d.debug = rt, role, False, False
     d.reporter = types.SimpleNamespace(due=lambda now: False)
     d._data, d._voided = [], []
     return d
