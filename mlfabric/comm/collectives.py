@@ -204,6 +204,11 @@ ALGORITHMS = ("auto",) + tuple(_BACKEND)
 _log = logging.getLogger("mlfabric")
 _DEBUG = logging.DEBUG
 
+# Who hears each allreduce's backend as it runs: None, or a function (set by mlfabric.torch's
+# timeline while it records) that returns the list the call running on this thread collects
+# the names in (None: no such call). Read once per allreduce: the one cost when nothing listens.
+backend_sink = None
+
 
 def _choose(ctx, xb, gpu, algorithm):
     """The Backend that runs an allreduce of xb for algorithm= (see Backend), or the error that
@@ -240,12 +245,16 @@ def _allreduce(x, op, out, algorithm, async_):
     what = "allreduce"
     # a GPU array is wrapped, and its stream marked, on the caller's thread (see gpu_collectives)
     early = gpu_collectives.allreduce_now(x, out) if _device.is_device(x) else None
+    # asked on the caller's thread: prepare may run on the executor's
+    sink = backend_sink() if backend_sink is not None else None
 
     def prepare(ctx):
         gpu = None if early is None else early()
         xb = _buffers.wrap(x) if gpu is None else gpu[0]
         opc, avg = _dtypes.op_code(op, xb.code)
         backend = _choose(ctx, xb, gpu, algorithm)
+        if sink is not None:
+            sink.append(backend.name)
         return backend.run(ctx, xb, gpu, opc, avg, out, backend.name)
 
     return _run(what, prepare, async_)
@@ -360,6 +369,8 @@ def allreduce(x, op="sum", out=None, algorithm="auto"):
             except Exception:  # a MemoryError: the general path allocates it again, before its
                 res = None     # header exchange, so that the peers hear of it
             if res is not None and _run_direct(ctx, "allreduce", plan, arr, res):
+                if backend_sink is not None and (sink := backend_sink()) is not None:
+                    sink.append("shm")  # the direct path is the shm backend's
                 return _as_input(res, x, arr) if out is None else out
     return _allreduce(x, op, out, algorithm, False)
 

@@ -11,6 +11,9 @@ Owns the trace file of this rank and what goes in it. Per call, on this rank's r
     here is mostly waiting for the slowest rank to make the same call),
   - the rest of the call is the data: staging copies and the collective. For CUDA tensors it is
     the host's side (NCCL work launched, then waited for by the caller).
+  A call that ran allreduces names, in its args' "algorithm", the backend each took (the names
+  of mlfabric.comm.collectives.BACKENDS: shm, tree, rhd, ring, nccl; several, comma-separated,
+  in the order first used, where its allreduces took different ones), as auto resolved them.
 
 Each rank writes its own file (a collective-free design: a rank that stops early, crashes or
 hangs still leaves its trace): the path as given with one rank, else with the rank before the
@@ -27,9 +30,19 @@ import os
 import threading
 import time
 
+from ..comm import collectives as _coll
+
 ACTIVE = None  # the _Timeline being written, or None: the one check a call pays when off
 _LOCK = threading.Lock()
 _FLUSH_EVERY = 1.0  # seconds
+# Per thread: the backends of the allreduces of the recorded call running on it (a list; None
+# outside one). Per thread because process sets' queues run calls at the same time.
+_running = threading.local()
+
+
+def _backend_sink():
+    """collectives.backend_sink while recording: where this thread's call notes its backends."""
+    return getattr(_running, "backends", None)
 
 
 def now_us():
@@ -84,12 +97,17 @@ class _Timeline:
             # written now: a call that never returns (a hung peer) still shows it began
             self.span("QUEUE", kind, issued, start, tid=1, args={"call": what})
             self.current = rounds = []
+            outer = getattr(_running, "backends", None)
+            _running.backends = backends = []
             try:
                 return job(*args)
             finally:
                 end = now_us()
                 self.current = None
-                self.span(what, kind, start, end)
+                _running.backends = outer
+                self.span(what, kind, start, end,
+                          args={"algorithm": ", ".join(dict.fromkeys(backends))}
+                          if backends else None)
                 for t0, t1 in rounds:
                     self.span("NEGOTIATE", kind, t0, t1, args={"call": what})
         return timed
@@ -133,6 +151,7 @@ def start(path, rank, size):
     with _LOCK:
         stop()
         ACTIVE = _Timeline(target, rank)
+        _coll.backend_sink = _backend_sink
     return target
 
 
@@ -140,6 +159,7 @@ def stop():
     """Close the timeline, if one is being written (its file then complete JSON)."""
     global ACTIVE
     tl, ACTIVE = ACTIVE, None
+    _coll.backend_sink = None  # the allreduces pay one read again
     if tl is not None:
         tl.close()
 
