@@ -1,8 +1,12 @@
 """The nccl-tests-style driver behind `mpirun -n N python -m mlfabric.bench COLL ...`. Owns the CLI,
 the size sweep, the table of collectives (how a size maps to element counts, the input pattern, the
-expected output, the busbw factor), the (dtype, op) cases of -d all / -o all, warm-up, timing
-(per-iteration mean, combined over ranks as nccl-tests' -a: max by default) and the element-wise
-result check (off with -c 0). impls.py supplies the calls; report.py prints and saves the results.
+expected output, the busbw factor), the (dtype, op) cases of -d all / -o all, the buffer device
+(--device cpu, or cuda / nccl-tests' -g 1: GPU buffers, refused on every rank where a rank has no
+GPU), warm-up, timing (per-iteration mean, combined over ranks as nccl-tests' -a: max by default)
+and the element-wise result check (off with -c 0). Every record names the allreduce algorithm
+asked for ("algorithm") and the backend mlfabric resolved it to for that buffer ("backend").
+impls.py supplies the calls; report.py prints and saves the results. open_run() is the piece the
+benchmarks/gpu_collectives.py wrapper shares.
 """
 import argparse
 import os
@@ -28,8 +32,9 @@ DTYPE_NAMES = {"float": "float32", "half": "float16", "double": "float64", "floa
                "int32": "int32", "int": "int32", "int64": "int64"}
 # nccl-tests' -a: how one time is made of the ranks' times
 AVERAGE_MODES = {0: "rank 0", 1: "mean over ranks", 2: "min over ranks", 3: "max over ranks"}
-GPU_HINT = "GPU runs: use benchmarks/gpu_collectives.py"
-ALGORITHMS = ("auto", "shm", "ring", "rhd", "tree")
+DEVICES = ("cpu", "cuda")
+ALGORITHMS = ("auto", "shm", "ring", "rhd", "tree", "nccl")
+GPU_ALGORITHMS = ("auto", "nccl")   # GPU buffers move over NCCL, which picks its own algorithm
 SENTINEL = 16384    # written to outputs before a run: exact in every dtype, and no input or
                     # expected value reaches it (|values| <= 256 up to 256 ranks, <= n beyond)
 CHUNK = 1 << 20     # elements per step when filling and checking, to bound temporary memory
@@ -333,7 +338,8 @@ def bench_case(comm, coll, family, variant, p, args):
     seconds = time_batch(comm, case.run, args.warmup, args.iters,
                          args.average) / coll.time_divisor
     if not args.check:  # -c 0: timed only, #wrong unknown
-        return make_record(coll, family, variant, p, args, seconds, None, in_place), None
+        return make_record(coll, family, variant, p, args, seconds, None, in_place,
+                           case.backend), None
     fill_case(coll, p, case)  # the timed in-place iterations accumulated: start over for the check
     comm.Barrier()
     case.run()
@@ -341,7 +347,8 @@ def bench_case(comm, coll, family, variant, p, args):
     if args.inject_error:
         inject_error(coll, p, out)
     wrong = comm.allreduce(check_output(coll, p, out), op=MPI.SUM)
-    return make_record(coll, family, variant, p, args, seconds, wrong, in_place), None
+    return make_record(coll, family, variant, p, args, seconds, wrong, in_place,
+                       case.backend), None
 
 
 def add_in_place(records):
@@ -352,7 +359,7 @@ def add_in_place(records):
             oop.update({"inplace_" + k: ip[k] for k in report.FORM_KEYS + ["impl"]})
 
 
-def make_record(coll, family, variant, p, args, seconds, wrong, in_place=False):
+def make_record(coll, family, variant, p, args, seconds, wrong, in_place=False, backend=None):
     algbw = p.nbytes / seconds / 1e9 if seconds > 0 else 0.0
     return {
         "impl": variant, "family": family.name, "coll": coll.name, "dtype": p.dtype,
@@ -362,7 +369,8 @@ def make_record(coll, family, variant, p, args, seconds, wrong, in_place=False):
         "busbw_factor": coll.busbw_factor(p.nranks), "wrong": wrong, "checked": wrong is not None,
         "in_place": in_place,
         "iters": args.iters, "warmup": args.warmup, "average": args.average,
-        "algorithm": family.algorithm(variant, coll.name),
+        "algorithm": family.algorithm(variant, coll.name), "backend": backend,
+        "device": args.device,
     }
 
 
@@ -381,8 +389,9 @@ def build_parser(rank=0):
     p = _Parser(
         prog="python -m mlfabric.bench",
         description="Collective microbenchmarks in the style of nccl-tests: run under "
-                    "`mpirun -n N`. (`python -m mlfabric.bench kernels -h`: the single-process "
-                    "kernel benchmark.)",
+                    "`mpirun -n N`, on CPU buffers or (--device cuda, -g 1) one GPU per rank. "
+                    "(`python -m mlfabric.bench kernels -h`: the single-process kernel "
+                    "benchmark.)",
         epilog="Sizes are bytes of the per-rank buffer: allreduce/broadcast/reduce the buffer, "
                "allgather the gathered output, reduce_scatter and alltoall the input, pingpong "
                "and sendrecv the message. See "
@@ -395,9 +404,11 @@ def build_parser(rank=0):
                    help="size factor (default 2 unless -i is given)")
     p.add_argument("-i", "--stepbytes", default=None,
                    help="size increment (an additive sweep, as nccl-tests' -i; not with -f > 1)")
-    p.add_argument("--impl", default="mlfabric,mpi,gloo",
-                   help="comma-separated families (mlfabric, hvd, mpi, gloo) or variants "
-                        f"({', '.join(impls.VARIANT_FAMILY)}); default mlfabric,mpi,gloo")
+    p.add_argument("--impl", default=None,
+                   help="comma-separated families or variants. CPU: "
+                        f"{impls.known_names('cpu')}; default {impls.DEFAULT_IMPLS['cpu']}. "
+                        f"GPU: {impls.known_names('cuda')}; default "
+                        f"{impls.DEFAULT_IMPLS['cuda']}")
     p.add_argument("--dtype", "-d", default="float32", type=dtype_name,
                    help=f"{', '.join(DTYPES)}, nccl-tests' float, half, double, or all "
                         "(default float32)")
@@ -414,14 +425,18 @@ def build_parser(rank=0):
                         "ranks (default 3)")
     p.add_argument("--timeout", "-T", type=float, default=None, metavar="SECONDS",
                    help="seconds a rank waits for its peers in one call (MLFABRIC_TIMEOUT)")
-    p.add_argument("--ngpus", "-g", type=int, default=0,
-                   help="GPUs per rank: only 0 (CPU buffers); " + GPU_HINT)
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
-                   help="buffer device: cpu only; " + GPU_HINT)
+    p.add_argument("--ngpus", "-g", type=int, default=None,
+                   help="GPUs per rank, as nccl-tests' -g: 0 (CPU buffers) or 1 (= --device "
+                        "cuda)")
+    p.add_argument("--device", default=None, choices=DEVICES,
+                   help="buffer device: cpu (the default) or cuda (one GPU per rank: mlfabric's "
+                        "NCCL path beside torch.distributed's NCCL backend)")
     p.add_argument("--algorithm", default="auto", choices=ALGORITHMS,
-                   help="mlfabric allreduce algorithm (default auto)")
-    p.add_argument("--baseline", default="mpi",
-                   help="impl (family or variant) the summary divides by (default mpi)")
+                   help="mlfabric allreduce algorithm asked for (default auto; GPU buffers: "
+                        "auto or nccl); records also name the backend it resolves to")
+    p.add_argument("--baseline", default=None,
+                   help="impl (family or variant) the summary divides by (default mpi; GPU: "
+                        "torch-nccl)")
     p.add_argument("--json", "-J", metavar="FILE", type=output_path,
                    help="write the records as a JSON list (rank 0)")
     p.add_argument("--plot", metavar="FILE.png", type=output_path,
@@ -462,18 +477,39 @@ def combos(args):
             or not COLLS[args.coll].reduces]
 
 
+def resolve_device(args):
+    """The buffer device of --device and nccl-tests' -g (GPUs per rank: 0 or 1), which must
+    agree; fills in the device's default --impl and --baseline."""
+    if args.ngpus is not None and args.ngpus not in (0, 1):
+        raise UsageError(f"-g {args.ngpus}: mlfabric.bench uses one GPU per rank (-g 1) or none "
+                         "(-g 0); run one rank per GPU")
+    from_g = None if args.ngpus is None else ("cuda" if args.ngpus == 1 else "cpu")
+    if args.device is not None and from_g is not None and args.device != from_g:
+        raise UsageError(f"-g {args.ngpus} contradicts --device {args.device}")
+    args.device = args.device or from_g or "cpu"
+    if args.impl is None:
+        args.impl = impls.DEFAULT_IMPLS[args.device]
+    if args.baseline is None:
+        args.baseline = "torch-nccl" if args.device == "cuda" else "mpi"
+    if args.device == "cuda" and args.algorithm not in GPU_ALGORITHMS:
+        raise UsageError(f"--algorithm {args.algorithm}: GPU buffers move over NCCL, which "
+                         "picks its own algorithm (--algorithm auto or nccl)")
+    if args.device == "cpu" and args.algorithm == "nccl":
+        raise UsageError("--algorithm nccl moves GPU buffers: add --device cuda")
+    return args.device
+
+
 def validate(args, nranks):
-    """Resolve sizes and impls; UsageError (the same on every rank) for anything wrong."""
+    """Resolve the device, sizes and impls; UsageError (the same on every rank) for anything
+    wrong."""
+    device = resolve_device(args)
     try:
         factor, inc = resolve_steps(args)
         args.stepfactor, args.stepbytes = factor, inc
         sizes = size_sweep(parse_size(args.minbytes), parse_size(args.maxbytes), factor, inc)
-        variants = impls.resolve(args.impl)
+        variants = impls.resolve(args.impl, device)
     except ValueError as e:
         raise UsageError(str(e))
-    if args.ngpus != 0 or args.device != "cpu":
-        raise UsageError(f"mlfabric.bench measures CPU buffers only (-g 0, --device cpu); "
-                         f"{GPU_HINT}")
     if args.timeout is not None and not args.timeout > 0:
         raise UsageError(f"-T must be > 0 seconds, got {args.timeout}")
     if args.op == "avg" and args.dtype.startswith("int"):
@@ -491,12 +527,12 @@ def validate(args, nranks):
     return sizes, variants
 
 
-def resolve_baseline(name, variant_names):
+def resolve_baseline(name, variant_names, device="cpu"):
     """The variant the summary divides by: a variant name, or the first variant of a family."""
     if name in variant_names:
         return name
     for v in variant_names:
-        if impls.VARIANT_FAMILY.get(v) == name:
+        if impls.variant_family(device).get(v) == name:
             return v
     return None
 
@@ -513,7 +549,7 @@ class Run:
         self.families, self.active, self.records = {}, [], []
         self.ran = []   # every variant that ran a case, in order (the summary's columns)
         self.failed = False
-        self.headed = False
+        self.headed = None  # the collective whose table header was printed last
         self.named = {s.strip() for s in args.impl.split(",")}
         self.out = sys.stdout
 
@@ -532,9 +568,10 @@ class Run:
                 self.families[fam_name] = self._setup_family(fam_name)
 
     def select(self, args):
-        """Make `args` (one dtype and op) the current case; keep the variants that support this
-        collective, dtype and op."""
+        """Make `args` (one collective, dtype and op) the current case; keep the variants that
+        support this collective, dtype and op."""
         self.args, self.active = args, []
+        self.coll = COLLS[args.coll]
         for fam_name, variant in self.variants:
             family = self.families[fam_name]
             if family is None:
@@ -551,7 +588,7 @@ class Run:
                     self.ran.append(variant)
 
     def _setup_family(self, name):
-        family = impls.FAMILIES[name]()
+        family = impls.families(self.args.device)[name]()
         problem = agree(self.comm, _kind_of(name, family.available()))
         if problem is None:
             _, problem = _attempt(lambda: family.setup(self.comm, self.args))
@@ -568,28 +605,34 @@ class Run:
             except Exception as e:
                 print(f"[rank {self.rank}] {family.name} shutdown failed: {e}", file=sys.stderr)
 
-    def sweep(self):
+    def sweep(self, reverse=False):
+        """Every size of the current case, the variants in order (reversed with `reverse`, so
+        that alternate sweeps give each variant the same drift in machine load). Returns the
+        records made."""
         counts, dropped = plan_counts(self.coll, self.sizes, self.args.dtype, self.comm.size)
         for s in dropped:
             self.note("skip", f"size {s} B holds no whole element per rank for "
                               f"{self.coll.name}/{self.args.dtype} on {self.comm.size} ranks")
-        if not self.headed:
+        if self.headed != self.coll.name:
             self.say(report.table_header(self.coll.name))
-            self.headed = True
+            self.headed = self.coll.name
+        made = []
         for k, count in enumerate(counts):
             p = make_params(self.coll, self.args, count, self.comm.size, self.rank)
             self.progress(k, len(counts), p.nbytes)
             done = []
-            for family, variant in self.active:
+            for family, variant in (self.active[::-1] if reverse else self.active):
                 rec, problem = bench_case(self.comm, self.coll, family, variant, p, self.args)
                 if problem:
                     self.note(problem[0], f"{variant} at {p.nbytes} B: {problem[1]}")
                     continue
                 done.append(rec)
             self.records += done
+            made += done
             add_in_place(done)
             if done:
                 self.say(report.table_rows(done))
+        return made
 
     def progress(self, k, total, nbytes):
         if self.rank == 0 and not self.args.quiet:
@@ -604,7 +647,7 @@ class Run:
         names = self.ran
         wrong = sum(r["wrong"] or 0 for r in self.records)
         if self.rank == 0:
-            base = resolve_baseline(self.args.baseline, names)
+            base = resolve_baseline(self.args.baseline, names, self.args.device)
             if base is None and names:
                 self.note("skip", f"baseline {self.args.baseline!r} did not run; "
                                   f"using {names[0]}")
@@ -622,14 +665,34 @@ class Run:
 
 
 def _kind_of(family_name, reason):
-    """An unavailable family: a skip for gloo (torch is optional), an error for mlfabric."""
+    """An unavailable family: a skip for gloo and torch-nccl (torch is optional), an error for
+    mlfabric."""
     if reason is None:
         return None
-    return ("skip" if family_name == "gloo" else "error", reason)
+    return ("skip" if family_name in ("gloo", "torch-nccl") else "error", reason)
 
 
-def run(args, comm):
+def check_cuda(comm):
+    """UsageError, the same on every rank, unless every rank sees a GPU."""
+    problems = comm.allgather(impls.cuda_problem())
+    bad = [r for r, problem in enumerate(problems) if problem]
+    if not bad:
+        return
+    if len(bad) == comm.size:
+        who = "every rank" if comm.size > 1 else "rank 0"
+    else:
+        who = ("rank " if len(bad) == 1 else "ranks ") + ", ".join(map(str, bad))
+    raise UsageError(f"no CUDA device: {problems[bad[0]]} ({who}); --device cuda (-g 1) "
+                     "needs one GPU per rank")
+
+
+def open_run(args, comm):
+    """Validate `args` (UsageError), claim the GPUs (--device cuda), print the preamble and set
+    the families up: (Run, host description, the (dtype, op) cases). The caller sweeps, then
+    calls Run.shutdown() and Run.finish(host)."""
     sizes, variants = validate(args, comm.size)
+    if args.device == "cuda":
+        check_cuda(comm)
     impls.limit_threads()
     if args.plot and comm.rank == 0:
         missing = report.plot_unavailable()
@@ -640,14 +703,23 @@ def run(args, comm):
         raise UsageError(missing)
     if args.timeout is not None:  # read by mlfabric when its families set up
         os.environ["MLFABRIC_TIMEOUT"] = repr(args.timeout)
+    args.cuda_device = None
+    host = report.host_info(comm)
+    if args.device == "cuda":  # before any family creates an NCCL communicator
+        args.cuda_device, shared = impls.cuda_setup(comm)
+        host.update(report.gpu_info(comm, args.cuda_device, shared))
     cases = combos(args)
     bench = Run(args, comm, sizes, variants)
-    host = report.host_info(comm)
     shown = argparse.Namespace(**dict(vars(args), dtype=",".join(sorted({d for d, _ in cases},
                                                                         key=DTYPES.index)),
                                       op=",".join(dict.fromkeys(o for _, o in cases))))
     bench.say(report.preamble(shown, comm.size, sizes, variants, host))
     bench.setup()
+    return bench, host, cases
+
+
+def run(args, comm):
+    bench, host, cases = open_run(args, comm)
     for dtype, op in cases:
         bench.select(argparse.Namespace(**dict(vars(args), dtype=dtype, op=op)))
         bench.sweep()

@@ -1,9 +1,12 @@
-"""The implementations the driver compares, by family: mlfabric (mlfabric, mlfabric-oop,
-mlfabric-shared), hvd (mlfabric.torch's Horovod API on CPU tensors), mpi (mpi, mpi-oop: mpi4py
-buffer calls) and gloo (torch.distributed on CPU).
+"""The implementations the driver compares, by family. On CPU buffers (--device cpu): mlfabric
+(mlfabric, mlfabric-oop, mlfabric-shared), hvd (mlfabric.torch's Horovod API on CPU tensors), mpi
+(mpi, mpi-oop: mpi4py buffer calls) and gloo (torch.distributed on CPU). On GPU buffers
+(--device cuda, CUDA torch tensors): mlfabric (mlfabric, mlfabric-oop: mlfabric's NCCL path) and
+torch-nccl (torch.distributed's NCCL backend, each call followed by a stream synchronize).
 Owns buffer allocation in each implementation's native kind (numpy array, torch tensor, mlfabric
-shared buffer) and the one call each collective makes; never times or checks anything (driver.py
-does). mlfabric and torch are imported lazily, inside their family.
+shared buffer, CUDA tensor), claiming this rank's GPU (cuda_setup), the one call each collective
+makes and the backend mlfabric resolves for it; never times or checks anything (driver.py does).
+mlfabric and torch are imported lazily, inside their family.
 """
 import inspect
 import os
@@ -51,13 +54,14 @@ def torch_dtype(torch, name):
     return getattr(torch, name)
 
 
-def alloc(count, dtype, kind="numpy"):
-    """An uninitialised 1-D buffer of count elements: numpy unless kind == 'torch' or bfloat16."""
-    if kind == "torch" or dtype == "bfloat16":
+def alloc(count, dtype, kind="numpy", device=None):
+    """An uninitialised 1-D buffer of count elements: numpy unless kind == 'torch', bfloat16 or
+    a device (a torch.device: a tensor there)."""
+    if kind == "torch" or dtype == "bfloat16" or device is not None:
         torch = import_torch()
         if torch is None:
             raise Unsupported(f"{dtype} torch buffers need torch, which is not installed")
-        return torch.empty(count, dtype=torch_dtype(torch, dtype))
+        return torch.empty(count, dtype=torch_dtype(torch, dtype), device=device)
     return np.empty(count, dtype=dtype)
 
 
@@ -87,11 +91,12 @@ def fill_const(buf, value):
 
 
 def read(buf, lo, hi):
-    """buf[lo:hi] as a float64 numpy array (exact for the small integers the driver writes)."""
+    """buf[lo:hi] as a float64 numpy array (exact for the small integers the driver writes); a
+    GPU tensor's elements are copied to the host (which waits for the work queued on them)."""
     if is_numpy(buf):
         return np.asarray(buf[lo:hi], dtype=np.float64)
     torch = import_torch()
-    return buf[lo:hi].to(torch.float64).numpy()
+    return buf[lo:hi].to(torch.float64).cpu().numpy()
 
 
 def _extent(buf):
@@ -126,11 +131,12 @@ class Case:
     (None: the call allocates its output) before running; output() is what it then checks. Either
     may be None on a rank that takes no part (pingpong's idle ranks)."""
 
-    def __init__(self, run, inbuf, outbuf=None, output=None):
+    def __init__(self, run, inbuf, outbuf=None, output=None, backend=None):
         self.run = run
         self.inbuf = inbuf
         self.outbuf = outbuf
         self._output = output
+        self.backend = backend  # what mlfabric resolved the algorithm to, where it chooses
 
     def output(self):
         return self._output() if self._output is not None else self.outbuf
@@ -181,7 +187,8 @@ class Family:
         return None
 
     def algorithm(self, variant, coll):
-        """The algorithm a record reports for this variant (None where there is no choice)."""
+        """The algorithm a record reports for this variant as asked (None where there is no
+        choice); the backend it resolves to for a buffer is the prepared Case's `backend`."""
         return None
 
 
@@ -346,6 +353,9 @@ class GlooFamily(Family):
             return "gloo skipped: this torch build has no gloo backend"
         return None
 
+    backend = "gloo"
+    device = None   # where the tensors live: None for the CPU
+
     def setup(self, comm, opts):
         super().setup(comm, opts)
         import torch
@@ -356,8 +366,11 @@ class GlooFamily(Family):
         port = comm.bcast(free_port() if self.rank == 0 else None, root=0)
         os.environ["MASTER_ADDR"] = os.environ.get("MLFABRIC_BENCH_MASTER_ADDR", addr)
         os.environ["MASTER_PORT"] = str(port)
-        dist.init_process_group("gloo", rank=self.rank, world_size=self.n,
-                                timeout=timedelta(seconds=300))
+        kw = {}
+        if self.device is not None and has_kwarg(dist.init_process_group, "device_id"):
+            kw["device_id"] = self.device   # NCCL binds its communicator to the GPU at once
+        dist.init_process_group(self.backend, rank=self.rank, world_size=self.n,
+                                timeout=timedelta(seconds=300), **kw)
         # Newer torch renames the tensor-in/tensor-out collectives; use whichever exists.
         self.all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         self.reduce_scatter = (getattr(dist, "reduce_scatter_single", None)
@@ -380,7 +393,7 @@ class GlooFamily(Family):
         return lambda t: None
 
     def _tensor(self, count, dtype):
-        return alloc(count, dtype, kind="torch")
+        return alloc(count, dtype, kind="torch", device=self.device)
 
     def _allreduce(self, variant, p):
         dist, op, post = self.dist, self._op(p), self._post(p)
@@ -504,10 +517,12 @@ class MlfabricFamily(Family):
         return pooled[1][:count]
 
     def _allreduce(self, variant, p):
+        from mlfabric.comm.collectives import chosen_backend
         mlf, op, alg = self.mlf, p.op, self.opts.algorithm
         x = self._buf(variant, p.count, p.dtype)
         y = self._buf(variant, p.count, p.dtype) if variant == "mlfabric-oop" else x
-        return Case(lambda: mlf.allreduce(x, op=op, out=y, algorithm=alg), x, y)
+        return Case(lambda: mlf.allreduce(x, op=op, out=y, algorithm=alg), x, y,
+                    backend=chosen_backend(x, alg))
 
     def _broadcast(self, variant, p):
         mlf, root = self.mlf, p.root
@@ -650,29 +665,173 @@ class HvdFamily(Family):
         return "mlfabric.torch " + str(getattr(sys.modules.get("mlfabric"), "__version__", "?"))
 
 
-FAMILIES = {"mlfabric": MlfabricFamily, "hvd": HvdFamily, "mpi": MpiFamily, "gloo": GlooFamily}
+# --- GPU buffers (--device cuda): CUDA torch tensors, one GPU per rank ------------------------
+
+def cuda_problem():
+    """Why this process cannot run the GPU benchmark, or None (local: no communication)."""
+    torch = import_torch()
+    if torch is None:
+        return "torch is not installed (GPU buffers are CUDA torch tensors)"
+    try:
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception as e:  # a broken driver install: say what torch says
+        return f"torch.cuda failed: {type(e).__name__}: {e}"
+    if count == 0:
+        return (f"torch {torch.__version__} sees no GPU (torch.cuda.is_available() is False; "
+                f"its CUDA build: {torch.version.cuda or 'none'})")
+    return None
+
+
+def cuda_setup(comm):
+    """Claim this rank's GPU (local rank modulo the host's GPUs) and make it torch's current
+    device; returns (torch.device, shared). Collective over comm.
+
+    With fewer GPUs than ranks on the host, every rank claims a host of its own for NCCL
+    (NCCL_HOSTID; mlfabric's MLFABRIC_NCCL_SHARE_GPU=1 does the same), so several ranks share
+    one GPU through NCCL's socket transport: the numbers then measure the two libraries'
+    overheads over the same transport, not what a GPU interconnect carries. Runs before either
+    library creates an NCCL communicator, which reads these variables."""
+    from mpi4py import MPI
+    import torch
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+    try:
+        count = torch.cuda.device_count()
+        shared = comm.allreduce(int(count < local.size), op=MPI.MAX) == 1
+        if shared:
+            os.environ["NCCL_HOSTID"] = f"{socket.gethostname()}-bench-rank{comm.rank}"
+            os.environ["MLFABRIC_NCCL_SHARE_GPU"] = "1"
+        device = torch.device("cuda", local.rank % count)
+    finally:
+        local.Free()
+    torch.cuda.set_device(device)
+    return device, shared
+
+
+class MlfabricGpuFamily(MlfabricFamily):
+    """mlfabric's public API on CUDA tensors (its NCCL path; every call returns once NCCL is
+    done): `mlfabric` in place, `mlfabric-oop` into a preallocated out (allreduce). Shared
+    buffers are host memory, and point-to-point calls move host arrays only."""
+    variants = ("mlfabric", "mlfabric-oop")
+    HOST_ONLY = ("pingpong", "sendrecv")
+
+    def available(self):
+        reason = super().available()
+        if reason is not None:
+            return reason
+        from mlfabric.comm import nccl
+        try:
+            nccl.library()
+        except Exception as e:
+            return f"mlfabric's GPU path cannot load NCCL: {e}"
+        return None
+
+    def missing(self, coll):
+        if coll in self.HOST_ONLY:
+            return f"mlfabric's {coll} moves host arrays only (no GPU path)"
+        return super().missing(coll)
+
+    def _buf(self, variant, count, dtype):
+        return alloc(count, dtype, device=self.opts.cuda_device)
+
+    def version(self):
+        from mlfabric.comm import nccl
+        return f"{super().version()} (NCCL {nccl.version()})"
+
+
+class TorchNcclFamily(GlooFamily):
+    """torch.distributed with the NCCL backend on CUDA tensors; each call is followed by a
+    synchronize of the GPU, so it is timed to completion as mlfabric's blocking calls are."""
+    name = "torch-nccl"
+    variants = ("torch-nccl",)
+    backend = "nccl"
+
+    def available(self):
+        torch = import_torch()
+        if torch is None:
+            return "torch-nccl skipped: torch is not installed"
+        import torch.distributed as dist
+        if not dist.is_available() or not dist.is_nccl_available():
+            return "torch-nccl skipped: this torch build has no NCCL backend"
+        return None
+
+    def setup(self, comm, opts):
+        self.device = opts.cuda_device
+        super().setup(comm, opts)
+
+    def prepare(self, variant, coll, p):
+        case = super().prepare(variant, coll, p)
+        call, sync, device = case.run, self.torch.cuda.synchronize, self.device
+
+        def run():
+            call()
+            sync(device)
+        case.run = run
+        return case
+
+    def _alltoall(self, variant, p):
+        dist = self.dist
+        x, y = self._tensor(p.send_count, p.dtype), self._tensor(p.recv_count, p.dtype)
+        return Case(lambda: dist.all_to_all_single(y, x), x, y)
+
+    def _reduce(self, variant, p):
+        dist, op, root = self.dist, self._op(p), p.root
+        post = self._post(p) if self.rank == root else (lambda t: None)
+        x = self._tensor(p.send_count, p.dtype)
+
+        def run():
+            dist.reduce(x, root, op=op)
+            post(x)
+        return Case(run, x, x)
+
+    def version(self):
+        return "torch %s (NCCL %s)" % (self.torch.__version__,
+                                       ".".join(map(str, self.torch.cuda.nccl.version())))
+
+
+# the families of each buffer device (--device)
+DEVICE_FAMILIES = {
+    "cpu": {"mlfabric": MlfabricFamily, "hvd": HvdFamily, "mpi": MpiFamily, "gloo": GlooFamily},
+    "cuda": {"mlfabric": MlfabricGpuFamily, "torch-nccl": TorchNcclFamily},
+}
+DEFAULT_IMPLS = {"cpu": "mlfabric,mpi,gloo", "cuda": "mlfabric,torch-nccl"}
+FAMILIES = DEVICE_FAMILIES["cpu"]
 VARIANT_FAMILY = {v: f for f, cls in FAMILIES.items() for v in cls.variants}
 
 
-def known_names():
-    return ", ".join(f"{f} ({', '.join(cls.variants)})" for f, cls in FAMILIES.items())
+def families(device="cpu"):
+    return DEVICE_FAMILIES[device]
 
 
-def resolve(spec):
+def variant_family(device="cpu"):
+    """variant name -> family name, for the families of `device`."""
+    return {v: f for f, cls in families(device).items() for v in cls.variants}
+
+
+def known_names(device="cpu"):
+    return ", ".join(f"{f} ({', '.join(cls.variants)})" for f, cls in families(device).items())
+
+
+def resolve(spec, device="cpu"):
     """'mlfabric,mpi-oop' -> [('mlfabric', 'mlfabric'), ..., ('mpi', 'mpi-oop')]: family names
     expand to all their variants, variant names stand for themselves; order kept, duplicates
-    dropped. ValueError naming the known names for anything else."""
+    dropped. ValueError naming the known names (of the families of `device`) for anything
+    else."""
+    fams, by_variant = families(device), variant_family(device)
     out = []
     for name in (s.strip() for s in spec.split(",")):
         if not name:
             continue
-        if name in FAMILIES:
-            pairs = [(name, v) for v in FAMILIES[name].variants]
-        elif name in VARIANT_FAMILY:
-            pairs = [(VARIANT_FAMILY[name], name)]
+        if name in fams:
+            pairs = [(name, v) for v in fams[name].variants]
+        elif name in by_variant:
+            pairs = [(by_variant[name], name)]
         else:
-            raise ValueError(f"unknown implementation {name!r}; known: {known_names()}")
+            other = [d for d in DEVICE_FAMILIES if d != device
+                     and (name in DEVICE_FAMILIES[d] or name in variant_family(d))]
+            where = f" (it runs with --device {other[0]})" if other else ""
+            raise ValueError(f"unknown implementation {name!r} for --device {device}{where}; "
+                             f"known: {known_names(device)}")
         out += [pr for pr in pairs if pr not in out]
     if not out:
-        raise ValueError(f"--impl names no implementation; known: {known_names()}")
+        raise ValueError(f"--impl names no implementation; known: {known_names(device)}")
     return out

@@ -1,7 +1,8 @@
 """Presentation of the benchmark results: the nccl-tests-style table (streamed size by size, an
-impl's out-of-place and in-place forms side by side on one row), the ratio summary against a
-baseline impl, the JSON records, the busbw plot and the host description every record carries.
-Owns formats only; nothing here communicates except host_info()."""
+impl's out-of-place and in-place forms side by side on one row, with the backend mlfabric
+resolved its algorithm to), the ratio summary against a baseline impl, the JSON records, the
+busbw plot and the host (and GPU) description every record carries. Owns formats only; nothing
+here communicates except host_info() and gpu_info()."""
 import datetime
 import json
 import math
@@ -17,6 +18,7 @@ CASE_COLUMNS = [  # (header, unit, width, record key, format)
     ("redop", "", 6, "op", "s"),
     ("root", "", 4, "root", "d"),
     ("impl", "", -16, "impl", "s"),
+    ("backend", "", -7, "backend", "s"),   # what mlfabric's algorithm resolved to ("-": no choice)
 ]
 FORM_COLUMNS = [  # one group for the out-of-place form, one for the in-place form (nccl-tests')
     ("time", "(us)", 10, "time_us", ".2f"),
@@ -86,12 +88,19 @@ def table_row(oop, ip=None, name=None):
     if ip is None and oop is not None and oop.get("in_place"):
         oop, ip = None, oop
     first = oop or ip
-    case = dict(first, impl=name or first["impl"])
+    case = dict(first, impl=name or first["impl"], backend=row_backend(oop, ip))
     cells = [_cell(case.get(key), fmt) for _, _, _, key, fmt in CASE_COLUMNS]
     for rec in (oop, ip):
         cells += [("n/a" if rec is None else _cell(rec.get(key), fmt))
                   for _, _, _, key, fmt in FORM_COLUMNS]
     return _cells(cells)
+
+
+def row_backend(oop, ip):
+    """The backend cell of a row: the forms' resolved backend ("-" where the impl has no
+    choice), both as out-of-place/in-place where they differ."""
+    names = list(dict.fromkeys((r.get("backend") or "-") for r in (oop, ip) if r is not None))
+    return "/".join(names)
 
 
 def table_rows(records):
@@ -169,9 +178,13 @@ def preamble(args, nranks, sizes, variants, host):
         + f", iters {args.iters}, warmup {args.warmup}",
         f"# sizes {human_size(sizes[0])} .. {human_size(sizes[-1])} {_step(args)} "
         f"({len(sizes)}); impls {', '.join(v for _, v in variants)}; "
-        f"mlfabric allreduce algorithm {args.algorithm}",
+        f"mlfabric allreduce algorithm {args.algorithm} (the backend column: what it resolves "
+        f"to)",
         f"# host {host['hostname']} ({host['cpu_count']} cpus); {libs}",
-    ])
+    ] + ([f"# device cuda: {host.get('gpu')}"
+          + (", ranks share it over NCCL's socket transport" if host.get("gpus_shared")
+             else "") + (f"; NCCL {host['nccl_version']}" if host.get("nccl_version") else "")]
+         if getattr(args, "device", "cpu") == "cuda" else []))
 
 
 def _step(args):
@@ -252,6 +265,19 @@ def _dist_version(name):
 
 def mlfabric_version():
     return _version("mlfabric") or _dist_version("mlfabric")
+
+
+def gpu_info(comm, device, shared):
+    """What every record of a GPU run carries about the GPUs: rank 0's GPU name, whether ranks
+    share GPUs (NCCL's socket transport), torch's NCCL version (collective: a bcast)."""
+    import torch
+    try:
+        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    except Exception:  # noqa: BLE001 - a torch without NCCL: torch-nccl says so itself
+        nccl = None
+    info = {"gpu": torch.cuda.get_device_name(device), "gpus_shared": bool(shared),
+            "nccl_version": nccl}
+    return comm.bcast(info, root=0)
 
 
 def host_info(comm):

@@ -17,7 +17,9 @@ from tests.mpi_util import shared_memory_btl
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT = 120
 FIELDS = {"impl", "coll", "dtype", "op", "bytes", "count", "ranks", "time_us", "algbw", "busbw",
-          "wrong", "hostname", "cpu_count", "timestamp", "mpi_library", "mlfabric_version"}
+          "wrong", "hostname", "cpu_count", "timestamp", "mpi_library", "mlfabric_version",
+          "algorithm", "backend", "device"}
+BACKENDS = {"shm", "tree", "rhd", "ring", "nccl"}
 
 
 def have(module):
@@ -80,6 +82,16 @@ def test_resolve_impls():
     assert impls.resolve("hvd,gloo") == [("hvd", "hvd"), ("gloo", "gloo")]
     with pytest.raises(ValueError, match="unknown implementation 'nccl'.*known: mlfabric"):
         impls.resolve("mpi,nccl")
+    # GPU buffers: mlfabric's NCCL path and torch.distributed's NCCL backend, nothing else
+    assert impls.resolve("mlfabric,torch-nccl", "cuda") == [
+        ("mlfabric", "mlfabric"), ("mlfabric", "mlfabric-oop"), ("torch-nccl", "torch-nccl")]
+    with pytest.raises(ValueError, match="'torch-nccl' for --device cpu .it runs with --device "
+                                         "cuda"):
+        impls.resolve("torch-nccl")
+    with pytest.raises(ValueError, match="'mpi' for --device cuda .it runs with --device cpu"):
+        impls.resolve("mpi", "cuda")
+    with pytest.raises(ValueError, match="'mlfabric-shared' for --device cuda"):
+        impls.resolve("mlfabric-shared", "cuda")
 
 
 def params(coll, n, rank, count, dtype="float32", op="sum", root=0):
@@ -173,9 +185,16 @@ def test_table_pairs_out_of_place_with_in_place():
     assert [(n, o and o["impl"], i and i["impl"]) for n, o, i in report.pairs(recs)] == [
         ("mpi", "mpi-oop", "mpi"), ("gloo", None, "gloo")]
     mpi, gloo = report.table_rows(recs).splitlines()
-    assert mpi.split()[5:] == ["mpi", "3.00", "1.000", "1.500", "0", "2.00", "1.000", "1.500",
-                               "0"]
-    assert gloo.split()[6:10] == ["n/a"] * 4 and gloo.split()[10] == "9.00"
+    assert mpi.split()[5:] == ["mpi", "-", "3.00", "1.000", "1.500", "0", "2.00", "1.000",
+                               "1.500", "0"]
+    assert gloo.split()[7:11] == ["n/a"] * 4 and gloo.split()[11] == "9.00"
+    # the backend column: what mlfabric's algorithm resolved to, per form where they differ
+    mlf = [dict(base, impl="mlfabric", in_place=True, time_us=2.0, backend="tree"),
+           dict(base, impl="mlfabric-oop", in_place=False, time_us=3.0, backend="tree")]
+    assert report.table_rows(mlf).split()[5:7] == ["mlfabric", "tree"]
+    mlf[0]["backend"] = "shm"
+    assert report.table_rows(mlf).split()[5:7] == ["mlfabric", "tree/shm"]
+    assert "backend" in report.table_header("allreduce")
     assert "out-of-place" in report.table_header("allreduce")
     assert "in-place" in report.table_header("allreduce")
     driver.add_in_place(recs)
@@ -202,8 +221,9 @@ def mpirun():
     return here if os.path.exists(here) else shutil.which("mpirun")
 
 
-def bench(n, *args, tmp_path=None, timeout=TIMEOUT):
-    """Run `mpirun -n n python -m mlfabric.bench args...`: (returncode, output, records)."""
+def bench(n, *args, tmp_path=None, timeout=TIMEOUT, env=None):
+    """Run `mpirun -n n python -m mlfabric.bench args...` (with the extra environment `env`):
+    (returncode, output, records)."""
     exe = mpirun()
     if exe is None:
         pytest.skip("mpirun not found next to python or on PATH")
@@ -214,7 +234,7 @@ def bench(n, *args, tmp_path=None, timeout=TIMEOUT):
         args += ["--json", path]
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                PYTHONUNBUFFERED="1", OMPI_MCA_btl="self," + shared_memory_btl(),
-               MLFABRIC_TIMEOUT="30")
+               MLFABRIC_TIMEOUT="30", **(env or {}))
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [exe, "--oversubscribe", "-n", str(n), sys.executable, "-m", "mlfabric.bench", *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
@@ -245,6 +265,12 @@ def check_records(records, coll, n, impl_names, dtype="float32"):
         assert r["algbw"] == pytest.approx(r["bytes"] / (r["time_us"] * 1e3), rel=1e-9)
         assert r["busbw"] == pytest.approx(r["algbw"] * FACTOR[coll](n), rel=1e-12)
         assert r["bytes"] == r["count"] * ITEM[dtype]
+        assert r["device"] == "cpu"
+        # the algorithm as asked and what it resolved to: both, or neither (no choice)
+        assert (r["algorithm"] is None) == (r["backend"] is None), r
+        assert r["backend"] is None or r["backend"] in BACKENDS, r
+        assert (r["algorithm"] is not None) == (r["impl"].startswith("mlfabric")
+                                                and coll == "allreduce"), r
         if coll == "allgather":     # the size is the gathered output
             assert r["recv_count"] == r["count"] == r["send_count"] * n
         if coll == "reduce_scatter":  # the size is the input
@@ -554,13 +580,150 @@ def test_all_dtypes_and_ops(tmp_path):
     (("-d", "int8"), "'int8' is not a dtype"),
     (("-a", "7"), "invalid choice: 7"),
     (("-c", "2"), "invalid choice: 2"),
-    (("-g", "1"), "benchmarks/gpu_collectives.py"),
-    (("--device", "cuda"), "benchmarks/gpu_collectives.py"),
+    (("-g", "2"), "one GPU per rank"),
+    (("-g", "0", "--device", "cuda"), "-g 0 contradicts --device cuda"),
+    (("-g", "1", "--device", "cpu"), "-g 1 contradicts --device cpu"),
+    (("--algorithm", "nccl"), "--algorithm nccl moves GPU buffers: add --device cuda"),
+    (("--device", "cuda"), "unknown implementation 'mpi' for --device cuda"),
 ], ids=lambda a: " ".join(a) if isinstance(a, tuple) else "")
 def test_bad_nccl_tests_values_are_usage_errors(args, needle):
     rc, out, _ = bench(2, "allreduce", "--impl", "mpi", *QUICK, *args, timeout=60)
     assert_usage_error(rc, out, needle)
     assert out.count(needle) == 1       # said once (rank 0), not per rank
+
+
+# --- the resolved backend ------------------------------------------------------------------------
+
+def logged_paths(out, rank=0):
+    """{(size as the logger writes it, ranks): backend} of rank `rank`'s mlfabric path log lines
+    ("[mlfabric rank 0] INFO comm: allreduce 8 B float32 on 3 ranks -> tree")."""
+    seen = {}
+    for ln in out.splitlines():
+        head, sep, tail = ln.partition(f"[mlfabric rank {rank}] INFO comm: allreduce ")
+        if sep and " float32 on " in tail and " -> " in tail:
+            size, rest = tail.split(" float32 on ", 1)
+            ranks, backend = rest.split(" ranks -> ", 1)
+            seen[size, int(ranks)] = backend.split()[0]
+    return seen
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(not mlfabric_importable(), reason="mlfabric's API is not there yet")
+def test_records_name_the_backend_auto_resolves_to_as_the_log_does(tmp_path):
+    """Without the shared-memory engine, auto picks an MPI algorithm by size (at 3 ranks: the
+    tree for a small call, the ring for a large one): each record keeps the algorithm asked for
+    and names the backend the mlfabric logger reports for its size; MPI's records name none."""
+    from mlfabric._core.log import human
+    rc, out, recs = bench(3, "allreduce", "-b", "8", "-e", "64K", "-f", "8192",
+                          "--impl", "mlfabric,mpi", *QUICK, tmp_path=tmp_path,
+                          env={"MLFABRIC_SHM": "0", "MLFABRIC_LOG_LEVEL": "info"})
+    assert rc == 0, out
+    check_records(recs, "allreduce", 3, ["mlfabric", "mlfabric-oop", "mlfabric-shared", "mpi",
+                                         "mpi-oop"])
+    logged = logged_paths(out)
+    backends = {}
+    for r in recs:
+        if r["family"] != "mlfabric":
+            assert r["backend"] is None and r["algorithm"] is None, r
+            continue
+        assert r["algorithm"] == "auto", r
+        assert r["backend"] == logged[human(r["bytes"]), 3], (r, logged)
+        backends.setdefault(r["bytes"], set()).add(r["backend"])
+    assert backends == {8: {"tree"}, 65536: {"ring"}}, backends
+    rows = {ln.split()[0]: ln.split()[6] for ln in out.splitlines()
+            if " mlfabric " in ln and not ln.startswith("#")}
+    assert rows == {"8": "tree", "65536": "ring"}, out     # the table's backend column
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(not mlfabric_importable(), reason="mlfabric's API is not there yet")
+def test_records_name_an_asked_for_algorithm_as_their_backend(tmp_path):
+    rc, out, recs = bench(2, "allreduce", "-b", "8", "-e", "64K", "-f", "8192", "--algorithm",
+                          "ring", "--impl", "mlfabric", *QUICK, tmp_path=tmp_path)
+    assert rc == 0, out
+    assert recs and all((r["algorithm"], r["backend"]) == ("ring", "ring") for r in recs), recs
+
+
+# --- GPU buffers (--device cuda, -g 1) -----------------------------------------------------------
+
+def have_cuda():
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def test_gpu_mode_pieces():
+    """The GPU mode's command line and families, in-process (no GPU needed)."""
+    args = driver.build_parser().parse_args(["allreduce", "-g", "1"])
+    assert driver.resolve_device(args) == "cuda"
+    assert (args.impl, args.baseline) == ("mlfabric,torch-nccl", "torch-nccl")
+    args = driver.build_parser().parse_args(["allreduce"])
+    assert driver.resolve_device(args) == "cpu"
+    assert (args.impl, args.baseline) == ("mlfabric,mpi,gloo", "mpi")
+    fams = impls.families("cuda")
+    assert fams["mlfabric"].variants == ("mlfabric", "mlfabric-oop")
+    gpu = fams["mlfabric"]()
+    assert "host arrays only" in gpu.missing("pingpong") and gpu.missing("allreduce") is None
+    assert all(fams["torch-nccl"]().missing(c) is None
+               for c in ("allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall",
+                         "reduce", "pingpong"))
+    if not have_cuda():
+        assert impls.cuda_problem()
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(have_cuda(), reason="this host has a GPU")
+@pytest.mark.parametrize("n,args", [(1, ("--device", "cuda")), (3, ("--device", "cuda")),
+                                    (2, ("-g", "1")), (2, ("-g", "1", "--impl", "torch-nccl"))],
+                         ids=lambda a: " ".join(a) if isinstance(a, tuple) else str(a))
+def test_gpu_mode_without_a_gpu_is_an_error_on_every_rank(n, args):
+    rc, out, _ = bench(n, "allreduce", *QUICK, *args, timeout=60)
+    assert_usage_error(rc, out, "no CUDA device: ")
+    assert out.count("no CUDA device") == 1, out    # said once (rank 0), every rank exits 2
+    assert ("every rank" if n > 1 else "rank 0") in out
+    assert "# mlfabric.bench allreduce" not in out  # nothing ran
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(have_cuda(), reason="this host has a GPU")
+def test_gpu_collectives_script_without_a_gpu_is_an_error_on_every_rank():
+    exe = mpirun()
+    if exe is None:
+        pytest.skip("mpirun not found next to python or on PATH")
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_btl="self," + shared_memory_btl(), MLFABRIC_TIMEOUT="30")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([exe, "--oversubscribe", "-n", "2", sys.executable,
+                           "benchmarks/gpu_collectives.py", "--max-bytes", "64K", "--iters", "2",
+                           "--rounds", "1"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=90)
+    assert_usage_error(proc.returncode, proc.stdout, "no CUDA device: ")
+    assert proc.stdout.count("no CUDA device") == 1, proc.stdout
+
+
+def test_gpu_collectives_script_is_the_driver_in_gpu_mode():
+    """benchmarks/gpu_collectives.py's options map onto the driver's GPU mode, and its rows are
+    the medians over rounds of the driver's records."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "gpu_collectives", os.path.join(ROOT, "benchmarks", "gpu_collectives.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    from mlfabric.bench import harness
+    args = harness.parse(mod.ENTRY, ["--max-bytes", "64K", "--iters", "2", "--rounds", "3"])
+    dargs = mod.driver_args(args, "allgather")
+    assert (dargs.coll, dargs.device, dargs.iters, dargs.impl) == (
+        "allgather", "cuda", 2, "mlfabric,torch-nccl")
+    assert driver.validate(dargs, 2)[0] == [1024, 4096, 16384, 65536]
+    rec = {"coll": "allreduce", "bytes": 1000, "busbw_factor": 1.0, "wrong": 0}
+    recs = [dict(rec, impl=impl, time_us=t) for impl, ts in
+            (("mlfabric", (1.0, 3.0, 2.0)), ("torch-nccl", (4.0, 4.0, 5.0))) for t in ts]
+    (row,) = mod.rows_of(recs, 2)
+    assert row["mlfabric"]["us"] == 2.0 and row["torch-nccl"]["us"] == 4.0
+    assert row["torch_over_mlfabric"] == 2.0 and row["wrong"] == {"mlfabric": 0, "torch-nccl": 0}
+    assert row["mlfabric"]["busbw_GBs"] == pytest.approx(1000 / 2e-6 / 1e9)
 
 
 # --- alltoall, reduce, sendrecv ------------------------------------------------------------------
