@@ -4,7 +4,8 @@ broadcast_optimizer_state, broadcast_object, allgather_object.
 Owns the model-consistency check: before broadcasting parameters (or optimizer state) the ranks
 compare a summary of what they hold (names, dtypes, shapes), first as one hash each, and in full
 only when the hashes differ; a difference is a MismatchError on every rank naming the parameter,
-raised before any data moves. Objects travel pickled (cloudpickle when installed, as Horovod)
+raised before any data moves. broadcast_optimizer_state first creates a fresh optimizer's state
+as Horovod does (zero gradients, one local step), keeping its parameters' values. Objects travel pickled (cloudpickle when installed, as Horovod)
 in int64 tensors; unpickling trusts the peers (docs/security.md). broadcast_object and
 allgather_object also take serializer="plain": plain data (None, bool, int, float, str, bytes,
 lists, tuples, dicts) in a format decoded without running code.
@@ -20,6 +21,7 @@ import torch
 
 from ..errors import MismatchError, MlfabricError
 from . import arguments, dispatch, ops
+from .optimizer import _DistributedOptimizer, _OutsideOptimizer
 
 try:  # Horovod pickles with cloudpickle (lambdas, local classes); fall back to pickle
     import cloudpickle as _pickler
@@ -403,22 +405,36 @@ def broadcast_parameters(params, root_rank):
     ops.grouped_broadcast_call([t.detach() for _, t in named], root_rank, what)
 
 
-def broadcast_optimizer_state(optimizer, root_rank):
+def broadcast_optimizer_state(optimizer, root_rank, model=None):
     """Make every rank's optimizer state and hyperparameters root_rank's (its state_dict(),
     loaded with load_state_dict(); its tensors broadcast as tensors, the rest pickled). The
     optimizers must have the same parameter groups (a MismatchError on every rank otherwise).
-    An optimizer whose state is still empty stays empty everywhere and is then created
-    identically on every rank by its first step()."""
+
+    An optimizer whose state is still empty (a fresh one) first creates it, as Horovod does:
+    every parameter that requires a gradient gets a zero .grad (sparse for SparseAdam, and for
+    SGD on the parameters of model's nn.Embedding(sparse=True) modules: model, optional, is
+    Horovod's argument for finding them) and the optimizer's own step() runs (a DistributedOptimizer's
+    reduces nothing). Unlike Horovod's, that step moves no parameter: their values are put
+    back, so weight decay and the like cannot set the ranks' parameters apart. The zero
+    gradients stay. An optimizer still stateless after it (SGD without momentum) has only its
+    hyperparameters broadcast."""
     what = "broadcast_optimizer_state"
+    error = None
     if not isinstance(optimizer, torch.optim.Optimizer):
-        summary = ("invalid", f"optimizer must be a torch.optim.Optimizer, got "
-                              f"{type(optimizer).__name__}")
+        error = TypeError(f"optimizer must be a torch.optim.Optimizer, got "
+                          f"{type(optimizer).__name__}")
+    elif not optimizer.state:
+        try:
+            _create_state(optimizer, model)
+        except Exception as exc:  # noqa: BLE001 - every rank hears of it in the check below
+            error = exc
+    if error is not None:
+        summary = ("invalid", f"{type(error).__name__}: {error}")
     else:
         summary = [type(optimizer).__name__] + [
             [(str(p.dtype).replace("torch.", ""), tuple(p.shape)) for p in g["params"]]
             for g in optimizer.param_groups]
-    _same_everywhere(summary, root_rank, what, _describe_groups,
-                     TypeError(summary[1]) if summary[0] == "invalid" else None)
+    _same_everywhere(summary, root_rank, what, _describe_groups, error)
     # The state's structure and small values travel pickled; its tensors (Adam's moments: twice
     # the model) travel as tensors, fused per dtype, with no pickling copies (~7x faster for a
     # 4M-parameter model's Adam state, 2 ranks on the 2-core VM: BENCHMARKS.md).
@@ -442,6 +458,44 @@ def broadcast_optimizer_state(optimizer, root_rank):
         ops.grouped_broadcast_call(tensors, root_rank, f"{what}.tensors")
     if not root:  # load_state_dict moves each state tensor to its parameter's device
         optimizer.load_state_dict(_put_tensors(skeleton, tensors))
+
+
+def _create_state(optimizer, model):
+    """Horovod's creation of a fresh optimizer's state: zero gradients and one step of the
+    optimizer itself, here with its parameters' values put back after it. torch.optim.LBFGS is
+    left as it is (its step needs a closure; Horovod does not broadcast its state at all)."""
+    if isinstance(optimizer, torch.optim.LBFGS):
+        return
+    sparse = set()
+    if model is not None:
+        for m in model.modules():
+            if isinstance(m, torch.nn.Embedding) and m.sparse:
+                sparse.update(id(p) for p in m.parameters())
+    all_sparse = isinstance(optimizer, torch.optim.SparseAdam)
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    with torch.no_grad():
+        kept = [p.detach().clone() for p in params]
+        for p in params:
+            zero = torch.zeros_like(p, memory_format=torch.preserve_format)
+            # sparse where the optimizer takes only sparse gradients, and for SGD (which takes
+            # either) where the model's embedding gives sparse ones (Horovod's choices)
+            p.grad = zero.to_sparse() if all_sparse or (
+                isinstance(optimizer, torch.optim.SGD) and id(p) in sparse) else zero
+    try:
+        _local_step(optimizer)
+    finally:  # (a step that failed half way has moved some)
+        with torch.no_grad():
+            for p, value in zip(params, kept):
+                p.copy_(value)
+
+
+def _local_step(optimizer):
+    """optimizer.step() on this rank alone: for a DistributedOptimizer, the wrapped
+    optimizer's own step(), with no reduction (the others may not step now)."""
+    for mixin in (_DistributedOptimizer, _OutsideOptimizer):
+        if isinstance(optimizer, mixin):
+            return super(mixin, optimizer).step()
+    return optimizer.step()
 
 
 class _RootFailed(str):

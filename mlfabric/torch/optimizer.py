@@ -49,12 +49,15 @@ How it works:
   last (parameters without a gradient contribute zeros and get a zero gradient, as in
   Horovod); step() calls it unless inside skip_synchronize(), then runs the wrapped step(). A
   second call with no gradient since (hooks and marks tell) does nothing: gradients clipped in
-  place in between are not reduced again;
+  place in between are not reduced again. step() after an explicit synchronize(), outside
+  skip_synchronize(), warns as Horovod does;
 - sparse gradients (nn.Embedding(sparse=True)) are reduced by sparse.py's sparse allreduce
   (allgathers of their indices and values: only the rows touched travel) and .grad becomes the
   reduced sparse tensor; the rest of their bucket is reduced as usual, in one allreduce per run
-  of dense neighbours. sparse_as_dense=True copies them into the bucket densified instead.
-  Their slice of the bucket stays allocated (buckets are fixed before any gradient is seen);
+  of dense neighbours. sparse_as_dense=True copies them into the bucket densified instead, and
+  synchronize() gives the reduced gradient back to .grad as a sparse tensor (Horovod's rule:
+  torch.optim.SparseAdam takes sparse gradients only). Their slice of the bucket stays
+  allocated (buckets are fixed before any gradient is seen);
 - zero_grad() while gradients are being reduced is an error (Horovod's guard). Between
   backward() and synchronize() the gradients are being reduced in place: leave .grad alone
   until then (as with DDP's gradient_as_bucket_view).
@@ -267,6 +270,7 @@ class _DistributedOptimizer:
         self._mlf_next = 0              # the next bucket to start
         self._mlf_synchronized = False  # reduced since the last backward pass / step()
         self._mlf_should_sync = True    # False inside skip_synchronize()
+        self._mlf_sync_called = False   # synchronize() ran since the last step()
         self._mlf_ref = ref = weakref.ref(self)
         # With buckets before the last, once the step's backward passes are over, a call issued
         # in this state first starts the buckets the hooks did not (dispatch.start_unstarted). The
@@ -447,6 +451,7 @@ class _DistributedOptimizer:
         do."""
         if self._mlf_op == ops.Adasum or (self._mlf_synchronized and
                                           self._mlf_seen.param is None):
+            self._mlf_sync_called = True
             return  # no gradient since (the hooks clear _mlf_synchronized; marks set seen)
         if self._mlf_ref in dispatch.UNSTARTED:  # its own calls below start them, in order
             dispatch.UNSTARTED.remove(self._mlf_ref)
@@ -491,23 +496,26 @@ class _DistributedOptimizer:
                     b.params[i].grad = call.wait()
                 except Exception as exc:  # noqa: BLE001 - as above
                     error, failed = error or exc, True
-            # (run here: _gather has just made every .grad its view)
-            if failed or (not calls and (here or _all_views(b))):
+            if failed:
                 continue
-            for i, (p, view) in enumerate(zip(b.params, b.views)):
-                if i in calls:
-                    continue
-                if p.grad is not view:  # replaced since the bucket started: gets the result too
-                    if p.grad is None:
-                        p.grad = view
-                    else:
-                        with torch.no_grad():
-                            p.grad.copy_(view)
+            # (run here: _gather has just made every .grad its view)
+            if calls or not (here or _all_views(b)):
+                for i, (p, view) in enumerate(zip(b.params, b.views)):
+                    if i in calls:
+                        continue
+                    if p.grad is not view:  # replaced since the bucket started: gets it too
+                        if p.grad is None:
+                            p.grad = view
+                        else:
+                            with torch.no_grad():
+                                p.grad.copy_(view)
+            if b.sparse and self._mlf_sparse_as_dense:
+                _resparsify(b)
         fired, last = self._mlf_last, self._mlf_seen.param
         self._mlf_reset()
         if error is not None:
             raise error
-        self._mlf_synchronized = True
+        self._mlf_synchronized = self._mlf_sync_called = True
         if not self._mlf_early:
             self._mlf_watch(fired, last)
 
@@ -567,8 +575,18 @@ class _DistributedOptimizer:
                 _DistributedOptimizer, self).step(closure), self._mlf_compression,
                 self._mlf_process_set)
         if self._mlf_should_sync:
+            if self._mlf_sync_called:
+                # Horovod's warning, word for word at its start: code that synchronizes
+                # itself (to clip, say) says so with skip_synchronize(), so that step() is
+                # not read as reducing the gradients a second time
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "context after optimizer.synchronize(). step() reduces only "
+                              "gradients that came since; wrap it in `with "
+                              "optimizer.skip_synchronize():` when synchronize() was called "
+                              "for the step (e.g. to clip the reduced gradients)",
+                              UserWarning, stacklevel=2)
             self.synchronize()
-        self._mlf_synchronized = False
+        self._mlf_synchronized = self._mlf_sync_called = False
         self._mlf_check_unreduced()
         return super().step(closure)
 
@@ -780,10 +798,11 @@ def _gather(b, sparse_as_dense):
     """Point every .grad of bucket b at its view of the bucket. Gradients made elsewhere (fresh
     from autograd: the first step, or after model.zero_grad()) are copied in with one call;
     parameters without a gradient get zeros (Horovod's rule). Sparse gradients are densified if
-    sparse_as_dense; else they stay as they are, reduced by sparse.py: returned as (position,
-    gradient). A member whose gradients came sparse before and that has none now contributes
-    an empty sparse gradient (zeros, as a dense one would), so every rank still issues the
-    same calls."""
+    sparse_as_dense (a COO one's position noted in b.sparse: synchronize() makes its result
+    sparse again, _resparsify); else they stay as they are, reduced by sparse.py: returned as
+    (position, gradient). A member whose gradients came sparse before and that has none now
+    contributes an empty sparse gradient (zeros, as a dense one would), so every rank still
+    issues the same calls."""
     if _all_views(b):  # the usual case, from the second step on
         return []
     moved, views, grads, absent, sparse = [], [], [], [], []
@@ -791,7 +810,7 @@ def _gather(b, sparse_as_dense):
         g = p.grad
         if g is view:
             continue
-        if g is None and i in b.sparse:
+        if g is None and i in b.sparse and not sparse_as_dense:
             sparse.append((i, _empty_sparse(p, b.sparse[i])))
             continue
         if g is None:
@@ -801,6 +820,8 @@ def _gather(b, sparse_as_dense):
             sparse.append((i, g))
             continue
         elif g.layout != torch.strided:
+            if g.layout == torch.sparse_coo:
+                b.sparse[i] = g.sparse_dim()
             views.append(view)
             grads.append(g.to_dense())
         else:
@@ -825,6 +846,17 @@ def _all_views(b):
     """Whether every .grad of bucket b is its view of the bucket; a loop in C (~8 us for 100
     parameters, where a Python loop takes ~25 on the 2-core VM)."""
     return all(map(operator.is_, map(_GRAD, b.params), b.views))
+
+
+def _resparsify(b):
+    """sparse_as_dense: the members of bucket b whose gradients came sparse (COO) get their
+    reduced gradient back as a sparse tensor (the rows holding a non-zero), as in Horovod, so
+    that optimizers taking only sparse gradients (torch.optim.SparseAdam) step on it. A copy
+    of the bucket's slice: the next backward pass accumulates into it, and the bucket's start
+    copies it in again, densified."""
+    with torch.no_grad():
+        for i, sparse_dim in b.sparse.items():
+            b.params[i].grad = b.views[i].to_sparse(sparse_dim)
 
 
 def _empty_sparse(p, sparse_dim):
@@ -944,7 +976,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     equal count; a list of lists of parameters makes each list a bucket, and each parameter in
     none a bucket of its own. Every rank must pass the same groups.
     sparse_as_dense: densify sparse gradients (nn.Embedding(sparse=True)) and reduce them with
-    the dense ones; without it (the default) they are reduced as sparse tensors, as Horovod
+    the dense ones (.grad is then the reduced gradient made sparse again, as in Horovod: the
+    rows holding a non-zero); without it (the default) they are reduced as sparse tensors, as Horovod
     does (allgathers of the rows present; .grad becomes the reduced, coalesced sparse tensor).
     process_set: reduce among that set's ranks only (process_sets.py); default every rank. On
     a rank outside the set nothing is reduced: step() uses its own gradients (Horovod's rule).

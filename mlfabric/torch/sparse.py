@@ -10,7 +10,8 @@ sum (op Sum) or the average (op Average: divided by size()) of every rank's tens
 sizes of the sparse dimensions ride as a first row of its indices, so ranks whose tensors differ
 in size (embeddings of different vocabularies) fail with a MismatchError on every rank instead
 of summing into a silently wrong result; the dense dimensions and the dtype are checked by the
-values' allgather.
+values' allgather. Its handle is callable, as Horovod's (handle() returns the result), and an
+integer handle for synchronize() / poll() as well.
 """
 import numpy as np
 import torch
@@ -103,13 +104,28 @@ def start(tensor, name=None, op=ops.Average, process_set=None):
                        st.ctx.size if op == ops.Average else 1, what)
 
 
+class SparseHandle(int):
+    """sparse_allreduce_async's handle: calling it waits and returns the reduced sparse tensor
+    (Horovod's contract: its handle is a function). It is also an integer handle like every
+    other *_async call's, so synchronize(handle) and poll(handle) take it too; either way the
+    result is taken once."""
+    __slots__ = ()
+
+    def __call__(self):
+        return ops.synchronize(self)
+
+    def __repr__(self):
+        return f"SparseHandle({int(self)})"
+
+
 def sparse_allreduce_async(tensor, name=None, op=ops.Average, process_set=None):
     """Non-blocking allreduce of a sparse COO tensor (Horovod's): every rank's indices and
-    values are gathered, so only the entries present travel. synchronize(handle) returns the
-    sum (op=Sum) or average (op=Average) over ranks as a coalesced sparse tensor. Ranks may
-    hold different numbers of entries; the tensors' sizes and dtypes must agree."""
+    values are gathered, so only the entries present travel. Returns a handle that, called
+    (as in Horovod: handle()) or passed to synchronize(handle), waits and returns the sum
+    (op=Sum) or average (op=Average) over ranks as a coalesced sparse tensor. Ranks may hold
+    different numbers of entries; the tensors' sizes and dtypes must agree."""
     call = start(tensor, name, op, process_set)
     st = dispatch.state(process_set)
-    hid = next(st.ids)
+    hid = SparseHandle(next(st.ids))
     st.handles[hid] = call
     return hid
