@@ -5,10 +5,11 @@ Owns the model-consistency check: before broadcasting parameters (or optimizer s
 compare a summary of what they hold (names, dtypes, shapes), first as one hash each, and in full
 only when the hashes differ; a difference is a MismatchError on every rank naming the parameter,
 raised before any data moves. broadcast_optimizer_state first creates a fresh optimizer's state
-as Horovod does (zero gradients, one local step), keeping its parameters' values. Objects travel pickled (cloudpickle when installed, as Horovod)
-in int64 tensors; unpickling trusts the peers (docs/security.md). broadcast_object and
-allgather_object also take serializer="plain": plain data (None, bool, int, float, str, bytes,
-lists, tuples, dicts) in a format decoded without running code.
+as Horovod does (zero gradients, one local step), keeping its parameters' values. Objects travel
+pickled (cloudpickle when installed, as Horovod) in int64 tensors; unpickling trusts the peers
+(docs/security.md). broadcast_object and allgather_object also take serializer="plain": plain
+data (None, bool, int, float, str, bytes, lists, tuples, dicts) in a format decoded without
+running code.
 """
 import hashlib
 import io
@@ -413,11 +414,11 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None):
     An optimizer whose state is still empty (a fresh one) first creates it, as Horovod does:
     every parameter that requires a gradient gets a zero .grad (sparse for SparseAdam, and for
     SGD on the parameters of model's nn.Embedding(sparse=True) modules: model, optional, is
-    Horovod's argument for finding them) and the optimizer's own step() runs (a DistributedOptimizer's
-    reduces nothing). Unlike Horovod's, that step moves no parameter: their values are put
-    back, so weight decay and the like cannot set the ranks' parameters apart. The zero
-    gradients stay. An optimizer still stateless after it (SGD without momentum) has only its
-    hyperparameters broadcast."""
+    Horovod's argument for finding them) and the optimizer's own step() runs (a
+    DistributedOptimizer's reduces nothing). Unlike Horovod's, that step moves no parameter:
+    their values are put back, so weight decay and the like cannot set the ranks' parameters
+    apart. The zero gradients stay. An optimizer still stateless after it (SGD without
+    momentum) has only its hyperparameters broadcast."""
     what = "broadcast_optimizer_state"
     error = None
     if not isinstance(optimizer, torch.optim.Optimizer):

@@ -977,8 +977,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     none a bucket of its own. Every rank must pass the same groups.
     sparse_as_dense: densify sparse gradients (nn.Embedding(sparse=True)) and reduce them with
     the dense ones (.grad is then the reduced gradient made sparse again, as in Horovod: the
-    rows holding a non-zero); without it (the default) they are reduced as sparse tensors, as Horovod
-    does (allgathers of the rows present; .grad becomes the reduced, coalesced sparse tensor).
+    rows holding a non-zero); without it (the default) they are reduced as sparse tensors, as
+    Horovod does (allgathers of the rows present; .grad becomes the reduced, coalesced sparse
+    tensor).
     process_set: reduce among that set's ranks only (process_sets.py); default every rank. On
     a rank outside the set nothing is reduced: step() uses its own gradients (Horovod's rule).
 
