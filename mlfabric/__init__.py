@@ -1,6 +1,7 @@
 """mlfabric: a communication library for distributed ML training on MPI.
 
-Public API (this __all__ is the contract; everything else is private):
+Public API (this ``__all__`` is the contract; everything else is private)::
+
     init(comm=None), finalize(), initialized(), rank(), size(), local_rank(), local_size(),
     cross_rank(), cross_size(), is_homogeneous()
     allreduce(x, op="sum", out=None, algorithm="auto"), reduce, broadcast(x, root=0),

@@ -1,6 +1,7 @@
-"""User-facing elementwise kernels: reduce a list of arrays, L2 norm, in-place scale_ and axpy_,
-and the CPU instruction-set switch. Owns argument checking for them; the arithmetic is native
-(csrc/kernels*.cc on the CPU, csrc/cuda/kernels.cu for CUDA torch tensors when built with CUDA).
+"""User-facing elementwise kernels: reduce a list of arrays, L2 norm, in-place ``scale_`` and
+``axpy_``, and the CPU instruction-set switch. Owns argument checking for them; the arithmetic is
+native (csrc/kernels*.cc on the CPU, csrc/cuda/kernels.cu for CUDA torch tensors when built with
+CUDA).
 
 Accepts numpy arrays and CPU torch tensors (non-contiguous ones go through a contiguous copy), and
 CUDA torch tensors in builds with CUDA kernels (work is queued on the tensor's current stream).
@@ -80,7 +81,7 @@ def norm2(x):
 
 
 def scale_(x, alpha):
-    """x *= alpha in place (floating dtypes); returns x."""
+    """``x *= alpha`` in place (floating dtypes); returns x."""
     if _is_cuda(x):
         return _cuda_scale(x, alpha)
     b = _buffers.wrap(x, "x", writable=True)
@@ -91,7 +92,7 @@ def scale_(x, alpha):
 
 
 def axpy_(y, alpha, x):
-    """y += alpha * x in place (floating dtypes, equal dtypes and sizes); returns y."""
+    """``y += alpha * x`` in place (floating dtypes, equal dtypes and sizes); returns y."""
     if _is_cuda(y):
         return _cuda_axpy(y, alpha, x)
     by, bx = _buffers.wrap(y, "y", writable=True), _buffers.wrap(x, "x")

@@ -1,5 +1,7 @@
 """mlfabric.pipeline: pipeline-parallel training after the PipeDream thesis (Narayanan, 2021).
 
+Modules::
+
   schedules.py  schedules as data: GPipe, PipeDream 1F1B(-RR), 2BW, Flush, interleaved 1F1B
   validate.py   validator (dependencies, deadlock, weight-version policy), weight versions,
                 synthetic timing (makespan, bubble, stashed activations, live weight versions)

@@ -1,16 +1,19 @@
 """Where the layers go: PipeDream's partitioner (thesis §2.4.1) and PipeDream-2BW's planner
 (thesis ch. 3, Alg. 1 and the closed-form cost model of §3.3.3).
 
-`partition` solves the dynamic program of §2.4.1 level by level over a hierarchical topology:
+`partition` solves the dynamic program of §2.4.1 level by level over a hierarchical topology::
+
     T^k(i->j, m) = (1/m) max{ A^{k-1}(i->j, m_{k-1}), 2(m-1) sum_{l=i..j} w_l / B_k }
     A^k(i->j, m) = min( T^k(i->j, m),
                         min_{i<=s<j} min_{1<=m'<m} max{ A^k(i->s, m-m'), 2 a_s / B_k,
                                                         T^k(s+1->j, m') } )
     A^0(i->j, 1) = sum_{l=i..j} T_l
+
 and returns A^L(0->N-1, m_L) with the stages that reach it. `brute_force` enumerates every
 contiguous split and replication of one level, to check the program against.
 
 Where the thesis leaves a choice open, this is what we do, and why:
+
 - The unsplit candidate T^k(i->j, m) is part of the min (the thesis's A^k only splits): without it
   a range can never be one stage replicated over all m workers, so pure data parallelism (the
   planner's answer for ResNet-50 in §2.5) would be unreachable.
@@ -319,25 +322,31 @@ def plan_2bw(model, workers, memory_limit_bytes, batch_size, bandwidth, *, dp_ba
 
     The model, for a configuration (d, p, b, r) with m = batch_size / (d b) microbatches per
     pipeline (gradient accumulation; 2BW needs m >= p when p > 1, its minimum batch being b p):
+
     - Stages: the layers are split into p contiguous stages balancing compute (every stage has d
       replicas, the parallel pipelines of §3.2.3). For stage i: T_i(b) the sum of layer times,
       W_i the weight bytes, A_total_i(b) the sum of its layers' output bytes, A_in_i(b) the bytes
       of its input (the previous stage's output; the samples for stage 0), A_out_i(b) its output
       (0 for the last stage).
     - Memory (§3.3.3, Table 7.1), on the fullest worker (max over i), with v = 2 weight versions
-      (1 when p = 1: without pipelining no microbatch overlaps an update):
+      (1 when p = 1: without pipelining no microbatch overlaps an update)::
+
           without recomputation: v W_i + p A_total_i(b) + p A_in_i(b)
           with recomputation:    v W_i +   A_total_i(b) + p A_in_i(b)
+
       (p stashes: the first stage of 1F1B has p microbatches in flight; with recomputation only
       the stage inputs are stashed, one stage's activations are rebuilt at a time.)
-    - Time per microbatch (§3.3.3, pipelined: 2BW has no flush; the slowest stage sets the pace):
+    - Time per microbatch (§3.3.3, pipelined: 2BW has no flush; the slowest stage sets the pace)::
+
           t = max_i max{ c T_i(b) + 2 (A_in_i(b) [i > 0] + A_out_i(b)) / pp_bandwidth(p),
                          (2 (d-1)/d W_i / dp_bandwidth(d)) / m }
+
       with c = recompute_factor (4/3: the forward runs twice) under recomputation, else 1; the
       factor 2 counts activations forward and gradients backward; the all-reduce is a ring (each
       worker sends and receives (d-1)/d of W_i) done once per batch, so it is spread over the m
       microbatches and overlaps compute.
     - Throughput = d b / t samples per second.
+
     Ties (within 1e-9) go to no recomputation, then fewer stages, then the larger microbatch.
     Raises ValueError when no configuration fits `memory_limit_bytes`."""
     if not isinstance(workers, Integral) or workers < 1:

@@ -1,7 +1,7 @@
 """mlfabric.torch: Horovod's PyTorch API on mlfabric's collectives.
 
 `import mlfabric.torch as hvd` in place of `import horovod.torch as hvd`, and a script written for
-Horovod runs on mlfabric:
+Horovod runs on mlfabric::
 
     hvd.init(); hvd.rank(); hvd.size(); hvd.local_rank(); hvd.local_size(); hvd.cross_rank();
     hvd.cross_size(); hvd.is_homogeneous(); hvd.shutdown()

@@ -1,6 +1,8 @@
 """Elastic training, as horovod.torch.elastic, for ranks that die: training goes on with the
 survivors.
 
+Usage::
+
     state = hvd.elastic.TorchState(model, optimizer, epoch=0, batch=0)
 
     @hvd.elastic.run
