@@ -25,11 +25,19 @@ from .arguments import CORE_OPS, dtype_name
  NAME_HASH) = range(12)
 DIMS, MAX_DIMS = 12, 8  # words 12..19: the first dimensions, for messages
 DEVICE = 20  # 0: the tensors are on the CPU, 1: on a GPU (they move over NCCL)
+# Written by control_round (reorder.py): 1 when this rank may set its call aside (an async call
+# of CPU tensors, in its first round); how many calls this rank has set aside.
+MOBILE, ASIDE_N = 21, 22
 # An async allreduce's offer to fuse the like calls queued behind it (see fusion.fused_job): how
 # many (FUSE_N), and a hash of their descriptors after the first 1, 2, 4, ... 128 of them.
-FUSE_N, FUSE_LEVELS = 21, 8
-FUSE_H = 22  # words 22..29
-W = 30  # int64 words per descriptor
+FUSE_N, FUSE_LEVELS = 23, 8
+FUSE_H = 24  # words 24..31
+W = 32  # int64 words per descriptor
+# In a JOINED descriptor, word OP: 1 when the joined rank also takes part in allgathers,
+# alltoalls and broadcasts (join(all_calls=True)); 0, as in Horovod: those are an error while a
+# rank is joined (it has no rows to give, and Horovod's joined ranks take part in reductions and
+# barriers only).
+JOINED_ANY = OP
 # equal when all agree
 SAME = [KIND, DTYPE, OP, ROOT, ROW_LEN, ROW_HASH, NAME_HASH, DEVICE]
 ACTIVE, JOINED, REJECTED = 1, 0, -1
@@ -156,6 +164,13 @@ def disagreement(table, what):
                         "layer on some, another call on the others")
             parts = "; ".join(f"{v} on rank(s) {g}" for v, g in zip(shown, groups))
             return f"{what}: ranks disagree on {field}: {parts}"
+    joined = np.flatnonzero(states == JOINED)
+    if joined.size and kind in (ALLGATHER, BROADCAST, ALLTOALL) and \
+            not table[joined, JOINED_ANY].all():
+        return (f"{what}: rank(s) {joined.tolist()} have joined (are inside join()); as in "
+                f"Horovod, {'an' if kind == ALLGATHER or kind == ALLTOALL else 'a'} "
+                f"{KINDS[kind]} is not supported while a rank is joined (joined ranks take part "
+                "in allreduces, reducescatters and barriers only); nothing was exchanged")
     if kind == BROADCAST:
         root = int(table[active[0], ROOT])
         if states[root] != ACTIVE:
@@ -165,10 +180,54 @@ def disagreement(table, what):
 
 def control_round(st, desc, what=None):
     """The control round: every rank's descriptor, as a table. what: the call, named in the
-    PeerTimeoutError of a round that times out."""
+    PeerTimeoutError of a round that times out.
+
+    Where the descriptors differ and some rank has an async call it may set aside, or calls set
+    aside before, the ranks look further (reorder.resolve): this may run this rank's calls set
+    aside first, set this call aside (reorder.SetAside, for the dispatcher), or retry; the table
+    then returned describes the call every rank runs next, which on this rank is this one."""
+    table = st.preagreed
+    if table is not None:  # a call set aside, run now: its round already took place
+        st.preagreed = None
+        return table
+    cur = st.current
+    while True:
+        desc[MOBILE] = cur is not None and cur.mobile and len(st.aside) < _reorder.MAX_ASIDE
+        desc[ASIDE_N] = len(st.aside)
+        table = exchange(st, desc, what).reshape(st.ctx.size, W)
+        raw = table.tobytes()
+        if raw == raw[:len(raw) // len(table)] * len(table) or \
+                not table[:, MOBILE:ASIDE_N + 1].any():
+            break  # the usual case: one call on every rank, or no call that may wait
+        msg = disagreement(table, what or "the call")
+        st.verdict = (table, msg)  # (agree's, without computing it again)
+        if msg is None or not _different_calls(table):
+            break  # agreed, or one call with arguments that differ: its error, at once
+        table = _reorder.resolve(st, desc, table, msg, what or "the call")
+        if table is not None:
+            break
+    if cur is not None:
+        cur.mobile = False  # a call's later rounds (a grouped call's) cannot set it aside
+    return table
+
+
+def _different_calls(table):
+    """Whether the active ranks describe different calls (kind or name), none rejected: only
+    then may a rank look past its call (two calls of one kind and name whose arguments differ
+    are one call, mismatched, as in Horovod)."""
+    states = table[:, STATE]
+    if (states == REJECTED).any():
+        return False
+    ids = table[states == ACTIVE][:, [KIND, NAME_HASH]]
+    return len(ids) > 0 and bool((ids != ids[0]).any())
+
+
+def exchange(st, words, what=None):
+    """Every rank's words (the same number on each), concatenated: one allgather, counted in
+    st.rounds."""
     timing = _timeline.negotiating()
     try:
-        table = _coll.allgather(desc).reshape(st.ctx.size, W)
+        got = _coll.allgather(words)
     except PeerTimeoutError as exc:
         if what is None:
             raise
@@ -181,14 +240,17 @@ def control_round(st, desc, what=None):
             f" (this rank's earlier call {st.mismatch[0]} failed with MismatchError: "
             f"{st.mismatch[1][:300]}; after a mismatch the ranks' calls may no longer line up, "
             "so the peers may never issue this one)")
+        aside = "" if not st.aside else (
+            " (this rank's async calls still waiting for the others to issue them: "
+            f"{', '.join(c.what for c in st.aside)})")
         raise PeerTimeoutError(f"{what}: in the control round (the ranks agreeing on the call): "
-                               f"{exc}{after}") from exc
+                               f"{exc}{after}{aside}") from exc
     finally:
         if timing is not None:  # a round that failed (a dead peer) is the one to see
             timing[1].append((timing[0], _timeline.now_us()))
     st.rounds += 1
     st.mismatch = None  # the ranks' calls line up again (the caller records a new mismatch)
-    return table
+    return got
 
 
 def mismatched(st, what, msg):
@@ -202,7 +264,8 @@ def mismatched(st, what, msg):
 def agree(st, desc, what):
     """Control round of an active rank: the table, or the MismatchError every rank raises."""
     table = control_round(st, desc, what)
-    msg = disagreement(table, what)
+    known = st.verdict
+    msg = known[1] if known is not None and known[0] is table else disagreement(table, what)
     if msg is not None:
         raise mismatched(st, what, msg)
     return table
@@ -213,8 +276,15 @@ def everyone(table):
     return JOINED not in table[:, STATE].tolist()
 
 
+class CallName(str):
+    """A call's name in messages, knowing whether the caller named it (named: a name passed):
+    the dispatcher checks that no named call is issued twice while in flight (reorder.py)."""
+
+
 def call_name(kind, name):
-    return f"{kind} '{name}'" if name is not None else kind
+    out = CallName(f"{kind} '{name}'" if name is not None else kind)
+    out.named = name is not None
+    return out
 
 
 def reject(st, what, async_):
@@ -240,3 +310,6 @@ def reject(st, what, async_):
         st.submit(what, job)
     else:
         st.run(what, job)
+
+
+from . import reorder as _reorder  # noqa: E402  (it reads this module's words and checks)

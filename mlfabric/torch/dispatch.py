@@ -20,6 +20,7 @@ import torch
 from ..comm import context as _context
 from ..comm.executor import Executor
 from ..errors import MismatchError
+from . import reorder as _reorder
 from . import timeline as _timeline
 from .control import reject
 from .streams import GpuCall, on_caller_stream, on_side_stream
@@ -47,6 +48,14 @@ class State:
         self.streams = {}  # GPU -> mlfabric's stream there for calls on CUDA tensors
         self.fusion_pause = 0  # async allreduces left to run without offering fusion
         self.mismatch = None  # (call, message) of the last control round, if it mismatched
+        self.verdict = None  # (table, its disagreement) of the last round that computed it
+        # async calls issued in different orders on different ranks (reorder.py): the call
+        # whose job runs (a reorder.Call; None: a blocking call, which cannot be set aside),
+        # the calls set aside, the table a call set aside runs with (its round took place)
+        self.current = None
+        self.aside = []
+        self.preagreed = None
+        self.in_flight = {}  # named async calls (CallName) -> weak reference to their Call
         self.sets = {}  # global state only: process set id -> (ranks, its State or None)
         self.set_ids = itertools.count(1)  # the next process set's id (0: the global set)
 
@@ -88,6 +97,7 @@ class State:
     def close(self):
         """A process set's: finish its queued calls, free its context (collective over it)."""
         self.queue.shutdown()
+        _reorder.abandon(self)
         _context.close_sub_context(self.ctx)
 
 
@@ -140,6 +150,7 @@ def drain():
                 sub.close()
         s.sets.clear()
         s.queue.shutdown()
+        _reorder.abandon(s)
 
 
 # Registered after mlfabric.comm.context's finalize (imported above), so it runs before it at exit.
@@ -160,6 +171,7 @@ def issue(what, plan, job, async_, tensor=None, group=None, process_set=None, ta
     except (TypeError, ValueError) as exc:
         reject_call(process_set, what, async_)
         raise exc
+    _reorder.check_name_free(st, what)  # this rank's own error: nothing issued, no round
     if UNSTARTED and not _flushing:
         start_unstarted(st, _graph_task())
     try:
@@ -176,9 +188,13 @@ def issue(what, plan, job, async_, tensor=None, group=None, process_set=None, ta
         job = on_side_stream(st, job, tensor.device, group or (tensor,))
     if async_:
         shown = tag(planned) if tag is not None and recording is None and not gpu else None
-        handle = st.submit(what, lambda: job(st, planned), shown)
+        # a GPU call is not set aside: its job runs on mlfabric's stream (see reorder.py)
+        call = _reorder.Call(st, what, lambda: job(st, planned), not gpu)
+        handle = st.submit(what, call.run, shown)
+        call.inner = GpuCall(handle, tensor.device, job) if gpu else handle
+        _reorder.in_flight(st, what, call)
         hid = next(st.ids)
-        st.handles[hid] = GpuCall(handle, tensor.device, job) if gpu else handle
+        st.handles[hid] = call
         return hid
     result = st.run(what, lambda: job(st, planned))
     return on_caller_stream(*result, tensor.device) if gpu else result
@@ -193,7 +209,7 @@ def _guarded(what, job):
     def guarded(st, planned):
         try:
             return job(st, planned)
-        except MismatchError:
+        except (MismatchError, _reorder.SetAside):
             raise
         except BaseException as exc:
             st.ctx.fail(what, exc)
