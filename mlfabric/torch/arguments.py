@@ -1,13 +1,14 @@
 """What mlfabric.torch's collectives accept, checked before a call's control round: the reduction
 ops (Average, Sum, Min, Max, Product, Adasum) and how an op with its scaling factors maps to one
-of mlfabric's core ops (ReducePlan); the dtypes that travel and their wire dtypes (uint8, int8,
-int16 and bool widened to int64); the checks of a tensor, a list of tensors (scan_tensors), a
-name, a factor, and a tensor that takes a result in place. Every check raises the error the
-caller sees, naming the call.
+of mlfabric's core ops (ReducePlan), with Horovod's arithmetic of the scaling (scale_); the
+dtypes that travel and their wire dtypes (uint8, int8, int16 and bool widened to int64); the
+checks of a tensor, a list of tensors (scan_tensors), a name, a factor, and a tensor that takes
+a result in place. Every check raises the error the caller sees, naming the call.
 """
 import math
 from operator import attrgetter
 
+import numpy as np
 import torch
 
 from .._core import buffers as _buffers
@@ -119,27 +120,58 @@ def check_name(name):
         raise TypeError(f"name must be a string or None, got {type(name).__name__}")
 
 
+def scale_(t, factor):
+    """t *= factor in place, with Horovod's arithmetic (its ScaleBuffer): a floating tensor in
+    its own precision (float16 and bfloat16 on the CPU through float32, as torch computes them;
+    on a GPU, float16 by a factor rounded to float16, as Horovod's kernel does), an integer
+    tensor in float64, truncated toward zero back to its dtype. The same on every rank for the
+    same t and factor: no accumulation order is involved."""
+    if not t.is_floating_point():
+        return t.copy_(t.to(torch.float64).mul_(factor))  # (a float to integer copy truncates)
+    if t.is_cuda and t.dtype == torch.float16:
+        factor = float(np.float16(factor))
+    return t.mul_(factor)
+
+
 class ReducePlan:
-    """How one allreduce runs: the core op, the prescale, and the scaling after the sum."""
-    __slots__ = ("op", "core", "pre", "after")
+    """How one reduction runs, as Horovod's: the core op, prescale_factor (multiplying each
+    input), and the scaling after the reduction (after). Average is a Sum whose result is
+    multiplied by postscale_factor / size (an integer tensor's in float64, truncated: see
+    scale_), except on a floating tensor with nothing else to scale, which takes the core's
+    one-pass average. dtype: the caller's tensors' (their wire dtype may be wider)."""
+    __slots__ = ("op", "core", "pre", "after", "dtype")
 
     def __init__(self, op, dtype, pre, post, size, what):
         if op == Adasum:
-            raise ValueError(f"{what}: op Adasum is for allreduce (and its forms) only")
-        floating = dtype.is_floating_point
-        if op == Average and not floating:
-            raise TypeError(f"{what}: op Average needs a floating tensor, got {dtype}; use op=Sum")
+            # an error of the call, as Horovod's (a RuntimeError), on every rank
+            raise MlfabricError(f"{what}: op Adasum is for allreduce (and its forms) only")
         pre = check_factor(pre, what, "prescale_factor")
         post = check_factor(post, what, "postscale_factor")
-        if (pre != 1.0 or post != 1.0) and not floating:
-            raise TypeError(f"{what}: prescale_factor / postscale_factor need a floating tensor, "
-                            f"got {dtype}")
-        self.op, self.pre = op, pre
+        if dtype == torch.bool and (op == Average or pre != 1.0 or post != 1.0):
+            raise TypeError(f"{what}: op Average and prescale_factor / postscale_factor need a "
+                            "numeric tensor, got torch.bool")
+        self.op, self.pre, self.dtype = op, pre, dtype
         if op == Average:
-            # One pass when nothing else scales the sum; otherwise sum, then one scaling.
-            self.core, self.after = ("avg", 1.0) if post == 1.0 else ("sum", post / size)
+            one_pass = post == 1.0 and dtype.is_floating_point
+            self.core, self.after = ("avg", 1.0) if one_pass else ("sum", post / size)
         else:
             self.core, self.after = CORE_OF[op], post
+
+    def prescale_(self, t):
+        """t, a copy of the input as it travels, times prescale_factor (in place)."""
+        if self.pre != 1.0:
+            scale_(t, self.pre)
+        return t
+
+    def postscale_(self, t):
+        """t, a reduced result as it travels, times the scaling after the reduction (in place).
+        An integer tensor that travels widened (int8, ...) is first wrapped to its dtype's
+        range, as its sum would have wrapped in that dtype, and the result scaled from there."""
+        if self.after != 1.0:
+            if t.dtype != self.dtype and not self.dtype.is_floating_point:
+                t.copy_(t.to(self.dtype))
+            scale_(t, self.after)
+        return t
 
 
 _IS_CPU, _DTYPE_OF, _SHAPE_OF = (attrgetter(a) for a in ("is_cpu", "dtype", "shape"))

@@ -26,10 +26,11 @@ from .control import ACTIVE, FUSE_H, FUSE_LEVELS, FUSE_N, STATE, W
 
 
 def allreduce_flat(flat, plan):
+    """flat (as it travels) reduced in place over the ranks, then scaled as plan says
+    (arguments.ReducePlan: Horovod's arithmetic, integer tensors included)."""
     if flat.numel():
         _coll.allreduce(flat, op=plan.core, out=flat)
-        if plan.after != 1.0:
-            flat.mul_(plan.after)
+        plan.postscale_(flat)
 
 
 # --- tensor fusion of queued async allreduces --------------------------------------------------
@@ -218,8 +219,7 @@ def _reduce_members(st, members, plan):
         _C.gather(flat.data_ptr(), ptrs, nbytes)
     else:
         flat = torch.cat([t.detach().reshape(-1) for t in tensors]).to(wire_dtype(dtype))
-    if plan.pre != 1.0:
-        flat.mul_(plan.pre)
+    plan.prescale_(flat)
     allreduce_flat(flat, plan)
     if ptrs is not None and all(m.inplace for m in members):
         _C.scatter(flat.data_ptr(), ptrs, nbytes)

@@ -30,8 +30,8 @@ from .control import (ACTIVE, ALLGATHER, REDUCESCATTER, ROW_HASH, STATE, agree, 
                       control_round, describe, disagreement, mismatched, rank_groups)
 from .dispatch import issue, state
 from .fusion import LAYOUTS_KEPT, clone_all, group_layout
-from .ops import (check_differentiable, checked_compression, gather, grouped_allreduce_call,
-                  recorded)
+from .ops import (check_differentiable, checked_compression, checked_grad, gather,
+                  grouped_allreduce_call, recorded, reducescatter_grad_scale)
 
 
 def _check_list(tensors, what):
@@ -246,12 +246,10 @@ def _grouped_reducescatter_call(tensors, op, name, pre, post, async_, process_se
                                   for i in group.members]
                                  + [torch.zeros(1, dtype=wire, device=tensors[0].device)])
                 buf = flat[group.order()].view(st.ctx.size, group.width)
-            if p.pre != 1.0:
-                buf.mul_(p.pre)
+            p.prescale_(buf)
             got = _coll.reduce_scatter(buf, op=p.core).view(-1) if group.width \
                 else buf[st.ctx.rank]
-            if p.after != 1.0:
-                got.mul_(p.after)
+            p.postscale_(got)
             if direct:  # each output its own tensor (see _own in ops.py), filled by one C++ call
                 mine = [got.new_empty(shape) for shape in group.mine]
                 _C.scatter(got.data_ptr(), _addresses(mine), group.mine_bytes)
@@ -326,47 +324,50 @@ class _ScatterGroup:
 
 class _GroupedReducescatterFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, op, name, pre, post, process_set, *tensors):
+    def forward(ctx, op, name, pre, post, process_set, grad, *tensors):
         outs = _grouped_reducescatter_call(list(tensors), op, name, pre, post, False,
                                            process_set)
         ctx.op, ctx.process_set = resolve_op(op, None), process_set
-        ctx.scale = float(pre) * float(post) / (state(process_set).ctx.size
-                                                if ctx.op == Average else 1)
+        ctx.scale = reducescatter_grad_scale(ctx.op, pre, post, state(process_set).ctx.size,
+                                             grad)
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads):
-        # as reducescatter's: the allgather of the outputs' gradients, scaled as the forward
+        # as reducescatter's: the allgather of the outputs' gradients, scaled (see there)
         check_differentiable(ctx.op, "grouped_reducescatter")
         back = _grouped_allgather_call([g.contiguous() for g in grads], None, False,
                                        process_set=ctx.process_set)
         if ctx.scale != 1.0:
             back = [b.mul_(ctx.scale) for b in back]
-        return (None, None, None, None, None, *back)
+        return (None, None, None, None, None, None, *back)
 
 
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
-                          prescale_factor=1.0, postscale_factor=1.0, process_set=None):
+                          process_set=None, prescale_factor=1.0, postscale_factor=1.0, *,
+                          grad="horovod"):
     """reducescatter of each tensor of a list (a list back: this rank's block of rows of each
     reduction), fused into one reduce_scatter per dtype. Every rank passes the same list of
-    dtypes and shapes. Differentiable (Average, Sum); factors and compression as reducescatter."""
+    dtypes and shapes. Differentiable (Average, Sum); factors, compression and grad (the
+    gradient convention: Horovod's by default, or "local") as reducescatter's."""
     what = call_name("grouped_reducescatter", name)
     compression = checked_compression(what, compression, process_set)
+    grad = checked_grad(what, grad, process_set)
     if _first(tensors) is None or not all(isinstance(t, torch.Tensor) for t in tensors):
         return _grouped_reducescatter_call(tensors, op, name, 1.0, 1.0, False, process_set)
     pairs = [compression.compress(t) for t in tensors]
     sent = [c for c, _ in pairs]
     if recorded(*sent):
         outs = _GroupedReducescatterFn.apply(op, name, prescale_factor, postscale_factor,
-                                             process_set, *sent)
+                                             process_set, grad, *sent)
     else:
         outs = _grouped_reducescatter_call(sent, op, name, prescale_factor, postscale_factor,
                                            False, process_set)
     return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs)]
 
 
-def grouped_reducescatter_async(tensors, name=None, op=Average, prescale_factor=1.0,
-                                postscale_factor=1.0, process_set=None):
+def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=None,
+                                prescale_factor=1.0, postscale_factor=1.0):
     """Non-blocking grouped_reducescatter: synchronize(handle) returns the list."""
     return _grouped_reducescatter_call(tensors, op, name, prescale_factor, postscale_factor,
                                        True, process_set)

@@ -19,13 +19,21 @@ and these semantics:
   tensor of a call on the same kind of device: the descriptor carries it).
 - dtypes: float32, float64, float16, bfloat16, int32 and int64 travel as they are; uint8, int8,
   int16 and bool travel widened to int64 and come back narrowed (exact: integer sums wrap the way
-  the dtype does). Average needs a floating tensor.
+  the dtype does).
+- scaling (Horovod's): prescale_factor multiplies each rank's input, postscale_factor the reduced
+  result, and Average is a Sum whose result is multiplied by 1 / size() (with postscale_factor:
+  by postscale_factor / size()). A floating tensor scales in its own precision (float16 on the
+  CPU through float32), an integer tensor in float64, truncated toward zero back to its dtype
+  (so an integer Average of 7 and 8 over two ranks is 7). Every rank gets the same bits. A bool
+  tensor takes no Average or factors.
 - autograd: allreduce, grouped_allreduce, allgather, broadcast, alltoall and reducescatter are
   differentiable as in Horovod (>= 0.22): the gradient of an allreduce is the allreduce (same op
   and factors) of the gradient; of an allgather, this rank's rows of the averaged gradient; of a
   broadcast, the averaged gradient on the root and zeros elsewhere; of an alltoall, the alltoall
-  back; of a reducescatter, the allgather of the gradient, scaled as the forward was.
-The *_call functions are the calls' common form, for the other modules of mlfabric.torch.
+  back; of a reducescatter, Horovod's: the allgather of the gradient, times prescale_factor and
+  postscale_factor, and times size() for op Sum (reducescatter's grad="local" gives the local
+  derivative instead, size() times smaller).
+The ``*_call`` functions are the calls' common form, for the other modules of mlfabric.torch.
 """
 import math
 import zlib
@@ -57,8 +65,8 @@ from .fusion import fuse, fusion_threshold  # noqa: F401  (ops.fusion_threshold(
 # --- handles --------------------------------------------------------------------------------------
 
 def synchronize(handle):
-    """Wait for an *_async call and return its result (what the blocking form returns; for
-    alltoall_async, (output, received_splits)). Raises the call's error, if any."""
+    """Wait for an ``*_async`` call and return its result: what the blocking form returns (for
+    ``alltoall_async``, ``(output, received_splits)``). Raises the call's error, if any."""
     st = _dispatch.state()
     h = st.handles.pop(handle, None)
     if h is None:
@@ -83,9 +91,7 @@ def _wire_copy(t, plan):
     """A new contiguous wire-dtype copy of t (same shape), prescaled."""
     buf = torch.empty(t.shape, dtype=wire_dtype(t.dtype), device=t.device)
     buf.copy_(t)
-    if plan.pre != 1.0:
-        buf.mul_(plan.pre)
-    return buf
+    return plan.prescale_(buf)
 
 
 def _reduce_one(member, plan):
@@ -183,7 +189,8 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     """Reduce tensor over all ranks (default: Average) and return the result; tensor is left
     as it is. Differentiable. op: Average, Sum, Min, Max, Product (average=True/False is the
     deprecated spelling of Average/Sum). prescale_factor multiplies the input and
-    postscale_factor the result (floating tensors). compression: Compression.none or
+    postscale_factor the result (integer tensors too: see the module docstring for the
+    arithmetic). compression: Compression.none or
     Compression.fp16 (see mlfabric.torch.compression for its tolerance). name: an optional
     label; when every rank gives one they must match (a check that ranks issue calls in the
     same order). process_set: the ranks taking part (default every rank; process_sets.py);
@@ -286,8 +293,7 @@ def grouped_allreduce_call(tensors, op, average, name, pre, post, inplace, async
             else:
                 with torch.no_grad():  # the staging buffer must not join srcs' graph
                     torch._foreach_copy_(views, srcs)
-            if p.pre != 1.0:
-                flat.mul_(p.pre)
+            p.prescale_(flat)
             _fusion.allreduce_flat(flat, p)
             if inplace:
                 if ptrs is not None:
@@ -481,54 +487,90 @@ def _reducescatter_call(tensor, op, average, name, pre, post, async_, process_se
         sent = src.contiguous() if wire_dtype(src.dtype) == src.dtype and p.pre == 1.0 else \
             _wire_copy(src, p)
         out = _own(_coll.reduce_scatter(sent.view(rows, -1), op=p.core), (mine, *src.shape[1:]))
-        if p.after != 1.0:
-            out.mul_(p.after)
+        p.postscale_(out)
         return out if out.dtype == src.dtype else out.to(src.dtype)
 
     return _dispatch.issue(what, plan, job, async_, tensor, process_set=process_set)
 
 
+# reducescatter's gradient conventions (the grad keyword): "horovod", Horovod's (the default),
+# size() times the local derivative; "local", the derivative itself.
+REDUCESCATTER_GRADS = ("horovod", "local")
+
+
+def checked_grad(what, grad, process_set=None):
+    """grad (a reducescatter's gradient convention), or its ValueError raised on every rank
+    (through a rejected call)."""
+    if not (isinstance(grad, str) and grad in REDUCESCATTER_GRADS):
+        reject_call(process_set, what, False)
+        raise ValueError(f"{what}: grad must be one of {', '.join(map(repr, REDUCESCATTER_GRADS))}"
+                         f", got {grad!r:.40}")
+    return grad
+
+
+def reducescatter_grad_scale(op, pre, post, size, grad):
+    """What the allgather of a reducescatter's output gradients is multiplied by to give its
+    input's gradient. Each rank's input rows r went into rank r's output times pre * post
+    (/ size for Average): that factor gives the derivative of the ranks' summed loss with
+    respect to this rank's input (grad="local"). Horovod's convention (grad="horovod") is size
+    times it, pre * post (* size for Sum), so that the average over the ranks that
+    DistributedOptimizer takes of the gradients after it gives that derivative."""
+    scale = float(pre) * float(post)
+    if grad == "local":
+        return scale / size if op == Average else scale
+    return scale * size if op == Sum else scale
+
+
 class _ReducescatterFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, op, average, name, pre, post, process_set):
+    def forward(ctx, tensor, op, average, name, pre, post, process_set, grad):
         out = _reducescatter_call(tensor, op, average, name, pre, post, False,
                                   process_set)  # checks first
         ctx.op, ctx.process_set = resolve_op(op, average), process_set
-        ctx.scale = float(pre) * float(post) / (_dispatch.state(process_set).ctx.size
-                                                if ctx.op == Average else 1)
+        ctx.scale = reducescatter_grad_scale(ctx.op, pre, post,
+                                             _dispatch.state(process_set).ctx.size, grad)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        # Every rank's input rows r went, scaled, into rank r's output: the gradient of an input
-        # is the allgather of the outputs' gradients, scaled the same way.
         check_differentiable(ctx.op, "reducescatter")
         back = allgather_call(grad.contiguous(), None, False, process_set=ctx.process_set)
         return ((back.mul_(ctx.scale) if ctx.scale != 1.0 else back), None, None, None, None,
-                None, None)
+                None, None, None)
 
 
-def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
-                  prescale_factor=1.0, postscale_factor=1.0, process_set=None):
+def reducescatter(tensor, name=None, compression=Compression.none, op=Average, process_set=None,
+                  prescale_factor=1.0, postscale_factor=1.0, *, grad="horovod"):
     """Reduce tensor over all ranks (default: Average) and return this rank's block of rows of
     the result: dimension 0 split in rank order, the first shape[0] % size() ranks one row more
-    (as Horovod, whose argument order this keeps). Every rank passes the same shape.
-    Differentiable (Average, Sum); the factors and compression as in allreduce."""
-    compression = checked_compression(call_name("reducescatter", name), compression, process_set)
+    (as Horovod, whose argument order this keeps). Every rank passes the same shape. The
+    factors and compression as in allreduce (integer tensors scale as the module docstring
+    says).
+
+    Differentiable (Average, Sum). grad (keyword only) picks the input's gradient:
+    ``"horovod"`` (the default, Horovod's) is the allgather of the output gradients times
+    prescale_factor * postscale_factor, and times size() for op Sum; ``"local"`` is size()
+    times smaller, the exact derivative of the ranks' summed loss with respect to this rank's
+    input (for Average: the allgather times the factors / size()). Horovod's is meant for
+    gradients averaged over the ranks afterwards (DistributedOptimizer), which brings them back
+    to that derivative; "local" for gradients used as they are."""
+    what = call_name("reducescatter", name)
+    compression = checked_compression(what, compression, process_set)
+    grad = checked_grad(what, grad, process_set)
     if not isinstance(tensor, torch.Tensor):  # reported on every rank
         return _reducescatter_call(tensor, op, None, name, 1.0, 1.0, False, process_set)
     compressed, cctx = compression.compress(tensor)
     if recorded(compressed):
         out = _ReducescatterFn.apply(compressed, op, None, name, prescale_factor,
-                                     postscale_factor, process_set)
+                                     postscale_factor, process_set, grad)
     else:
         out = _reducescatter_call(compressed, op, None, name, prescale_factor, postscale_factor,
                                   False, process_set)
     return compression.decompress(out, cctx)
 
 
-def reducescatter_async(tensor, name=None, op=Average, prescale_factor=1.0,
-                        postscale_factor=1.0, process_set=None):
+def reducescatter_async(tensor, name=None, op=Average, process_set=None, prescale_factor=1.0,
+                        postscale_factor=1.0):
     """Non-blocking reducescatter: synchronize(handle) returns this rank's rows."""
     return _reducescatter_call(tensor, op, None, name, prescale_factor, postscale_factor, True,
                                process_set)

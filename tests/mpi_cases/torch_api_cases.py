@@ -149,8 +149,12 @@ def case_allreduce_defaults_scaling_noncontiguous():
     check(hvd.allreduce(x, op="sum"), stack.sum(0), "float64", "op='sum'")
     with pytest.raises(ValueError, match="not both"):
         hvd.allreduce(x, op=hvd.Sum, average=True)
-    with pytest.raises(TypeError, match="Average needs a floating"):
-        hvd.allreduce(torch.ones(3, dtype=torch.int32))
+    # Average on integers (Horovod's): the sum times 1 / size in float64, truncated
+    ints = np.stack([values(q, 60, "int32", "sum") for q in range(n)])
+    check(hvd.allreduce(torch.from_numpy(ints[r]).int()), ints.sum(0) * (1.0 / n), "int32",
+          "integer Average")
+    with pytest.raises(TypeError, match="need a numeric tensor, got torch.bool"):
+        hvd.allreduce(torch.ones(3, dtype=torch.bool))
     with pytest.raises(TypeError, match="unsupported dtype"):
         hvd.allreduce(torch.ones(3, dtype=torch.complex64))
     assert hvd.allreduce(torch.ones(3), op=hvd.Sum).tolist() == [n] * 3
@@ -426,7 +430,7 @@ def case_allreduce_adasum():
         hvd.allreduce(torch.ones(3, dtype=torch.int32), op=hvd.Adasum)
     for fn in (lambda: hvd.grouped_allreduce([x], op=hvd.Adasum),
                lambda: hvd.reducescatter(x, op=hvd.Adasum)):
-        with pytest.raises(ValueError, match="Adasum is for allreduce"):
+        with pytest.raises(hvd.MlfabricError, match="Adasum is for allreduce"):
             fn()
     if n > 1:  # a shape that differs on one rank: every rank fails
         with pytest.raises(hvd.MismatchError):
@@ -867,19 +871,24 @@ def case_reducescatter_ops_dtypes_forms():
 
 
 def case_reducescatter_autograd_and_compression():
-    """The gradient of a reducescatter is the allgather of the outputs' gradients, scaled as
-    the forward was; fp16 compression within its tolerance."""
+    """The gradient of a reducescatter is the allgather of the outputs' gradients times the
+    factors, and times size() for Sum (Horovod's); with grad="local", size() times less (the
+    derivative of the ranks' summed loss); fp16 compression within its tolerance."""
     n, r = hvd.size(), hvd.rank()
     rows = 2 * n + 1
     stack = np.stack([values(q, rows * 2, "float64", "sum") for q in range(n)]).reshape(n, rows, 2)
     weights = [np.arange(1, _rows_of(rows, n, q)[1] * 2 + 1, dtype=np.float64) * (q + 1)
                for q in range(n)]  # d loss / d output on rank q
     grad_out = np.concatenate([w.reshape(-1, 2) for w in weights])  # every rank's, in order
-    for op, scale in ((hvd.Sum, 2.0), (hvd.Average, 2.0 / n)):
+    for op, scale, grad in ((hvd.Sum, 2.0 * n, "horovod"), (hvd.Average, 2.0, "horovod"),
+                            (hvd.Sum, 2.0, "local"), (hvd.Average, 2.0 / n, "local")):
         x = torch.from_numpy(stack[r].copy()).requires_grad_(True)
-        y = hvd.reducescatter(x, op=op, prescale_factor=2.0)
+        kw = {} if grad == "horovod" else {"grad": grad}  # Horovod's is the default
+        y = hvd.reducescatter(x, op=op, prescale_factor=2.0, **kw)
         (y * torch.from_numpy(weights[r].reshape(-1, 2))).sum().backward()
-        check(x.grad, scale * grad_out, "float64", f"reducescatter grad {op}")
+        check(x.grad, scale * grad_out, "float64", f"reducescatter grad {op} {grad}")
+    with pytest.raises(ValueError, match="grad must be one of 'horovod', 'local'"):
+        hvd.reducescatter(torch.ones(n), grad="global")
     with pytest.raises(hvd.MlfabricError, match="gradient of reducescatter with op max"):
         x = torch.ones(n, requires_grad=True)
         hvd.reducescatter(x, op=hvd.Max).sum().backward()
@@ -892,7 +901,7 @@ def case_reducescatter_autograd_and_compression():
 
 
 def case_reducescatter_bad_input_fails_on_every_rank():
-    """A 0-d tensor or Average on integers on one rank: its own error there, a MismatchError
+    """A 0-d tensor or Average on bools on one rank: its own error there, a MismatchError
     naming it on the others; shapes or ops that differ between ranks: a MismatchError on every
     rank naming both; then the next call works."""
     n, r = hvd.size(), hvd.rank()
@@ -900,8 +909,8 @@ def case_reducescatter_bad_input_fails_on_every_rank():
     if r == bad:
         with pytest.raises(ValueError, match="at least one dimension"):
             hvd.reducescatter(torch.tensor(1.0))
-        with pytest.raises(TypeError, match="Average needs a floating tensor"):
-            hvd.reducescatter(torch.ones(3, dtype=torch.int32))
+        with pytest.raises(TypeError, match="need a numeric tensor"):
+            hvd.reducescatter(torch.ones(3, dtype=torch.bool))
     elif n > 1:
         for _ in range(2):
             with pytest.raises(hvd.MismatchError, match=rf"rank\(s\) \[{bad}\] rejected"):
