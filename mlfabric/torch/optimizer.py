@@ -49,8 +49,8 @@ How it works:
   last (parameters without a gradient contribute zeros and get a zero gradient, as in
   Horovod); step() calls it unless inside skip_synchronize(), then runs the wrapped step(). A
   second call with no gradient since (hooks and marks tell) does nothing: gradients clipped in
-  place in between are not reduced again. step() after an explicit synchronize(), outside
-  skip_synchronize(), warns as Horovod does;
+  place in between are not reduced again. step() after an explicit synchronize() (with no
+  zero_grad() between them), outside skip_synchronize(), warns as Horovod does;
 - sparse gradients (nn.Embedding(sparse=True)) are reduced by sparse.py's sparse allreduce
   (allgathers of their indices and values: only the rows touched travel) and .grad becomes the
   reduced sparse tensor; the rest of their bucket is reduced as usual, in one allreduce per run
@@ -637,6 +637,7 @@ class _DistributedOptimizer:
                 "optimizer.step() or optimizer.synchronize(): the gradients are being reduced. "
                 "Call step() (or synchronize()) first")
         self._mlf_reset()  # an accumulation of backward passes starts again
+        self._mlf_sync_called = False  # (a synchronize() before it was not for the next step)
         if self._mlf_op == ops.Adasum:  # no buckets
             return super().zero_grad(set_to_none)
         # A gradient that is its bucket's view stays one, zeroed, even with set_to_none: backward

@@ -310,8 +310,8 @@ def case_broadcast_state_creation_error_on_one_rank():
 
 def case_step_after_synchronize_warns():
     """Horovod's warning: step() after synchronize() outside skip_synchronize() warns once;
-    inside skip_synchronize(), or without synchronize(), it does not; either way the gradients
-    are reduced once (clipped ones are not reduced again)."""
+    inside skip_synchronize(), without synchronize(), or with zero_grad() between them, it does
+    not; either way the gradients are reduced once (clipped ones are not reduced again)."""
     n, r = hvd.size(), hvd.rank()
     model = torch.nn.Linear(1, 1).double()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -333,11 +333,13 @@ def case_step_after_synchronize_warns():
             torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
         ropt.step()
 
-    for how in ("plain", "skip", "warned", "plain"):
+    for how in ("plain", "skip", "warned", "plain", "zeroed"):
+        if how == "zeroed":  # synchronize() of a step given up: zero_grad() starts the next
+            opt.synchronize()
         grads()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            if how == "plain":
+            if how in ("plain", "zeroed"):
                 opt.step()
             else:
                 opt.synchronize()
@@ -355,6 +357,6 @@ def case_step_after_synchronize_warns():
             assert mine[0].filename == __file__  # points at the caller's step()
         else:
             assert not mine, (how, [str(w.message) for w in caught])
-        ref_step(how != "plain")
+        ref_step(how in ("skip", "warned"))
         for p, q in zip(model.parameters(), ref.parameters()):
             assert torch.allclose(p, q, rtol=1e-13, atol=1e-15), how
