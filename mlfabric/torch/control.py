@@ -129,8 +129,10 @@ def disagreement(table, what):
         if len(names) > 1:
             return (f"{what}: the ranks' tensor names differ (ranks grouped by name: "
                     f"{' | '.join(map(str, names))}): they issued different calls at this point. "
-                    "mlfabric matches collectives by the order ranks issue them, so every rank "
-                    "must issue the same calls in the same order")
+                    "mlfabric runs a call once every rank has issued it: async calls of CPU "
+                    "tensors may be issued in different orders, other calls (blocking ones, "
+                    "and the async call that synchronize() waits for) must come in the same "
+                    "order on every rank")
     checks = [("call", lambda d: int(d[KIND]), lambda d: KINDS[int(d[KIND])]),
               ("device", lambda d: int(d[DEVICE]), lambda d: ("cpu", "cuda")[int(d[DEVICE])]),
               ("dtype", lambda d: int(d[DTYPE]), lambda d: dtype_name(int(d[DTYPE])))]
@@ -195,15 +197,22 @@ def control_round(st, desc, what=None):
         desc[MOBILE] = cur is not None and cur.mobile and len(st.aside) < _reorder.MAX_ASIDE
         desc[ASIDE_N] = len(st.aside)
         table = exchange(st, desc, what).reshape(st.ctx.size, W)
-        raw = table.tobytes()
-        if raw == raw[:len(raw) // len(table)] * len(table) or \
-                not table[:, MOBILE:ASIDE_N + 1].any():
-            break  # the usual case: one call on every rank, or no call that may wait
+        aside = table[:, ASIDE_N].any()
+        if not aside:
+            raw = table.tobytes()
+            if raw == raw[:len(raw) // len(table)] * len(table) or not table[:, MOBILE].any():
+                break  # the usual case: one call on every rank, or no call that may wait
         msg = disagreement(table, what or "the call")
         st.verdict = (table, msg)  # (agree's, without computing it again)
-        if msg is None or not _different_calls(table):
-            break  # agreed, or one call with arguments that differ: its error, at once
-        table = _reorder.resolve(st, desc, table, msg, what or "the call")
+        if (table[:, STATE] == REJECTED).any():
+            break
+        # Where a rank has calls set aside, the oldest calls every rank has issued go first
+        # (two unnamed calls alike are told apart by their order alone). Else only different
+        # calls (kind or name) wait: one call whose arguments differ fails at once.
+        waits = _different_calls(table)
+        if not aside and (msg is None or not waits):
+            break
+        table = _reorder.resolve(st, desc, table, msg, what or "the call", waits)
         if table is not None:
             break
     if cur is not None:
@@ -212,12 +221,10 @@ def control_round(st, desc, what=None):
 
 
 def _different_calls(table):
-    """Whether the active ranks describe different calls (kind or name), none rejected: only
-    then may a rank look past its call (two calls of one kind and name whose arguments differ
-    are one call, mismatched, as in Horovod)."""
+    """Whether the active ranks describe different calls (kind or name): only then may a rank
+    set its call aside (two calls of one kind and name whose arguments differ are one call,
+    mismatched, as in Horovod)."""
     states = table[:, STATE]
-    if (states == REJECTED).any():
-        return False
     ids = table[states == ACTIVE][:, [KIND, NAME_HASH]]
     return len(ids) > 0 and bool((ids != ids[0]).any())
 

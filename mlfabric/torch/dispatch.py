@@ -2,8 +2,10 @@
 the count of control rounds, the staging buffers, streams and process sets), state() to find it,
 and issue(): check a call's arguments (a rank whose arguments are bad still takes part in the
 round, as 'rejected'), then run it in issue order. Every call goes through one queue per process
-(and one more per process set it belongs to: process_sets.py), in the order it was issued (as on
-every rank: mlfabric matches collectives by order, not by name). A blocking call runs on the
+(and one more per process set it belongs to: process_sets.py), in the order it was issued
+(mlfabric matches collectives by order; async calls that ranks issue in different orders are
+set aside until every rank has issued them: reorder.py, which also refuses a named call issued
+twice while in flight). A blocking call runs on the
 caller's thread when nothing is queued; *_async calls run on the queue's thread, so
 communication overlaps the caller's work (the engine releases the GIL), and get an integer
 handle (ops.synchronize / ops.poll). Also owns the rule that starts a DistributedOptimizer's

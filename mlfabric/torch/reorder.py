@@ -46,12 +46,12 @@ class Call:
     """The handle of an *_async call: its queue's Handle (or GpuCall), and, once set aside,
     what runs it later. wait() and done() as the queue's Handle."""
     __slots__ = ("st", "what", "fn", "inner", "mobile", "desc", "finished", "result", "error",
-                 "__weakref__")
+                 "polled", "__weakref__")
 
     def __init__(self, st, what, fn, mobile):
         self.st, self.what, self.fn, self.mobile = st, what, fn, mobile
         self.inner = self.desc = self.result = self.error = None
-        self.finished = False
+        self.finished = self.polled = False
 
     def run(self):
         """The call's job, as queued: ASIDE when the rank set it aside."""
@@ -108,9 +108,36 @@ class Call:
             self.rerun()
 
     def done(self):
+        """Whether wait() would return at once. A call set aside runs in the rounds of its
+        rank's later calls; with none queued, poll() queues one try of it (that may set it
+        aside again), so a program that polls makes progress as one that waits."""
         if not self.inner.done():
             return False
-        return not self._aside() or self.finished
+        if not self._aside() or self.finished:
+            return True
+        if not self.polled and not self.st.queue.pending:
+            self.polled = True
+            self.st.submit(self.what, self._try)
+        return False
+
+    def _try(self):
+        st = self.st
+        self.polled = False
+        if self.finished or not any(c is self for c in st.aside):
+            return
+        i = next(i for i, c in enumerate(st.aside) if c is self)
+        del st.aside[i]
+        outer, st.current = st.current, self
+        self.mobile = True
+        try:
+            self._finish(result=self.fn())
+        except SetAside:
+            st.aside.insert(i, self)  # (its descriptor is the one kept)
+        except BaseException as exc:  # noqa: BLE001 - handed to its waiter
+            self._finish(error=exc)
+        finally:
+            st.current = outer
+            self.mobile = False
 
 
 def check_name_free(st, what):
@@ -134,12 +161,14 @@ def in_flight(st, what, call):
         st.in_flight[what] = weakref.ref(call)
 
 
-def resolve(st, desc, table, msg, what):
-    """After a control round whose descriptors differ (table; msg, its MismatchError's message)
-    where some rank may set its call aside or has calls set aside: the table of the call this
-    rank runs next, if it is its current call (desc); else None (the caller retries), having
-    run one of its calls set aside; or SetAside; or the MismatchError of a program that cannot
-    make progress. Every rank takes part (one more allgather) and decides alike."""
+def resolve(st, desc, table, msg, what, waits):
+    """After a control round (table; msg, its MismatchError's message, or None) where some rank
+    has calls set aside, or whose descriptors describe different calls (waits) and some rank
+    may set its call aside: the table of the call this rank runs next, if it is its current
+    call (desc); else None (the caller retries), having run one of its calls set aside; or
+    SetAside; or the MismatchError of a program that cannot make progress (or, where the
+    calls are one call whose arguments differ, table: the caller raises msg). Every rank takes
+    part (one more allgather) and decides alike."""
     n, me = len(table), st.ctx.rank
     mine = np.zeros((K, W), np.int64)
     mine[:, STATE] = UNUSED
@@ -161,6 +190,8 @@ def resolve(st, desc, table, msg, what):
         finally:
             st.preagreed = None
         return None
+    if not waits:
+        return table
     if table[:, MOBILE].any():
         if table[me, MOBILE]:
             raise SetAside(desc)
