@@ -1,7 +1,9 @@
 """op=Adasum for allreduce (Horovod's hvd.Adasum): adaptive summation of the ranks' tensors.
 
-Two vectors a and b combine as
+Two vectors a and b combine as::
+
     adasum(a, b) = (1 - a.b / (2 |a|^2)) a + (1 - a.b / (2 |b|^2)) b
+
 (a coefficient is 1 where its vector is zero): parallel vectors are averaged, orthogonal ones
 summed. The ranks' tensors (flattened) combine as a binary tree over rank order, the pairs at
 distance 1 first, then 2, 4, ...: ((t0, t1), (t2, t3)), ... as Horovod's recursive halving does

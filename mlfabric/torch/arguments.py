@@ -1,6 +1,6 @@
 """What mlfabric.torch's collectives accept, checked before a call's control round: the reduction
 ops (Average, Sum, Min, Max, Product, Adasum) and how an op with its scaling factors maps to one
-of mlfabric's core ops (ReducePlan), with Horovod's arithmetic of the scaling (scale_); the
+of mlfabric's core ops (ReducePlan), with Horovod's arithmetic of the scaling (``scale_``); the
 dtypes that travel and their wire dtypes (uint8, int8, int16 and bool widened to int64); the
 checks of a tensor, a list of tensors (scan_tensors), a name, a factor, and a tensor that takes
 a result in place. Every check raises the error the caller sees, naming the call.
@@ -121,7 +121,7 @@ def check_name(name):
 
 
 def scale_(t, factor):
-    """t *= factor in place, with Horovod's arithmetic (its ScaleBuffer): a floating tensor in
+    """t times factor, in place, with Horovod's arithmetic (its ScaleBuffer): a floating tensor in
     its own precision (float16 and bfloat16 on the CPU through float32, as torch computes them;
     on a GPU, float16 by a factor rounded to float16, as Horovod's kernel does), an integer
     tensor in float64, truncated toward zero back to its dtype. The same on every rank for the
@@ -137,7 +137,7 @@ class ReducePlan:
     """How one reduction runs, as Horovod's: the core op, prescale_factor (multiplying each
     input), and the scaling after the reduction (after). Average is a Sum whose result is
     multiplied by postscale_factor / size (an integer tensor's in float64, truncated: see
-    scale_), except on a floating tensor with nothing else to scale, which takes the core's
+    ``scale_``), except on a floating tensor with nothing else to scale, which takes the core's
     one-pass average. dtype: the caller's tensors' (their wire dtype may be wider)."""
     __slots__ = ("op", "core", "pre", "after", "dtype")
 

@@ -5,6 +5,7 @@ collectives instead of one per tensor.
 
 Owns how a list travels fused (the control round is control.py's; join, devices and dtypes
 work as in ops.py):
+
 - allgather: ranks may hold different numbers of rows of each tensor, so a first round gathers
   every rank's rows of every tensor (an int64 allgather of a (1, len(list)) tensor, described
   and checked like any allgather, with the whole list's dtypes and row shapes in its descriptor:
@@ -13,6 +14,7 @@ work as in ops.py):
 - reducescatter: every rank splits each tensor's rows the same way (ops.reducescatter's split),
   so the list is packed rank-major: row r of an (size, M) buffer holds rank r's rows of every
   tensor, zero-padded to the longest such block M; one reduce_scatter gives each rank its row.
+
 Both are standard calls on the wire, so a joined rank takes part without knowing of groups.
 """
 import math

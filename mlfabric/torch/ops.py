@@ -8,6 +8,7 @@ Each call checks its arguments (arguments.py), is issued in order on its process
 then moves its data: fused with like calls where it can be (fusion.py), on mlfabric's GPU
 streams for CUDA tensors (streams.py). This module owns what each call does with its data,
 and these semantics:
+
 - join (Horovod's): a joined rank takes part in the others' calls until every rank has
   joined. In an allreduce or reducescatter it contributes the op's identity (zeros for Sum and
   Average, as in Horovod; +inf / -inf / 1 for Min / Max / Product; its own rows of a
@@ -33,6 +34,7 @@ and these semantics:
   back; of a reducescatter, Horovod's: the allgather of the gradient, times prescale_factor and
   postscale_factor, and times size() for op Sum (reducescatter's grad="local" gives the local
   derivative instead, size() times smaller).
+
 The ``*_call`` functions are the calls' common form, for the other modules of mlfabric.torch.
 """
 import math
