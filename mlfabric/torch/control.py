@@ -284,13 +284,19 @@ def everyone(table):
 
 
 class CallName(str):
-    """A call's name in messages, knowing whether the caller named it (named: a name passed):
-    the dispatcher checks that no named call is issued twice while in flight (reorder.py)."""
+    """A call's name in messages, knowing whether the caller named it (named: a name passed,
+    not an InternalName): the dispatcher checks that no named call is issued twice while in
+    flight (reorder.py)."""
+
+
+class InternalName(str):
+    """A name mlfabric gives its own calls (a DistributedOptimizer's buckets: two optimizers
+    of one model name theirs alike): not checked for calls of the same name in flight."""
 
 
 def call_name(kind, name):
     out = CallName(f"{kind} '{name}'" if name is not None else kind)
-    out.named = name is not None
+    out.named = name is not None and not isinstance(name, InternalName)
     return out
 
 
