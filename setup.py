@@ -182,9 +182,10 @@ setup(
         # The scheduler's exact oracle (mlfabric.sched.oracle) solves the paper's ILP with scipy.
         "oracle": ["scipy>=1.9"],
         # The build tests run setup.py directly, outside pip's isolated build environment;
-        # hypothesis drives the scheduler's property tests.
+        # hypothesis drives the scheduler's property tests; Horovod's own test suite
+        # (scripts/horovod_conformance.py) imports mock and cloudpickle.
         "test": ["pytest", "hypothesis", "scipy>=1.9", "matplotlib", "scikit-learn",
-                 "pybind11>=2.10", "setuptools>=61", "wheel", "build"],
+                 "pybind11>=2.10", "setuptools>=61", "wheel", "build", "mock", "cloudpickle"],
     },
     entry_points={"console_scripts": ["mlfabric-bench=mlfabric.bench.__main__:main",
                                       "mlfabricrun=mlfabric.run:main"]},

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from tests.mpi_util import run_dir
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PKG = os.path.join(ROOT, "mlfabric")
 
@@ -105,6 +107,7 @@ def test_old_path_is_the_moved_module(old):
             f"else:\n    raise SystemExit('no warning')\n"
             f"warnings.simplefilter('ignore')\n"
             f"assert importlib.import_module({old!r}) is new\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+    # from run_dir(): the tree's mlfabric, or (against an installed package) a directory without it
+    out = subprocess.run([sys.executable, "-c", code], cwd=run_dir(), capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
