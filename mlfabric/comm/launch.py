@@ -2,7 +2,8 @@
 than the one MPI sees (torchrun, srun without PMI wiring, an mpirun of another MPI library) is
 refused with an error saying how to launch; under Open MPI's mpirun, torchrun's variables
 (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) are exported for
-torch code written for torchrun. Also owns where rank 0's rendezvous store listens (the torch
+torch code written for torchrun, and follow the world when elastic training changes it (those
+mlfabric set; never a user's). Also owns where rank 0's rendezvous store listens (the torch
 backend's and MASTER_ADDR's choice alike)."""
 import ipaddress
 import os
@@ -125,6 +126,27 @@ def _free_port(address):
         return sock.getsockname()[1]
 
 
+def _world_values(ctx):
+    return {"RANK": ctx.rank, "LOCAL_RANK": ctx.local_rank, "WORLD_SIZE": ctx.size,
+            "LOCAL_WORLD_SIZE": ctx.local_size}
+
+
+def _store_values(ctx):
+    """MASTER_ADDR / MASTER_PORT for a store rank 0 of ctx can serve (the address the torch
+    backend's store would take, a port free there), or {} when rank 0 has no free port.
+    Collective over ctx's ranks."""
+    comm = ctx.user_comm
+    listen, host = store_address(comm, ctx.rank, ctx.single_host)
+    port = None
+    if ctx.rank == 0:
+        try:
+            port = _free_port(listen)
+        except OSError:
+            port = None
+    port = comm.bcast(port, root=0)
+    return {} if port is None else {"MASTER_ADDR": host, "MASTER_PORT": port}
+
+
 def export_torch_env(ctx):
     """Under Open MPI's mpirun, set torchrun's variables (only those unset) from ctx, the world
     context: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, and MASTER_ADDR / MASTER_PORT
@@ -132,24 +154,51 @@ def export_torch_env(ctx):
     free there). Collective over ctx's ranks."""
     if "OMPI_COMM_WORLD_RANK" not in os.environ:
         return
-    comm = ctx.user_comm
-    values = {"RANK": ctx.rank, "LOCAL_RANK": ctx.local_rank, "WORLD_SIZE": ctx.size,
-              "LOCAL_WORLD_SIZE": ctx.local_size}
+    values = _world_values(ctx)
     if not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
-        listen, host = store_address(comm, ctx.rank, ctx.single_host)
-        port = None
-        if ctx.rank == 0:
-            try:
-                port = _free_port(listen)
-            except OSError:
-                port = None
-        port = comm.bcast(port, root=0)
-        if port is not None:
-            values.update(MASTER_ADDR=host, MASTER_PORT=port)
+        values.update(_store_values(ctx))
     for name, value in values.items():
         if name not in os.environ:
             os.environ[name] = str(value)
             EXPORTED[name] = str(value)
+
+
+def _ours(name):
+    """Whether mlfabric may give torchrun's variable `name` a value: unset, or holding the one
+    mlfabric gave it (a value the user set is never overwritten)."""
+    value = os.environ.get(name)
+    return value is None or value == EXPORTED.get(name)
+
+
+def refresh_torch_env(ctx, joined=False):
+    """After the world changed (elastic training: the survivors of a failure shrunk to, or
+    merged with replacements; ctx the new world context), give torchrun's variables ctx's values
+    on the ranks where mlfabric exported them, or where this process joined as a replacement
+    (joined=True; its own are unset: it exports them as init() would have). Only the variables
+    mlfabric set, or unset ones, change: a user's stay as they are. MASTER_ADDR / MASTER_PORT
+    name a store the new rank 0 can serve (the old rank 0 may be dead), or are removed when it
+    has no free port. Collective over ctx's ranks (they agree first whether there is anything
+    to do)."""
+    if "OMPI_COMM_WORLD_RANK" not in os.environ:
+        return
+    mine = bool(EXPORTED) or joined
+    flags = ctx.user_comm.allgather((mine, mine and (_ours("MASTER_ADDR") or
+                                                     _ours("MASTER_PORT"))))
+    if not any(m for m, _ in flags):
+        return
+    values = _world_values(ctx)
+    if any(store for _, store in flags):
+        store = _store_values(ctx)
+        if mine and not store:  # no store named: a dead rank 0's would be waited for in vain
+            for name in ("MASTER_ADDR", "MASTER_PORT"):
+                if name in EXPORTED and _ours(name):
+                    os.environ.pop(name, None)
+                    del EXPORTED[name]
+        values.update(store)
+    if mine:
+        for name, value in values.items():
+            if _ours(name):
+                os.environ[name] = EXPORTED[name] = str(value)
 
 
 def torch_env_is_ours(names):

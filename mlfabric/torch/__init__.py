@@ -65,6 +65,7 @@ from . import elastic  # noqa: F401  (hvd.elastic.run, hvd.elastic.TorchState)
 from .elastic import HorovodInternalError, HostsUpdatedInterrupt
 from . import dispatch as _dispatch
 from . import timeline as _timeline
+from ..comm import respawn as _respawn
 
 
 def init(comm=None, process_sets=None):
@@ -75,7 +76,8 @@ def init(comm=None, process_sets=None):
     added later with add_process_set). As mlfabric.init(): a process started by a launcher MPI
     does not connect (torchrun, srun without PMI) is refused with an error saying how to launch;
     under mpirun, torchrun's RANK / LOCAL_RANK / WORLD_SIZE / LOCAL_WORLD_SIZE / MASTER_ADDR /
-    MASTER_PORT are set where unset."""
+    MASTER_PORT are set where unset (and follow the world through an elastic reset: elastic.py;
+    a replacement for a dead rank gets its own here)."""
     if isinstance(comm, (list, tuple)):
         world = _MPI.COMM_WORLD
         ranks = [int(r) for r in comm]
@@ -83,7 +85,10 @@ def init(comm=None, process_sets=None):
             raise ValueError(f"init(comm={ranks}): this rank ({world.rank} of MPI.COMM_WORLD) is "
                              "not in the list; only the listed ranks call init")
         comm = world.Create_group(world.Get_group().Incl(ranks))
+    joining = comm is None and not _mf.initialized()
     _mf.init(comm)
+    if joining and _respawn.joining:  # a replacement for a dead rank joined the survivors
+        elastic.joined()
     _init_process_sets(process_sets)
     if _os.environ.get("MLFABRIC_TIMELINE"):
         start_timeline(_os.environ["MLFABRIC_TIMELINE"])

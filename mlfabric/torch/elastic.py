@@ -20,9 +20,10 @@ a rank dies, the survivors' next collective fails (at once over MPI, within MLFA
 seconds through shared memory); run() then rolls every survivor back to its last commit(),
 revokes and shrinks the communicator mlfabric was initialised on to the survivors (ULFM's
 MPI_Comm_revoke / MPI_Comm_shrink), re-initialises mlfabric on it (hvd.rank() and hvd.size()
-change), calls the reset callbacks, makes every rank hold the new rank 0's committed state
-(sync()), and calls the function again. Process sets do not survive a reset (add them again in
-a reset callback).
+change; so do the torchrun variables mlfabric exported under mpirun, RANK, WORLD_SIZE,
+MASTER_ADDR, ..., never one the user set), calls the reset callbacks, makes every rank hold the
+new rank 0's committed state (sync()), and calls the function again. Process sets do not
+survive a reset (add them again in a reset callback).
 
 With MLFABRIC_ELASTIC_REPLACE=N the survivors also spawn new processes in place of the dead
 (up to N over the job; mlfabric/comm/respawn.py) before re-initialising: each runs the program from
@@ -48,7 +49,7 @@ from mpi4py import MPI
 
 from ..comm import context as _context
 from .._core import exit_guard
-from ..comm import respawn
+from ..comm import launch, respawn
 from ..errors import MismatchError, MlfabricError, PeerTimeoutError
 
 _FAILED = {MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED}
@@ -397,6 +398,20 @@ def _shrink_and_reinit(cause):
             sub.ctx.abandoned = True
     shutdown()
     init(_replaced(survivors, user.size - survivors.size))
+    launch.refresh_torch_env(_context.get())  # a replacement does the same in its init()
+
+
+_JOINED = []  # a replacement's merge whose torchrun variables were set (one a process)
+
+
+def joined():
+    """In a replacement process, right after the init() that merged it with the survivors (the
+    point where they are in _shrink_and_reinit, after theirs): its torchrun variables, as the
+    survivors refresh theirs. Collective with them, once (a later init on the same merged
+    communicator is no world change the survivors take part in)."""
+    if not _JOINED:
+        _JOINED.append(True)
+        launch.refresh_torch_env(_context.get(), joined=True)
 
 
 def _replaced(survivors, lost):

@@ -1,8 +1,9 @@
 """mlfabric.torch.elastic (Horovod's hvd.elastic) under real mpirun: its state and run() without
 failures at 1 to 3 ranks, and ranks SIGKILLed mid-training under ULFM (mpirun --with-ft ulfm):
 the survivors roll back to their last commit, shrink, and finish with the weights of one process
-training on the same batches (tests/mpi_cases/torch_elastic_cases.py); with MLFABRIC_ELASTIC_REPLACE,
-a spawned replacement joins them and the job ends at its full size."""
+training on the same batches, torchrun's variables following the new world
+(tests/mpi_cases/torch_elastic_cases.py); with MLFABRIC_ELASTIC_REPLACE, a spawned replacement
+joins them and the job ends at its full size."""
 import re
 
 import pytest
@@ -54,6 +55,17 @@ def test_a_rank_killed_mid_training(n, victim, steps, kill_at, every):
                        str(kill_at), str(every)],
                    timeout=200, env={"MLFABRIC_TIMEOUT": "10"}, mpirun_args=ULFM)
     _assert_finished(proc, n - 1)
+
+
+def test_torchrun_variables_the_user_set_survive_a_reset():
+    """MASTER_ADDR, MASTER_PORT and WORLD_SIZE set by the user: after rank 0 of 3 dies they
+    hold the user's values still, while RANK, LOCAL_RANK and LOCAL_WORLD_SIZE (mlfabric's)
+    follow the shrunk world (the script's RESULT checks both)."""
+    proc = run_mpi(3, ["-m", "tests.mpi_cases.torch_elastic_cases", "0", "3", "1", "1"],
+                   timeout=200, env={"MLFABRIC_TIMEOUT": "10", "MASTER_ADDR": "127.0.0.1",
+                                     "MASTER_PORT": "29999", "WORLD_SIZE": "3"},
+                   mpirun_args=ULFM)
+    _assert_finished(proc, 2)
 
 
 @pytest.mark.parametrize("n, victim, kill_at, every", [(3, 2, 3, 2), (4, 1, 2, 1)])

@@ -9,7 +9,9 @@ EVERY steps; the rank VICTIM (of MPI.COMM_WORLD) SIGKILLs itself at the start of
 The survivors roll back to the last commit (the steps after it are redone without the victim)
 and must finish with the weights of one process training in float64 on the concatenated
 batches (every rank's up to the commit, the survivors' after it), to 1e-10; the reset callback
-must have run once, with the new size. Each survivor prints 'RESULT ok' or 'RESULT FAIL ...'."""
+must have run once, with the new size, and torchrun's variables must follow the new world (those
+mlfabric exported; the user's as they were). Each survivor prints 'RESULT ok' or 'RESULT FAIL
+...'."""
 import os
 import signal
 import sys
@@ -202,6 +204,31 @@ def case_elastic_sampler_splits_and_resplits():
 
 # --- a rank killed mid-training (script) --------------------------------------------------------
 
+TORCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+              "MASTER_PORT")
+
+
+def _users_torch_env():
+    """torchrun's variables set before mlfabric's init: the user's."""
+    return {n: os.environ[n] for n in TORCH_VARS if n in os.environ}
+
+
+def _torch_env_problems(user):
+    """What is wrong with torchrun's variables now (after a reset): each one mlfabric exported
+    holds the present world's value (MASTER_ADDR / MASTER_PORT: one store, the same on every
+    rank), each of the user's its own. Collective."""
+    now = {n: os.environ.get(n) for n in TORCH_VARS}
+    want = {"RANK": hvd.rank(), "LOCAL_RANK": hvd.local_rank(), "WORLD_SIZE": hvd.size(),
+            "LOCAL_WORLD_SIZE": hvd.local_size()}
+    problems = [f"{n}={now[n]!r}, the user's was {v!r}" for n, v in user.items() if now[n] != v]
+    problems += [f"{n}={now[n]!r}, not {v}" for n, v in want.items()
+                 if n not in user and now[n] != str(v)]
+    stores = hvd.allgather_object((now["MASTER_ADDR"], now["MASTER_PORT"]))
+    if len(set(stores)) != 1 or None in stores[0]:
+        problems.append(f"MASTER_ADDR / MASTER_PORT of the ranks: {stores}")
+    return problems
+
+
 def _reference(world, steps, rollback):
     """The weights one process gets from the same steps on the concatenated batches."""
     model = _model()
@@ -247,6 +274,7 @@ def main(victim, steps, kill_at, every, slow=False):
     others, who reset; it fails its next call and joins them; nobody is lost. (ULFM's own
     detector would declare it dead after mpi_ft_detector_timeout, 10 s, without MPI calls.)"""
     torch.set_num_threads(1)
+    user = _users_torch_env()
     hvd.init()
     me, world = MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size
 
@@ -269,6 +297,7 @@ def main(victim, steps, kill_at, every, slow=False):
             problems.append(f"size {size}, resets {resets} (expected [{left}])")
         if diff > 1e-10:
             problems.append(f"weights differ from the reference by {diff:.3g}")
+        problems += _torch_env_problems(user)
         print(f"RESULT {'FAIL ' + '; '.join(problems) if problems else 'ok'} (rank {me})",
               flush=True)
     except Exception as exc:  # noqa: BLE001 - reported, the test reads it
@@ -312,6 +341,7 @@ def main_replace(victim, steps, kill_at, every):
     every slot's batch). Every process, the replacement too, prints its RESULT."""
     from mlfabric.comm import respawn
     torch.set_num_threads(1)
+    user = _users_torch_env()
     hvd.init()
     replacement = respawn.joining
     me, world = hvd.rank(), hvd.size()
@@ -332,6 +362,7 @@ def main_replace(victim, steps, kill_at, every):
             problems.append(f"resets {resets}")
         if diff > 1e-10:
             problems.append(f"weights differ from the reference by {diff:.3g}")
+        problems += _torch_env_problems(user)
         print(f"RESULT {'FAIL ' + '; '.join(problems) if problems else 'ok'} ({who})",
               flush=True)
     except Exception as exc:  # noqa: BLE001 - reported, the test reads it
