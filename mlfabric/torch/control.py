@@ -3,10 +3,14 @@ dtype, op, root, shape, name, device; describe()) to an allgather, and from the 
 decides the same thing: go ahead, or raise MismatchError naming the ranks and what each passed
 (disagreement()), so every rank fails together, before any data moves. Owns the descriptor's
 layout (the word indices, states and kinds below; the fusion words are fusion.py's to fill), the
-round itself (control_round, agree), the mismatch reports, a call's name in messages
+round itself (control_round, agree, exchange), the mismatch reports, a call's name in messages
 (call_name), and a rank's part in a round as 'rejected' (reject: its arguments were bad). A rank
 inside join() contributes 'joined' and learns from the others' descriptors which call to take
-part in (ops.join).
+part in (ops.join); allgather, alltoall and broadcast beside it are an error, as in Horovod,
+unless it joined with JOINED_ANY set. Where the ranks' descriptors name different calls and
+some are async, or a rank has calls set aside, control_round hands over to reorder.resolve,
+which finds the call every rank has issued (the ranks' async calls may come in different
+orders, as Horovod's, matched by name, may).
 """
 import math
 import sys
