@@ -10,7 +10,7 @@ passes when it passes on every rank; it is skipped when every rank skips it.
 
 Records: {"test", "ranks", "outcome" (passed / failed / skipped / timeout), "fair", "reason",
 "seconds"}; "reason" says why for skips and for tests that are not fair targets (UNFAIR below, also
-listed in docs/horovod.md)."""
+and UNFAIR_AT, also listed in docs/horovod.md)."""
 import argparse
 import ast
 import json
@@ -43,6 +43,24 @@ UNFAIR = {
         "test_horovod_alltoall_splits_on_gpu", "test_broadcast_state_gpu", "test_model_parallelism",
         "test_delta_optimizer", "test_horovod_sync_batch_norm")},
 }
+
+_F16_SUM = ("compares a float16 sum of 3 ranks' values with its unrounded float32 value (exact for 2 "
+            "values only): no float16 result passes on a CPU; Horovod's CPU path fails it alike")
+# Tests fair at some rank counts only: {ranks: {test: reason}}.
+UNFAIR_AT = {3: {
+    "test_horovod_allreduce_prescale": _F16_SUM,
+    "test_horovod_reducescatter_prescale": _F16_SUM,
+    "test_horovod_grouped_reducescatter_prescale": _F16_SUM,
+    "test_horovod_join_allreduce":
+        "expects float32 Average as a division, (2t)/3; Horovod's CPU path multiplies by "
+        "float(1/3) (its ScaleBuffer), one ulp away on about a third of the values, and mlfabric "
+        "does Horovod's arithmetic",
+}}
+
+
+def unfair_reason(name, ranks):
+    """Why a test is not a fair target at this rank count, or None."""
+    return UNFAIR.get(name) or UNFAIR_AT.get(ranks, {}).get(name)
 
 
 def suite_tests(suite):
@@ -160,9 +178,10 @@ def main(argv=None):
         for n in ranks:
             for i, name in enumerate(names):
                 outcome, reason, seconds, log = run_one(suite, shim, name, n, args.timeout, tmp)
-                fair = name not in UNFAIR
+                why = unfair_reason(name, n)
+                fair = why is None
                 if not fair:
-                    reason = UNFAIR[name] + (f" ({reason})" if reason else "")
+                    reason = why + (f" ({reason})" if reason else "")
                 records.append(dict(test=name, ranks=n, outcome=outcome, fair=fair,
                                     reason=reason, seconds=round(seconds, 1)))
                 print(f"[{n} ranks {i + 1}/{len(names)}] {name}: {outcome}"

@@ -278,11 +278,14 @@ def case_horovod_api_on_cuda_tensors():
     w = torch.ones(3, device=GPU, requires_grad=True)
     (hvd.allreduce(w * (r + 1), op=hvd.Sum) * (r + 1)).sum().backward()
     check(w.grad, np.full(3, n * (n + 1) / 2 * (r + 1)), "float32", "autograd")
-    # of a reducescatter, the allgather of the gradient
-    w = torch.ones(n, 2, device=GPU, requires_grad=True)
-    (hvd.reducescatter(w, op=hvd.Sum) * (r + 1)).sum().backward()
-    check(w.grad, np.repeat(np.arange(1.0, n + 1), 2).reshape(n, 2), "float32",
-          "reducescatter autograd")
+    # of a reducescatter, Horovod's: the allgather of the gradient times size() for op Sum;
+    # grad="local": the allgather of the gradient (the local derivative)
+    gathered = np.repeat(np.arange(1.0, n + 1), 2).reshape(n, 2)
+    for grad, times in (("horovod", n), ("local", 1)):
+        w = torch.ones(n, 2, device=GPU, requires_grad=True)
+        kw = {"grad": "local"} if grad == "local" else {}
+        (hvd.reducescatter(w, op=hvd.Sum, **kw) * (r + 1)).sum().backward()
+        check(w.grad, gathered * times, "float32", f"reducescatter autograd ({grad})")
 
 
 def case_sync_batch_norm_on_gpu():
