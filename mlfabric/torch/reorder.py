@@ -107,6 +107,10 @@ class Call:
             st.aside.remove(self)
             self.rerun()
 
+    def settled(self):
+        """Whether the call has finished (done() without its try of a call set aside)."""
+        return self.inner.done() and (not self._aside() or self.finished)
+
     def done(self):
         """Whether wait() would return at once. A call set aside runs in the rounds of its
         rank's later calls; with none queued, poll() queues one try of it (that may set it
@@ -146,7 +150,7 @@ def check_name_free(st, what):
     if getattr(what, "named", False):
         ref = st.in_flight.get(what)
         call = ref() if ref is not None else None
-        if call is not None and not call.done():
+        if call is not None and not call.settled():
             raise ValueError(f"{what}: a call of the same kind and name is still in flight on "
                              "this rank (an *_async call not yet finished); names of calls in "
                              "flight must be unique, as in Horovod")
