@@ -201,11 +201,15 @@ def control_round(st, desc, what=None):
         desc[MOBILE] = cur is not None and cur.mobile and len(st.aside) < _reorder.MAX_ASIDE
         desc[ASIDE_N] = len(st.aside)
         table = exchange(st, desc, what).reshape(st.ctx.size, W)
-        aside = table[:, ASIDE_N].any()
-        if not aside:
-            raw = table.tobytes()
-            if raw == raw[:len(raw) // len(table)] * len(table) or not table[:, MOBILE].any():
-                break  # the usual case: one call on every rank, or no call that may wait
+        raw = table.tobytes()
+        if raw == raw[:len(raw) // len(table)] * len(table):
+            aside = bool(table[0, ASIDE_N])
+            if not aside:
+                break  # the usual case: one call on every rank, word for word
+        else:
+            aside = bool(table[:, ASIDE_N].any())
+            if not aside and not table[:, MOBILE].any():
+                break  # no call that may wait: agree() finds what differs
         msg = disagreement(table, what or "the call")
         st.verdict = (table, msg)  # (agree's, without computing it again)
         if (table[:, STATE] == REJECTED).any():
