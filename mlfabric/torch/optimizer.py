@@ -85,7 +85,7 @@ from ..comm import respawn as _respawn
 from ..comm import shared as _shared
 from ..errors import MismatchError, MlfabricError
 from . import adasum as _adasum
-from . import arguments, dispatch, ops
+from . import arguments, control, dispatch, ops
 from . import sparse as _sparse
 from .compression import Compression, check as _check_compression
 
@@ -99,7 +99,9 @@ class _Bucket:
     def __init__(self, index, params, names, fp16, flat):
         self.index, self.params, self.names = index, params, names
         shown = ", ".join(names[:4]) + (f", ... ({len(names)} in all)" if len(names) > 4 else "")
-        self.name = f"gradients[{index}]: {shown}"
+        # an internal name: two optimizers of one model (their buckets named alike) may have
+        # their buckets in flight at once, where a user's named calls may not (Horovod's rule)
+        self.name = control.InternalName(f"gradients[{index}]: {shown}")
         self._place(flat)
         # fp16 compression: the float16 copy that travels, for floating types other than it
         self.half = (torch.empty(self.flat.numel(), dtype=torch.float16, device=self.flat.device)
@@ -413,7 +415,8 @@ class _DistributedOptimizer:
         """Start bucket b's reduction (the next in bucket order); async_=False: run it now."""
         self._mlf_next = b.index + 1
         sparse = _gather(b, self._mlf_sparse_as_dense)
-        calls = {i: _sparse.start(g, b.names[i], self._mlf_op, self._mlf_process_set)
+        calls = {i: _sparse.start(g, control.InternalName(b.names[i]), self._mlf_op,
+                                  self._mlf_process_set)
                  for i, g in sparse}
         # the dense members (all of them, but for sparse gradients) in one allreduce per run
         # of neighbours; sparse positions are part of what every rank must agree on

@@ -97,8 +97,8 @@ def start(tensor, name=None, op=ops.Average, process_set=None):
     sparse_dim = tensor.sparse_dim()
     head = torch.tensor([tensor.shape[:sparse_dim]], dtype=torch.int64, device=tensor.device)
     indices = torch.cat([head, tensor._indices().t()])
-    calls = [ops.allgather_call(t, None if name is None else f"{name}.{part}", True,
-                                with_rows=part == "indices", process_set=process_set)
+    calls = [ops.allgather_call(t, _part_name(name, part), True, with_rows=part == "indices",
+                                process_set=process_set)
              for t, part in ((indices, "indices"), (tensor._values(), "values"))]
     return _SparseCall(*(st.handles.pop(h) for h in calls),
                        st.ctx.size if op == ops.Average else 1, what)
@@ -116,6 +116,15 @@ class SparseHandle(int):
 
     def __repr__(self):
         return f"SparseHandle({int(self)})"
+
+
+def _part_name(name, part):
+    """The name of one of the call's allgathers: internal where the call's is (a
+    DistributedOptimizer's gradient)."""
+    if name is None:
+        return None
+    out = f"{name}.{part}"
+    return control.InternalName(out) if isinstance(name, control.InternalName) else out
 
 
 def sparse_allreduce_async(tensor, name=None, op=ops.Average, process_set=None):
