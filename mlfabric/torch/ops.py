@@ -13,8 +13,11 @@ and these semantics:
   joined. In an allreduce or reducescatter it contributes the op's identity (zeros for Sum and
   Average, as in Horovod; +inf / -inf / 1 for Min / Max / Product; its own rows of a
   reducescatter are dropped), and Average still divides by size(), the joined ranks included:
-  Horovod averages over all ranks too. In an allgather or alltoall it contributes no rows; in a
-  broadcast it receives (a joined root is an error on every rank).
+  Horovod averages over all ranks too. An allgather, alltoall or broadcast while a rank is
+  joined is an error on the active ranks, as in Horovod (a MismatchError saying why; the joined
+  rank stays joined), unless every joined rank joined with join(all_calls=True): then it
+  contributes no rows to an allgather or alltoall and receives in a broadcast (a joined root
+  is an error on every rank).
   While joined, a rank waits for the others' next call at most MLFABRIC_TIMEOUT seconds.
 - devices: CPU tensors move through mlfabric's host paths, CUDA tensors over NCCL (every rank's
   tensor of a call on the same kind of device: the descriptor carries it).
@@ -766,27 +769,33 @@ def barrier(process_set=None):
                            process_set=process_set)
 
 
-def join(device=-1):
+def join(device=-1, all_calls=False):
     """Declare that this rank has no more data: until every rank has joined, it takes part in the
     others' collectives (see the module docstring for what it contributes), then returns the rank
     that joined last (of several joining in the same round, the highest). In the others' GPU
     calls a joined rank takes part on GPU `device` if >= 0, else on its NCCL communicator's GPU,
-    else on the current one (as of this call)."""
+    else on the current one (as of this call). all_calls (mlfabric's): also take part in the
+    others' allgathers, alltoalls and broadcasts, which are otherwise an error while a rank is
+    joined, as in Horovod."""
     def plan(st):
         if isinstance(device, bool) or not isinstance(device, (int, np.integer)):
             raise TypeError(f"join: device must be a GPU index (or -1), got {device!r}")
+        if not isinstance(all_calls, bool):
+            raise TypeError(f"join: all_calls must be True or False, got {all_calls!r}")
         gpu = int(device) if device >= 0 else None
         if gpu is None and torch.cuda.is_available() and torch.cuda.is_initialized():
             gpu = torch.cuda.current_device()   # taken here: the job runs on another thread
-        return gpu
+        return gpu, all_calls
 
     return _dispatch.issue("join", plan, _joined_loop, False)
 
 
-def _joined_loop(st, gpu):
+def _joined_loop(st, planned):
+    gpu, all_calls = planned
     desc = np.zeros(W, np.int64)
     desc[STATE] = JOINED
     desc[JOINED_AT] = st.rounds + 1
+    desc[_control.JOINED_ANY] = all_calls
     while True:
         table = control_round(st, desc)
         states = table[:, STATE]
@@ -809,7 +818,7 @@ def _take_part(table, gpu):
         if numel:
             buf = _identity(core, wire, numel, device)
             _coll.allreduce(buf, op=core, out=buf)
-    elif kind == ALLGATHER:
+    elif kind == ALLGATHER:  # (ALLGATHER, BROADCAST, ALLTOALL: joined with all_calls=True)
         rows, max_rows, row_len = _gather_plan(table)
         if max_rows and row_len:
             _coll.allgather(torch.zeros((max_rows, row_len), dtype=wire, device=device))

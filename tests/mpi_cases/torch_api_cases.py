@@ -308,7 +308,7 @@ def case_fused_async_allreduces_that_disagree_fail_in_their_own_round():
     # Names the same way: a name differing on one rank in a run of named calls.
     head = _slow_head()
     hs = [hvd.allreduce_async(torch.ones(2), op=hvd.Sum,
-                              name="x" if i != 5 or r != n - 1 else "y") for i in range(10)]
+                              name=f"x{i}" if i != 5 or r != n - 1 else "y") for i in range(10)]
     hvd.synchronize(head)
     for i, h in enumerate(hs):
         if i == 5:
@@ -1194,7 +1194,8 @@ def case_join_uneven_batches():
         check(gz, np.max([zs[q] for q in active], 0)[lo:lo + k], "float64",
               f"join grouped_reducescatter max step {s}")
         assert q_rows
-    assert hvd.join() == last
+    # all_calls: the joined ranks take part in allgathers, alltoalls and broadcasts too
+    assert hvd.join(all_calls=True) == last
     # Everyone joins at once: the highest rank is reported; then all works as before.
     assert hvd.join() == n - 1
     assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [n, n]
@@ -1205,7 +1206,7 @@ def case_join_root_joined_is_an_error_everywhere():
     if n == 1:
         return
     if r == 0:
-        assert hvd.join() == n - 1
+        assert hvd.join(all_calls=True) == n - 1
     else:
         with pytest.raises(hvd.MlfabricError, match="root rank 0 has joined"):
             hvd.broadcast(torch.ones(2), 0)
@@ -1221,7 +1222,7 @@ def case_broadcast_parameters_and_optimizer_state_beside_a_joined_rank():
     if n == 1:
         return
     if r == 0:
-        assert hvd.join() == n - 1
+        assert hvd.join(all_calls=True) == n - 1
         return
     torch.manual_seed(61 + r)  # another model on each rank
     model = torch.nn.Linear(3, 2).double()
@@ -1294,10 +1295,18 @@ def case_broadcast_parameters_and_optimizer_state():
                                                   opt.state_dict()["state"].items()
                                                   for k, v in s.items()}))
     assert all(d == digests[0] for d in digests) and digests[0]
-    # An optimizer with empty state everywhere stays empty.
+    # An optimizer with empty state everywhere gets it first, as Horovod's (a step with zero
+    # gradients): the same state on every rank, the parameters kept.
+    before = [p.detach().clone() for p in model.parameters()]
     fresh = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     hvd.broadcast_optimizer_state(fresh, root_rank=n - 1)
-    assert not fresh.state_dict()["state"]
+    state = fresh.state_dict()["state"]
+    assert len(state) == len(before), state.keys()
+    digests = hvd.allgather_object(_state_digest({f"{i}.{k}": v for i, s in state.items()
+                                                  for k, v in s.items()
+                                                  if isinstance(v, torch.Tensor)}))
+    assert all(d == digests[0] for d in digests) and digests[0]
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 
 class _OddStateOptimizer(torch.optim.SGD):
