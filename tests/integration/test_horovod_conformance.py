@@ -49,7 +49,9 @@ def _run(tmp_path, names, ranks, timeout=180):
 
 
 # One test per semantic, at 2 ranks, and the ones whose result depends on the rank count at 3.
-SUBSET = {2: ["test_horovod_allreduce_average", "test_horovod_allreduce_duplicate_name_error",
+# Not the *_duplicate_name_error tests: on ranks > 0 their second issue raises only if the first
+# call is still in flight, which timing decides (a rare failure; the whole suite runs them).
+SUBSET = {2: ["test_horovod_allreduce_average", "test_horovod_join_broadcast",
               "test_horovod_reducescatter_grad", "test_horovod_join_allgather",
               "test_async_sparse_allreduce", "test_broadcast_state_no_grad"],
           3: ["test_horovod_allreduce_postscale", "test_horovod_grouped_reducescatter_grad"]}
